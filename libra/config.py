@@ -1,0 +1,165 @@
+"""The run config: one YAML file composing the five services' typed configs.
+
+Load it with `load_run_config(path, overrides)`; any error raises `ConfigError` whose message names
+the field and the fix (the CLI turns it into exit code 2). Environment overrides:
+`LIBRA_REDIS_URL`, `LIBRA_RUN_ID`, `LIBRA_RUN_DIR`, and `LIBRA_<SERVICE>_ADDRESS` for peers.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, Mapping
+
+import yaml
+from pydantic import Field, ValidationError, field_validator
+
+from libra.configbase import Section, check_address
+from libra.errors import ConfigError
+from libra.model_config import ModelConfig
+from libra.services.elastic.config import ElasticConfig
+from libra.services.planner.config import PlannerConfig
+from libra.services.rollout.config import RolloutConfig
+from libra.services.scheduler.config import SchedulerConfig
+from libra.services.trainer.config import TrainerConfig
+from libra.workloads.config import WorkloadConfig
+
+SERVICES = ("planner", "scheduler", "trainer", "rollout", "elastic")
+
+
+class RedisConfig(Section):
+    """Where state lives. Empty url: `libra up` starts a private redis-server."""
+
+    url: str = Field("", description="redis://HOST:PORT/DB; empty lets `libra up` start its own")
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, value: str) -> str:
+        if value and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis.url must start with redis://, rediss:// or unix://, got {value!r}")
+        return value
+
+
+class Addresses(Section):
+    """gRPC address (HOST:PORT) of every service; each service listens on its own port."""
+
+    planner: str = Field("127.0.0.1:50051", description="planner address")
+    scheduler: str = Field("127.0.0.1:50052", description="scheduler address")
+    rollout: str = Field("127.0.0.1:50053", description="rollout gateway address")
+    trainer: str = Field("127.0.0.1:50054", description="trainer address")
+    elastic: str = Field("127.0.0.1:50055", description="elastic coordinator address")
+
+    @field_validator(*SERVICES)
+    @classmethod
+    def _address(cls, value: str, info: Any) -> str:
+        return check_address(value, f"addresses.{info.field_name}")
+
+
+class MetricsConfig(Section):
+    """Prometheus endpoints: service i serves /metrics on base_port + i (0 disables)."""
+
+    base_port: int = Field(9400, ge=0, le=65000, description="first metrics port (0: no metrics servers)")
+
+
+class RunConfig(Section):
+    """Everything one run needs; every service reads the same file."""
+
+    run_id: str = Field("quickstart", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                        description="names the run; Redis keys are libra:{run_id}:...")
+    run_dir: str = Field("runs/quickstart", min_length=1, description="directory for weights, checkpoints, logs, plots")
+    seed: int = Field(0, ge=0, description="global seed")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="state store")
+    addresses: Addresses = Field(default_factory=Addresses, description="service addresses")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="policy model")
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig, description="agentic workload")
+    planner: PlannerConfig = Field(default_factory=PlannerConfig, description="planner service")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="scheduler service")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout service")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="trainer service")
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig, description="elastic coordinator")
+
+    @property
+    def run_path(self) -> pathlib.Path:
+        return pathlib.Path(self.run_dir).resolve()
+
+    def address_of(self, service: str) -> str:
+        return getattr(self.addresses, service)
+
+    def port_of(self, service: str) -> int:
+        return int(self.address_of(service).rsplit(":", 1)[1])
+
+    def metrics_port_of(self, service: str) -> int:
+        return self.metrics.base_port + SERVICES.index(service) if self.metrics.base_port else 0
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {dotted}: {key} is not a section")
+    node[keys[-1]] = value
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    if env.get("LIBRA_REDIS_URL"):
+        found["redis.url"] = env["LIBRA_REDIS_URL"]
+    if env.get("LIBRA_RUN_ID"):
+        found["run_id"] = env["LIBRA_RUN_ID"]
+    if env.get("LIBRA_RUN_DIR"):
+        found["run_dir"] = env["LIBRA_RUN_DIR"]
+    for service in SERVICES:
+        value = env.get(f"LIBRA_{service.upper()}_ADDRESS")
+        if value:
+            found[f"addresses.{service}"] = value
+    return found
+
+
+def format_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for item in error.errors():
+        field = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        kind = item["type"]
+        if kind == "extra_forbidden":
+            fix = "remove it or check its spelling (see docs/configuration.md)"
+            lines.append(f"  {field}: unknown key; {fix}")
+            continue
+        got = item.get("input")
+        shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+        lines.append(f"  {field}: {item['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def build_run_config(tree: Mapping[str, Any], overrides: Mapping[str, Any] | None = None,
+                     env: Mapping[str, str] | None = None, source: str = "<dict>") -> RunConfig:
+    """Validate a config tree with overrides applied (env first, then explicit overrides)."""
+    data = yaml.safe_load(yaml.safe_dump(dict(tree)))  # deep copy of plain data
+    for dotted, value in {**_env_overrides(os.environ if env is None else env), **(overrides or {})}.items():
+        _set_path(data, dotted, value)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, source)) from None
+
+
+def load_run_config(path: str | os.PathLike[str] | None, overrides: Mapping[str, Any] | None = None,
+                    env: Mapping[str, str] | None = None) -> RunConfig:
+    """Read a YAML run config (None: all defaults) and validate it."""
+    tree: Any = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = pathlib.Path(path).read_text()
+        except OSError as error:
+            raise ConfigError(f"cannot read config {path}: {error.strerror}; pass an existing YAML file") from None
+        try:
+            tree = yaml.safe_load(text) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config {path} is not valid YAML: {error}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config {path} must be a mapping at the top level, got {type(tree).__name__}")
+    return build_run_config(tree, overrides, env, source)

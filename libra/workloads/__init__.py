@@ -1,0 +1,1 @@
+"""Agentic workloads: prompts, the tools a model may call, rewards, and demonstrations."""

@@ -1,0 +1,1 @@
+"""The five Libra services, one folder each; installed as `libra.services`."""

@@ -1,0 +1,56 @@
+"""Typed config of the planner service."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from libra.configbase import Section
+
+
+class TrainingAllocation(Section):
+    """GPUs and parallelism of the training side."""
+
+    gpus: int = Field(0, ge=0, le=65536, description="GPUs for training (0: CPU training)")
+    tp: int = Field(1, ge=1, le=64, description="tensor-parallel degree")
+    pp: int = Field(1, ge=1, le=256, description="pipeline-parallel degree")
+    dp: int = Field(1, ge=1, le=65536, description="data-parallel degree")
+    micro_batch: int = Field(8, ge=1, le=4096, description="sequences per micro-batch")
+
+
+class BucketAllocation(Section):
+    """One rollout bucket: a level of the scheduler's queue, served by `replicas` workers."""
+
+    name: str = Field(..., min_length=1, max_length=32, pattern=r"^[a-z][a-z0-9_-]*$",
+                      description="bucket name, e.g. short")
+    tp: int = Field(1, ge=1, le=64, description="tensor-parallel degree of each worker")
+    max_tokens: int = Field(..., ge=1, le=10_000_000,
+                            description="largest remaining output (tokens) this bucket is for")
+    replicas: int = Field(1, ge=0, le=4096, description="worker instances in this bucket")
+
+
+class PlannerConfig(Section):
+    """The planner: for now it serves the configured allocation (`mode: static`)."""
+
+    mode: Literal["static"] = Field("static", description="static: serve `allocation` as the plan")
+    training: TrainingAllocation = Field(default_factory=TrainingAllocation,
+                                         description="training side of the allocation")
+    buckets: tuple[BucketAllocation, ...] = Field(
+        (BucketAllocation(name="short", tp=1, max_tokens=64, replicas=1),
+         BucketAllocation(name="long", tp=1, max_tokens=512, replicas=1)),
+        description="rollout buckets, ordered by max_tokens")
+
+    @model_validator(mode="after")
+    def _buckets_sorted(self) -> "PlannerConfig":
+        if not self.buckets:
+            raise ValueError("planner.buckets must list at least one bucket")
+        names = [b.name for b in self.buckets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"planner.buckets names must be unique, got {names}")
+        limits = [b.max_tokens for b in self.buckets]
+        if limits != sorted(limits) or len(set(limits)) != len(limits):
+            raise ValueError(f"planner.buckets must be sorted by strictly increasing max_tokens, got {limits}")
+        if sum(b.replicas for b in self.buckets) == 0:
+            raise ValueError("planner.buckets need at least one replica in total")
+        return self

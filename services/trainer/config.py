@@ -1,0 +1,45 @@
+"""Typed config of the trainer service (asynchronous GRPO)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from libra.configbase import Section
+
+
+class WarmupConfig(Section):
+    """Supervised warm start on the workload's demonstrations before RL."""
+
+    steps: int = Field(200, ge=0, le=1_000_000, description="SFT optimizer steps (0: skip)")
+    batch_size: int = Field(32, ge=1, le=65536, description="demonstrations per SFT step")
+    lr: float = Field(3e-3, gt=0, le=1.0, description="SFT learning rate")
+
+
+class TrainerConfig(Section):
+    """GRPO hyper-parameters, staleness bound, checkpoints."""
+
+    backend: Literal["torch"] = Field("torch", description="training backend (torch: plain PyTorch, CPU or DDP)")
+    steps: int = Field(30, ge=1, le=10_000_000, description="GRPO steps to run")
+    groups_per_step: int = Field(8, ge=1, le=1_000_000, description="prompt groups per training batch")
+    group_size: int = Field(8, ge=2, le=4096, description="samples per prompt (GRPO group)")
+    lr: float = Field(1e-4, gt=0, le=1.0, description="learning rate")
+    weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
+    clip_low: float = Field(0.2, gt=0, lt=1.0, description="lower clip of the policy ratio (1 - clip_low)")
+    clip_high: float = Field(0.28, gt=0, le=10.0, description="upper clip of the policy ratio (1 + clip_high)")
+    kl_coef: float = Field(0.0, ge=0, le=100.0, description="KL penalty against the behaviour policy (0: off)")
+    tis_cap: float = Field(2.0, ge=1.0, le=1000.0, description="cap of the truncated importance weight behaviour vs old policy")
+    recompute_logprobs: bool = Field(False, description="recompute old log-probs with the current weights before the update")
+    max_staleness: int = Field(1, ge=0, le=1000, description="largest policy-version lag of a trajectory admitted to a batch")
+    micro_batch_size: int = Field(16, ge=1, le=65536, description="sequences per forward/backward")
+    checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="steps between checkpoints (stream entries are acked at checkpoints)")
+    torch_threads: int = Field(1, ge=1, le=512, description="intra-op threads of the CPU backend")
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="supervised warm start")
+
+    @model_validator(mode="after")
+    def _clip(self) -> "TrainerConfig":
+        if self.clip_high < self.clip_low * 0.5:
+            raise ValueError("trainer.clip_high is far below clip_low; asymmetric clipping expects clip_high >= clip_low")
+        return self
