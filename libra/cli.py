@@ -1,0 +1,123 @@
+"""The `libra` command.
+
+    libra up --config configs/quickstart.yaml      # the whole job on one machine
+    libra serve SERVICE --config FILE [--port P]   # one service (what compose and Slurm run)
+    libra status --config FILE                     # plan, pool, workers, trainer progress
+    libra check-config FILE                        # validate a config and print it resolved
+
+Exit codes: 0 success, 1 a failure while running, 2 an invalid config or command line, 130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable
+
+from libra.errors import ConfigError, FailedPrecondition
+
+SERVICES = ("planner", "scheduler", "trainer", "rollout", "elastic")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    if getattr(args, "redis_url", None):
+        found["redis.url"] = args.redis_url
+    if getattr(args, "run_id", None):
+        found["run_id"] = args.run_id
+    if getattr(args, "run_dir", None):
+        found["run_dir"] = args.run_dir
+    for item in getattr(args, "set", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        import yaml
+
+        found[key] = yaml.safe_load(value)
+    return found
+
+
+def _load(args: argparse.Namespace):
+    from libra.config import load_run_config
+
+    return load_run_config(args.config, _overrides(args))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = _load(args)
+    if not config.redis.url:
+        raise ConfigError("redis.url: `libra serve` needs a Redis URL; pass --redis-url or set LIBRA_REDIS_URL")
+    from libra import log
+
+    log.configure(args.service, config.run_id)
+    module = __import__(f"libra.services.{args.service}.server", fromlist=["serve"])
+    return module.serve(config, args.port)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from libra.up import up
+
+    return up(_load(args), args.config)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from libra.status import print_status
+
+    return print_status(_load(args))
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import yaml
+
+    config = _load(args)
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def _common(parser: argparse.ArgumentParser, config_required: bool) -> None:
+    parser.add_argument("--config", required=config_required, help="run config (YAML)")
+    parser.add_argument("--redis-url", help="Redis URL (overrides redis.url and LIBRA_REDIS_URL)")
+    parser.add_argument("--run-id", help="override run_id")
+    parser.add_argument("--run-dir", help="override run_dir")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override any config field, e.g. --set trainer.steps=5 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="libra", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run one service")
+    serve.add_argument("service", choices=SERVICES)
+    serve.add_argument("--port", type=int, help="listen port (default: the config's address)")
+    _common(serve, config_required=False)
+    serve.set_defaults(func=cmd_serve)
+    up = sub.add_parser("up", help="run the whole job on this machine")
+    _common(up, config_required=True)
+    up.set_defaults(func=cmd_up)
+    status = sub.add_parser("status", help="show plan, pool, workers and trainer progress")
+    _common(status, config_required=False)
+    status.set_defaults(func=cmd_status)
+    check = sub.add_parser("check-config", help="validate a config and print it with defaults")
+    check.add_argument("config_path", metavar="FILE")
+    _common(check, config_required=False)
+    check.set_defaults(func=lambda a: cmd_check(argparse.Namespace(**{**vars(a), "config": a.config_path})))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return handler(args)
+    except ConfigError as error:
+        print(f"libra: {error}", file=sys.stderr)
+        return 2
+    except FailedPrecondition as error:
+        print(f"libra: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

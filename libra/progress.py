@@ -1,0 +1,73 @@
+"""Terminal progress of a run: trainer phase changes and one line per committed step."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import grpc
+
+from libra.config import RunConfig
+from libra.rpc import channel
+from libra.v1 import trainer_pb2, trainer_pb2_grpc
+
+PHASES = {trainer_pb2.TRAINER_PHASE_WAITING_FOR_PEERS: "waiting for peers",
+          trainer_pb2.TRAINER_PHASE_WARMUP: "warm start", trainer_pb2.TRAINER_PHASE_TRAINING: "training",
+          trainer_pb2.TRAINER_PHASE_PAUSED: "paused", trainer_pb2.TRAINER_PHASE_DONE: "done",
+          trainer_pb2.TRAINER_PHASE_FAILED: "failed"}
+
+
+class ProgressPrinter:
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+        self.started = time.monotonic()
+        self.records: list[trainer_pb2.StepRecord] = []
+
+    def _line(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.started:6.0f}s] {text}", file=self.stream, flush=True)
+
+    def info(self, text: str) -> None:
+        self._line(text)
+
+    def error(self, text: str) -> None:
+        self._line(f"ERROR {text}")
+
+    def step(self, record: trainer_pb2.StepRecord, total: int) -> None:
+        self.records.append(record)
+        self._line(
+            f"step {record.step:>3}/{total} reward {record.mean_reward:.3f} | {record.trajectories} traj "
+            f"{record.mean_turns:.1f} turns stale {record.mean_staleness:.2f} rejected {record.rejected_stale} | "
+            f"wait {record.wait_seconds:.1f}s train {record.train_seconds:.1f}s sync {record.publish_seconds:.1f}s"
+            f" | v{record.policy_version}")
+
+    async def follow(self, config: RunConfig) -> None:
+        """Print the trainer's status changes and steps until cancelled (reconnects as needed)."""
+        last_detail, next_step = "", 1
+        while True:
+            try:
+                async with channel(config.address_of("trainer")) as chan:
+                    stub = trainer_pb2_grpc.TrainerStub(chan)
+                    status = await stub.GetStatus(trainer_pb2.TrainerStatusRequest(run_id=config.run_id), timeout=2)
+                    detail = f"trainer: {PHASES.get(status.phase, 'starting')} {status.detail}".rstrip()
+                    if detail != last_detail:
+                        self._line(detail)
+                        last_detail = detail
+                    if status.phase == trainer_pb2.TRAINER_PHASE_TRAINING:
+                        request = trainer_pb2.WatchStepsRequest(run_id=config.run_id, from_step=next_step)
+                        async for record in stub.WatchSteps(request):
+                            self.step(record, status.total_steps)
+                            next_step = record.step + 1
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(1.0)
+
+    def finish(self, run_path) -> None:
+        if not self.records:
+            self._line("finished")
+            return
+        window = max(1, min(5, len(self.records) // 3))
+        first = sum(r.mean_reward for r in self.records[:window]) / window
+        last = sum(r.mean_reward for r in self.records[-window:]) / window
+        self._line(f"finished {len(self.records)} steps: mean reward of the first {window} steps {first:.3f}, "
+                   f"of the last {window} steps {last:.3f}; reward curve: {run_path / 'reward.png'}")

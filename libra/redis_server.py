@@ -1,0 +1,67 @@
+"""A private redis-server for `libra up` and the tests (loopback only, no persistence)."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import socket
+import subprocess
+import time
+
+from libra.errors import FailedPrecondition
+
+INSTALL_HINT = ("redis-server was not found on PATH. Install it (Debian/Ubuntu: `sudo apt-get install -y "
+                "redis-server`; macOS: `brew install redis`) or point Libra at a running Redis with "
+                "--redis-url redis://HOST:PORT/0 (or LIBRA_REDIS_URL)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class PrivateRedis:
+    """Start `redis-server` on a free loopback port in `directory`; stop it on `stop()`."""
+
+    def __init__(self, directory: pathlib.Path, port: int | None = None):
+        self.directory = pathlib.Path(directory)
+        self.port = port or free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> "PrivateRedis":
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FailedPrecondition(INSTALL_HINT)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        log = open(self.directory / "redis.log", "ab")
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.directory), "--protected-mode", "yes"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise FailedPrecondition(f"redis-server exited with {self.process.returncode}; see "
+                                         f"{self.directory / 'redis.log'}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        raise FailedPrecondition(f"redis-server did not answer on port {self.port} within {timeout_s}s")
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()

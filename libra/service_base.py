@@ -1,0 +1,44 @@
+"""Helpers every service uses: Redis with retries, run checks, request validation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from libra.errors import InvalidArgument, NotFound
+from libra.rpc import retry_until
+
+
+async def connect_store(url: str, run_id: str, timeout_s: float | None = None):
+    """Connect to Redis (retrying with backoff until it answers) and return a StateStore."""
+    from libra.state import StateStore
+
+    if not url:
+        raise InvalidArgument("redis.url is empty: pass --redis-url or set LIBRA_REDIS_URL")
+    holder: dict[str, Any] = {}
+
+    async def attempt() -> bool:
+        store = await StateStore.connect(url, run_id)
+        await store.ping()
+        holder["store"] = store
+        return True
+
+    await retry_until(attempt, f"redis at {url}", timeout_s)
+    return holder["store"]
+
+
+def check_run(requested: str, own: str) -> None:
+    """Requests name their run; an empty run id means this service's run."""
+    if requested and requested != own:
+        raise NotFound(f"unknown run {requested!r}: this service serves run {own!r}")
+
+
+def require(value: Any, field: str, hint: str = "") -> Any:
+    """Raise INVALID_ARGUMENT when a required request field is empty."""
+    if value in (None, "", 0) or (hasattr(value, "__len__") and len(value) == 0):
+        raise InvalidArgument(f"{field} is required" + (f": {hint}" if hint else ""))
+    return value
+
+
+def request_id(meta: Any) -> str:
+    """The request id of a mutating RPC (idempotency key)."""
+    return require(meta.request_id, "meta.request_id", "every mutating call carries a unique request id")

@@ -1,0 +1,35 @@
+"""gRPC adapter of the planner: convert, call the service, convert back."""
+
+from __future__ import annotations
+
+from libra.plans import to_proto
+from libra.rpc import guard
+from libra.service_base import check_run, request_id
+from libra.v1 import common_pb2, planner_pb2, planner_pb2_grpc
+
+
+class PlannerServicer(planner_pb2_grpc.PlannerServicer):
+    def __init__(self, service):
+        self.service = service
+
+    @guard
+    async def GetPlan(self, request, context):
+        check_run(request.run_id, self.service.run_id)
+        return to_proto(await self.service.current_plan())
+
+    @guard
+    async def Preflight(self, request, context):
+        check_run(request.run_id, self.service.run_id)
+        return await self.service.preflight(request)
+
+    @guard
+    async def ObserveHistory(self, request, context):
+        check_run(request.meta.run_id, self.service.run_id)
+        applied = await self.service.observe(request_id(request.meta), list(request.records))
+        return common_pb2.Ack(applied=applied, detail=f"{len(request.records)} records")
+
+    @guard
+    async def Explain(self, request, context):
+        check_run(request.run_id, self.service.run_id)
+        decisions = await self.service.decisions(request.limit or 20)
+        return planner_pb2.ExplainResponse(decisions=decisions)

@@ -1,0 +1,170 @@
+"""The agent runner: plays one trajectory of a workload, one model turn at a time, in token ids.
+
+```
+ Route ──▶ worker.generate(ids) ──▶ ReportTurn ──▶ parse_turn ─┬─ answer ──▶ reward, done
+   ▲            │ EngineError                                   └─ tool ──▶ call_tool ──▶ ReportToolReturn
+   └── retry on another worker (exclude the failed one)                       │ tool tokens (mask 0)
+   └──────────────────────────────────────────────────────────────────────────┘
+```
+Token ids are kept end to end: generated ids are appended as the engine returned them; tool
+results are tokenized once, as their own segment, and masked out of the loss. Never decode and
+re-tokenize the context. The runner knows nothing about Redis; the caller stores the result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol
+
+from libra.errors import Unavailable
+from libra.services.rollout.config import RolloutConfig
+from libra.v1 import common_pb2
+from libra.workloads.base import FinalAnswer, Malformed, ToolCall, ToolResult, ToolStatus, Workload
+
+TOOL_STATUS_PB = {ToolStatus.SUCCESS: common_pb2.TOOL_STATUS_SUCCESS, ToolStatus.FAILURE: common_pb2.TOOL_STATUS_FAILURE,
+                  ToolStatus.TIMEOUT: common_pb2.TOOL_STATUS_TIMEOUT}
+
+
+class Router(Protocol):
+    """The scheduler, seen from the runner (a gRPC client in production, a fake in tests)."""
+
+    async def route(self, trajectory_id: str, prompt_id: str, turn: int, prompt_tokens: int,
+                    max_new_tokens: int, exclude: list[str]) -> Any: ...
+    async def turn_done(self, trajectory_id: str, worker_id: str, output_tokens: int, seconds: float,
+                        failed: bool) -> None: ...
+    async def tool_returned(self, trajectory_id: str, tool: str, status: int, payload_tokens: int) -> None: ...
+    async def finished(self, trajectory_id: str, prompt_id: str, output_tokens: int, status: int) -> None: ...
+
+
+@dataclass
+class TurnOutcome:
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int
+    worker_id: str
+    bucket: str
+    finish_reason: str
+    seconds: float
+    retries: int
+
+
+@dataclass
+class Playback:
+    """Mutable state of one trajectory being played."""
+
+    ids: list[int]
+    prompt_length: int
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    events: list[common_pb2.ToolEvent] = field(default_factory=list)
+    turns: int = 0
+    retries: int = 0
+    generated: int = 0
+
+    def append(self, ids: list[int], trained: bool, logprobs: list[float] | None, version: int) -> None:
+        self.ids.extend(ids)
+        self.mask.extend([1 if trained else 0] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.versions.extend([version] * len(ids))
+
+
+def turn_seed(seed: int, trajectory_id: str, turn: int) -> int:
+    """Deterministic per (run seed, trajectory, turn) sampling seed."""
+    digest = hashlib.blake2b(f"{seed}:{trajectory_id}:{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+GenerateFn = Callable[[Any, list[int], int, int], Awaitable[Any]]
+
+
+class AgentRunner:
+    """Plays trajectories of one workload over routed workers."""
+
+    def __init__(self, workload: Workload, tokenizer: Any, router: Router, generate: GenerateFn,
+                 version_of: Callable[[str], int], config: RolloutConfig, stop_ids: list[int], seed: int):
+        self.workload, self.tokenizer, self.router = workload, tokenizer, router
+        self.generate, self.version_of = generate, version_of
+        self.config, self.stop_ids, self.seed = config, stop_ids, seed
+        self.on_turn: Callable[[TurnOutcome, int], Awaitable[None]] | None = None
+
+    async def play(self, trajectory: common_pb2.Trajectory) -> common_pb2.Trajectory:
+        """Run the trajectory to an answer, a budget or the turn limit; fill in the result fields."""
+        prompt = self.workload.prompt(int(trajectory.prompt_id))
+        ids = list(self.tokenizer(prompt.text, add_special_tokens=True).input_ids)
+        state = Playback(ids=ids, prompt_length=len(ids))
+        trajectory.started_at = time.time()
+        answer, finish = None, "max_turns"
+        for turn in range(self.config.max_turns):
+            budget = min(self.config.max_new_tokens, self.config.max_total_tokens - len(state.ids))
+            if budget <= 0:
+                finish = "budget"
+                break
+            outcome = await self._model_turn(trajectory, state, turn, budget)
+            action = self.workload.parse_turn(self.tokenizer.decode(outcome.token_ids, skip_special_tokens=False))
+            if isinstance(action, FinalAnswer):
+                answer, finish = action, "answer"
+                break
+            await self._tool_turn(trajectory, state, turn, action, outcome.version)
+        reward = self.workload.reward(prompt, answer)
+        return self._fill(trajectory, state, reward, finish)
+
+    async def _model_turn(self, trajectory, state: Playback, turn: int, budget: int) -> TurnOutcome:
+        exclude: list[str] = []
+        for attempt in range(self.config.turn_retries + 1):
+            decision = await self.router.route(trajectory.trajectory_id, trajectory.prompt_id, turn, len(state.ids),
+                                               budget, exclude)
+            version = self.version_of(decision.worker_id)
+            started = time.monotonic()
+            try:
+                generation = await self.generate(decision, state.ids, budget,
+                                                 turn_seed(self.seed, trajectory.trajectory_id, turn))
+            except Unavailable:
+                await self.router.turn_done(trajectory.trajectory_id, decision.worker_id, 0,
+                                            time.monotonic() - started, True)
+                exclude.append(decision.worker_id)
+                state.retries += 1
+                continue
+            seconds = time.monotonic() - started
+            await self.router.turn_done(trajectory.trajectory_id, decision.worker_id, len(generation.token_ids),
+                                        seconds, False)
+            outcome = TurnOutcome(list(generation.token_ids), list(generation.logprobs), version, decision.worker_id,
+                                  decision.bucket, generation.finish_reason, seconds, attempt)
+            state.append(outcome.token_ids, True, outcome.logprobs, version)
+            state.turns += 1
+            state.generated += len(outcome.token_ids)
+            if self.on_turn is not None:
+                await self.on_turn(outcome, len(state.ids))
+            return outcome
+        raise Unavailable(f"turn {turn} of {trajectory.trajectory_id} failed on {len(exclude)} workers: {exclude}")
+
+    async def _tool_turn(self, trajectory, state: Playback, turn: int, action, version: int) -> None:
+        started = time.monotonic()
+        if isinstance(action, ToolCall):
+            result = await self.workload.call_tool(action, self.config.tool_timeout_s)
+        else:
+            reason = action.reason if isinstance(action, Malformed) else "unrecognised turn"
+            result = ToolResult(tool="format", status=ToolStatus.FAILURE, payload=reason)
+        tool_ids = list(self.tokenizer(self.workload.render_tool_result(result), add_special_tokens=False).input_ids)
+        state.append(tool_ids, False, None, version)
+        status = TOOL_STATUS_PB[ToolStatus(result.status)]
+        state.events.append(common_pb2.ToolEvent(turn=turn, tool=result.tool, status=status,
+                                                 payload_tokens=len(tool_ids), seconds=time.monotonic() - started))
+        await self.router.tool_returned(trajectory.trajectory_id, result.tool, status, len(tool_ids))
+
+    @staticmethod
+    def _fill(trajectory, state: Playback, reward: float, finish: str) -> common_pb2.Trajectory:
+        trajectory.prompt_length = state.prompt_length
+        del trajectory.token_ids[:], trajectory.loss_mask[:], trajectory.logprobs[:], trajectory.versions[:]
+        del trajectory.tool_events[:]
+        trajectory.token_ids.extend(state.ids)
+        trajectory.loss_mask.extend(state.mask)
+        trajectory.logprobs.extend(state.logprobs)
+        trajectory.versions.extend(state.versions)
+        trajectory.tool_events.extend(state.events)
+        trajectory.reward, trajectory.turns, trajectory.finish_reason = reward, state.turns, finish
+        trajectory.finished_at = time.time()
+        trajectory.status = common_pb2.TRAJECTORY_STATUS_COMPLETED
+        return trajectory

@@ -1,0 +1,173 @@
+"""Routing policies as deterministic step functions (no network, no Redis, no clock).
+
+`LoadBalance` sends each model turn to the serving worker with the fewest outstanding tokens,
+rotating among ties, and keeps a trajectory on its worker between turns (prefix-cache affinity)
+unless that worker is over its cap while another has room. C-MLFQ and the other baselines implement
+the same `Policy` interface.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import Counter
+from dataclasses import dataclass, field
+
+from libra.errors import FailedPrecondition, InvalidArgument, NotFound
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    bucket: str
+    address: str
+    tp: int = 1
+    serving: bool = True
+    outstanding_tokens: int = 0
+    outstanding_requests: int = 0
+    routed: int = 0
+
+
+@dataclass(frozen=True)
+class Turn:
+    trajectory_id: str
+    prompt_id: str
+    turn: int
+    prompt_tokens: int
+    max_new_tokens: int
+    exclude: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker_id: str
+    bucket: str
+    address: str
+    reason: str
+    moved: bool = False
+
+
+@dataclass
+class Placement:
+    """Where a trajectory's turn in flight runs, and how much load it holds."""
+
+    worker_id: str | None = None
+    inflight_tokens: int = 0
+    turns: int = 0
+
+
+@dataclass
+class SchedulerState:
+    workers: dict[str, Worker] = field(default_factory=dict)
+    placements: dict[str, Placement] = field(default_factory=dict)
+    reasons: Counter = field(default_factory=Counter)
+    rotation: int = 0
+
+
+class Policy(abc.ABC):
+    """A routing policy over a SchedulerState (worker membership is shared by all policies)."""
+
+    name = "policy"
+
+    def __init__(self, per_worker_cap_tokens: int, affinity: bool = True):
+        self.cap = per_worker_cap_tokens
+        self.affinity = affinity
+        self.state = SchedulerState()
+
+    # -- membership ----------------------------------------------------------------------------
+    def register(self, worker: Worker) -> None:
+        if not worker.worker_id or not worker.address or not worker.bucket:
+            raise InvalidArgument("worker.worker_id, worker.bucket and worker.address are required")
+        old = self.state.workers.get(worker.worker_id)
+        if old is not None:  # re-registration keeps the load we know about
+            worker.outstanding_tokens, worker.outstanding_requests = old.outstanding_tokens, old.outstanding_requests
+        self.state.workers[worker.worker_id] = worker
+
+    def deregister(self, worker_id: str) -> None:
+        if self.state.workers.pop(worker_id, None) is None:
+            raise NotFound(f"unknown worker {worker_id!r}")
+
+    # -- routing -------------------------------------------------------------------------------
+    def route(self, turn: Turn) -> Decision:
+        if not turn.trajectory_id:
+            raise InvalidArgument("trajectory_id is required")
+        candidates = [w for w in self.state.workers.values() if w.serving and w.worker_id not in turn.exclude]
+        if not candidates:
+            known = len(self.state.workers)
+            raise FailedPrecondition(f"no serving worker to route to ({known} registered, "
+                                     f"{len(turn.exclude)} excluded): start rollout workers first")
+        placement = self.state.placements.setdefault(turn.trajectory_id, Placement())
+        worker, reason = self.choose(turn, placement, candidates)
+        moved = placement.worker_id is not None and placement.worker_id != worker.worker_id
+        self._release(placement)
+        placement.worker_id, placement.inflight_tokens = worker.worker_id, turn.prompt_tokens + turn.max_new_tokens
+        placement.turns += 1
+        worker.outstanding_tokens += placement.inflight_tokens
+        worker.outstanding_requests += 1
+        worker.routed += 1
+        self.state.reasons[reason] += 1
+        return Decision(worker.worker_id, worker.bucket, worker.address, reason, moved)
+
+    @abc.abstractmethod
+    def choose(self, turn: Turn, placement: Placement, candidates: list[Worker]) -> tuple[Worker, str]:
+        """Pick a worker among candidates; return it with the reason of the decision."""
+
+    def least_loaded(self, candidates: list[Worker]) -> Worker:
+        """Least outstanding tokens; ties rotate so equal workers share the load."""
+        low = min(w.outstanding_tokens for w in candidates)
+        tied = sorted((w for w in candidates if w.outstanding_tokens == low), key=lambda w: w.worker_id)
+        self.state.rotation += 1
+        return tied[self.state.rotation % len(tied)]
+
+    # -- reports -------------------------------------------------------------------------------
+    def turn_done(self, trajectory_id: str, worker_id: str) -> None:
+        placement = self.state.placements.get(trajectory_id)
+        if placement is None:
+            raise NotFound(f"unknown trajectory {trajectory_id!r}: it has no routed turn")
+        if placement.worker_id != worker_id:
+            raise InvalidArgument(f"trajectory {trajectory_id!r} was routed to {placement.worker_id!r}, not {worker_id!r}")
+        self._release(placement)
+
+    def tool_returned(self, trajectory_id: str, tool: str, status: str, payload_tokens: int) -> None:
+        """Load balance ignores tool outcomes; C-MLFQ learns from them."""
+        if trajectory_id not in self.state.placements:
+            raise NotFound(f"unknown trajectory {trajectory_id!r}")
+
+    def finish(self, trajectory_id: str, prompt_id: str, output_tokens: int) -> None:
+        placement = self.state.placements.pop(trajectory_id, None)
+        if placement is None:
+            raise NotFound(f"unknown trajectory {trajectory_id!r}")
+        self._release(placement)
+
+    def _release(self, placement: Placement) -> None:
+        worker = self.state.workers.get(placement.worker_id or "")
+        if worker is not None and placement.inflight_tokens:
+            worker.outstanding_tokens = max(0, worker.outstanding_tokens - placement.inflight_tokens)
+            worker.outstanding_requests = max(0, worker.outstanding_requests - 1)
+        placement.inflight_tokens = 0
+
+
+class LoadBalance(Policy):
+    """Least outstanding tokens with rotating ties, and worker affinity under the cap."""
+
+    name = "load_balance"
+
+    def choose(self, turn: Turn, placement: Placement, candidates: list[Worker]) -> tuple[Worker, str]:
+        by_id = {w.worker_id: w for w in candidates}
+        current = by_id.get(placement.worker_id or "")
+        if self.affinity and current is not None:
+            if current.outstanding_tokens < self.cap or all(w.outstanding_tokens >= self.cap for w in candidates):
+                return current, "affinity"
+        under_cap = [w for w in candidates if w.outstanding_tokens < self.cap] or candidates
+        reason = "new:least_loaded" if placement.worker_id is None else "least_loaded"
+        if placement.worker_id is not None and current is None:
+            reason = "reroute:worker_gone"
+        return self.least_loaded(under_cap), reason
+
+
+POLICIES = {LoadBalance.name: LoadBalance}
+
+
+def make_policy(name: str, per_worker_cap_tokens: int, affinity: bool) -> Policy:
+    if name not in POLICIES:
+        raise InvalidArgument(f"unknown scheduler policy {name!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[name](per_worker_cap_tokens, affinity)

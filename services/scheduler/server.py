@@ -1,0 +1,131 @@
+"""The scheduler service: per-turn routing with replay-safe reports and metrics per bucket.
+
+Routing state is in memory for speed (a Route must add well under a millisecond); the worker
+registry is saved to Redis so a restarted scheduler routes at once, and in-flight loads are
+rebuilt from the reports that follow.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any, Callable
+
+from prometheus_client import Counter, Gauge
+
+from libra import log as liblog
+from libra.config import RunConfig
+from libra.runtime import Service, serve as run_service
+from libra.service_base import connect_store
+from libra.services.scheduler import convert
+from libra.services.scheduler.core import Decision, Turn, Worker, make_policy
+from libra.services.scheduler.servicer import SchedulerServicer
+from libra.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+_log = liblog.get("libra.scheduler")
+ROUTED = Counter("libra_scheduler_routed_total", "turns routed", ["bucket", "reason"])
+OUTSTANDING = Gauge("libra_scheduler_outstanding_tokens", "outstanding tokens", ["bucket"])
+REPLAY_WINDOW = 200_000
+
+
+class SchedulerService(Service):
+    name = "scheduler"
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.run_id = config.run_id
+        cfg = config.scheduler
+        self.policy = make_policy(cfg.policy, cfg.per_worker_cap_tokens, cfg.affinity)
+        self.store = None
+        self._seen: OrderedDict[str, Any] = OrderedDict()
+
+    def service_names(self) -> list[str]:
+        return [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name]
+
+    def register(self, server) -> None:
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self), server)
+
+    async def start(self) -> None:
+        self.store = await connect_store(self.config.redis.url, self.run_id)
+        blob = await self.store.load_blob("scheduler.workers")
+        for item in json.loads(blob) if blob else []:
+            self.policy.register(Worker(**item))
+        _log.info("scheduler ready", policy=self.policy.name, workers=len(self.policy.state.workers))
+
+    async def close(self) -> None:
+        if self.store is not None:
+            await self.store.close()
+
+    def _once(self, request_id: str, compute: Callable[[], Any]) -> Any:
+        """Apply a mutating request once; a replay returns the first answer."""
+        if request_id in self._seen:
+            return self._seen[request_id]
+        result = compute()
+        self._seen[request_id] = result
+        if len(self._seen) > REPLAY_WINDOW:
+            self._seen.popitem(last=False)
+        return result
+
+    def route(self, request_id: str, turn: Turn) -> Decision:
+        decision = self._once(request_id, lambda: self.policy.route(turn))
+        ROUTED.labels(decision.bucket, decision.reason).inc()
+        self._update_gauges()
+        return decision
+
+    def turn_done(self, request_id: str, trajectory_id: str, worker_id: str) -> bool:
+        return self._mutate(request_id, lambda: self.policy.turn_done(trajectory_id, worker_id))
+
+    def tool_returned(self, request_id: str, trajectory_id: str, tool: str, status: str, payload: int) -> bool:
+        return self._mutate(request_id, lambda: self.policy.tool_returned(trajectory_id, tool, status, payload))
+
+    def finish(self, request_id: str, trajectory_id: str, prompt_id: str, output_tokens: int) -> bool:
+        return self._mutate(request_id, lambda: self.policy.finish(trajectory_id, prompt_id, output_tokens))
+
+    def _mutate(self, request_id: str, apply: Callable[[], None]) -> bool:
+        if request_id in self._seen:
+            return False
+        self._once(request_id, apply)
+        self._update_gauges()
+        return True
+
+    async def register_worker(self, request_id: str, worker: Worker) -> bool:
+        applied = self._mutate(request_id, lambda: self.policy.register(worker))
+        await self._save_workers()
+        _log.info("worker registered", worker=worker.worker_id, bucket=worker.bucket, serving=worker.serving)
+        return applied
+
+    async def deregister_worker(self, request_id: str, worker_id: str) -> bool:
+        applied = self._mutate(request_id, lambda: self.policy.deregister(worker_id))
+        await self._save_workers()
+        return applied
+
+    async def _save_workers(self) -> None:
+        fields = ("worker_id", "bucket", "address", "tp", "serving")
+        items = [{f: getattr(w, f) for f in fields} for w in self.policy.state.workers.values()]
+        await self.store.save_blob("scheduler.workers", json.dumps(items).encode())
+
+    def _update_gauges(self) -> None:
+        totals: dict[str, int] = {}
+        for worker in self.policy.state.workers.values():
+            totals[worker.bucket] = totals.get(worker.bucket, 0) + worker.outstanding_tokens
+        for bucket, tokens in totals.items():
+            OUTSTANDING.labels(bucket).set(tokens)
+
+    def stats(self) -> scheduler_pb2.SchedulerStats:
+        state = self.policy.state
+        buckets: dict[str, scheduler_pb2.BucketStats] = {}
+        for worker in state.workers.values():
+            stats = buckets.setdefault(worker.bucket, scheduler_pb2.BucketStats(bucket=worker.bucket))
+            stats.workers += 1
+            stats.outstanding_tokens += worker.outstanding_tokens
+            stats.outstanding_requests += worker.outstanding_requests
+            stats.routed += worker.routed
+        return scheduler_pb2.SchedulerStats(
+            policy=self.policy.name, buckets=list(buckets.values()),
+            workers=[convert.worker_to_proto(w) for w in state.workers.values()],
+            reasons=dict(state.reasons), active_trajectories=len(state.placements))
+
+
+def serve(config: RunConfig, port: int | None = None) -> int:
+    return run_service(SchedulerService(config), port if port is not None else config.port_of("scheduler"),
+                       config.metrics_port_of("scheduler"))

@@ -1,0 +1,145 @@
+"""The asynchronous GRPO loop: keep rollout fed, train on whole groups, publish, checkpoint.
+
+```
+            SubmitPrompts (≤ groups_per_step × (max_staleness+1) groups in flight)
+ trainer ─────────────────────────────────────────────────────────────▶ rollout
+    ▲  read_completed (consumer group)                                      │ complete_trajectory
+    └──────────────── Redis completed stream ◀──────────────────────────────┘
+    │ whole groups, staleness-checked ─▶ train_step ─▶ publish v+1 ─▶ UpdateWeights (no drain)
+    └ every checkpoint_every steps: checkpoint, then ack the entries those steps used
+```
+Rollout never stops for training: while a step trains, the next batch is already being sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+
+from libra import log as liblog
+from libra.config import RunConfig
+from libra.services.trainer.batches import BatchAssembler, PendingGroup, build_batch
+from libra.services.trainer.model_state import ModelState, Position
+from libra.services.trainer.status import TrainerStatus
+from libra.v1 import common_pb2, rollout_pb2, trainer_pb2
+
+_log = liblog.get("libra.trainer")
+CONSUMER = "trainer-0"
+
+
+def prompt_for(position: int, num_prompts: int, seed: int) -> int:
+    """Deterministic shuffled order of prompt ids over the data positions."""
+    epoch, index = divmod(position, num_prompts)
+    digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8).digest()
+    offset = int.from_bytes(digest, "little") % num_prompts
+    stride = next(s for s in (7919, 104729, 1299709, 1) if num_prompts % s != 0 or s == 1)
+    return (offset + index * stride) % num_prompts
+
+
+class GrpoLoop:
+    def __init__(self, config: RunConfig, store, rollout, model: ModelState, status: TrainerStatus,
+                 num_prompts: int):
+        self.config, self.cfg = config, config.trainer
+        self.store, self.rollout, self.model, self.status = store, rollout, model, status
+        self.num_prompts = num_prompts
+        self.assembler = BatchAssembler(self.cfg.max_staleness)
+        self.position = Position()
+        self.rejected_since_step = 0
+
+    # -- feeding rollout -------------------------------------------------------------------------
+    async def submit(self) -> None:
+        """Top up the groups in flight to the staleness capacity."""
+        capacity = self.cfg.groups_per_step * (self.cfg.max_staleness + 1)
+        in_flight = await self.store.inflight_groups() + len(self.assembler.groups)
+        missing = capacity - in_flight
+        if missing <= 0:
+            return
+        start = self.position.data_position
+        groups = [rollout_pb2.PromptGroup(
+            group_id=f"g{p}", prompt_id=str(prompt_for(p, self.num_prompts, self.config.seed)),
+            samples=self.cfg.group_size, min_version=self.position.version) for p in range(start, start + missing)]
+        meta = common_pb2.RequestMeta(request_id=f"submit-{start}-{missing}", run_id=self.config.run_id)
+        await self.rollout.SubmitPrompts(rollout_pb2.SubmitPromptsRequest(meta=meta, groups=groups), timeout=60)
+        self.position.data_position += missing
+
+    # -- collecting a batch ----------------------------------------------------------------------
+    async def collect(self) -> list[PendingGroup]:
+        """Block until groups_per_step fresh whole groups are in; drop stale or failed ones."""
+        admitted: list[PendingGroup] = []
+        while len(admitted) < self.cfg.groups_per_step:
+            await self.submit()
+            entries = await self.store.read_completed(CONSUMER, count=256, block_ms=1000)
+            if entries:
+                trajs = await self.store.get_trajectories([e.trajectory_id for e in entries])
+                for entry, traj in zip(entries, trajs):
+                    self.assembler.add(entry.entry_id, traj, self.cfg.group_size)
+            verdicts = self.assembler.take_ready(self.position.version, self.cfg.groups_per_step - len(admitted))
+            admitted.extend(verdicts.admitted)
+            await self._discard(verdicts.rejected, common_pb2.TRAJECTORY_STATUS_REJECTED)
+            await self._discard(verdicts.failed, common_pb2.TRAJECTORY_STATUS_FAILED)
+            self.rejected_since_step += sum(len(g.members) for g in verdicts.rejected)
+        return admitted
+
+    async def _discard(self, groups: list[PendingGroup], status: int) -> None:
+        if not groups:
+            return
+        ids = [t.trajectory_id for g in groups for t in g.trajectories()]
+        if status == common_pb2.TRAJECTORY_STATUS_REJECTED:
+            await self.store.mark_trajectories(ids, status)
+        await self.store.ack_completed([e for g in groups for e in g.entries()])
+        _log.info("groups discarded", status=common_pb2.TrajectoryStatus.Name(status), groups=len(groups))
+
+    # -- one step --------------------------------------------------------------------------------
+    async def step(self) -> trainer_pb2.StepRecord:
+        waited = time.monotonic()
+        groups = await self.collect()
+        wait_s = time.monotonic() - waited
+        batch, stats = build_batch(groups, self.position.version)
+        started = time.monotonic()
+        metrics = await asyncio.to_thread(self.model.backend.train_step, batch, self.cfg)
+        train_s = time.monotonic() - started
+        self.position.step += 1
+        publish_s = await self.publish(self.position.version + 1)
+        self.position.used_entries.extend(e for g in groups for e in g.entries())
+        record = trainer_pb2.StepRecord(
+            step=self.position.step, policy_version=self.position.version, mean_reward=stats.mean_reward,
+            loss=metrics.get("loss", 0.0), trajectories=len(batch), rejected_stale=self.rejected_since_step,
+            mean_staleness=stats.mean_staleness, train_seconds=train_s, wait_seconds=wait_s,
+            publish_seconds=publish_s, mean_turns=stats.mean_turns, tokens=stats.tokens,
+            phase=trainer_pb2.TRAINER_PHASE_TRAINING, timestamp=time.time(),
+            clip_fraction=metrics.get("clip_fraction", 0.0), kl=metrics.get("kl", 0.0))
+        self.rejected_since_step = 0
+        return record
+
+    async def publish(self, version: int) -> float:
+        """Publish the weights as `version` and load them on every rollout worker (no drain)."""
+        _, write_s = await self.model.publish(version)
+        self.position.version = version
+        return write_s + await self.publish_to_workers(version)
+
+    async def publish_to_workers(self, version: int) -> float:
+        """Ask rollout to load `version` on every worker; returns the seconds it took."""
+        path = await self.store.weights_path(version)
+        started = time.monotonic()
+        meta = common_pb2.RequestMeta(request_id=f"weights-v{version}", run_id=self.config.run_id)
+        reply = await self.rollout.UpdateWeights(
+            rollout_pb2.UpdateWeightsRequest(meta=meta, version=version, path=path), timeout=600)
+        failed = [a.worker_id for a in reply.acks if not a.ok]
+        if failed:
+            _log.warning("workers missed a weight version", version=version, workers=failed)
+        return time.monotonic() - started
+
+    async def run_one(self) -> trainer_pb2.StepRecord:
+        """One committed step: train, publish, record, checkpoint when due."""
+        record = await self.step()
+        await self.store.save_step_record(record.step, record.SerializeToString())
+        await self.store.append_history("step", common_pb2.HistoryRecord(
+            kind="step", timestamp=record.timestamp, step=record.step, seconds=record.train_seconds,
+            output_tokens=record.tokens))
+        if record.step % self.cfg.checkpoint_every == 0 or record.step == self.cfg.steps:
+            await self.model.checkpoint(self.position)
+        await self.status.add_record(record)
+        _log.info("step", step=record.step, reward=round(record.mean_reward, 4), version=record.policy_version,
+                  wait_s=round(record.wait_seconds, 2), train_s=round(record.train_seconds, 2))
+        return record

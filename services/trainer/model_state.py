@@ -1,0 +1,124 @@
+"""The trainer's model on disk: creation and warm start, resume, weight publication, checkpoints.
+
+Layout under run_dir:
+    model/base/          the created (tiny) model after the supervised warm start
+    weights/v{N}/        published weight set of policy version N (HF format, what workers load)
+    checkpoints/step{N}.pt   model + optimizer + RNG + trainer position (atomic writes)
+
+A checkpoint also lists the completed-stream entries that its steps used; they are acked only
+after the checkpoint is on disk, so a trainer that dies between two checkpoints re-trains on
+exactly the entries its lost steps had used (and a restart acks the ones a checkpoint covers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from libra import log as liblog
+from libra.config import RunConfig
+from libra.services.trainer.backend import TrainBackend
+from libra.workloads.base import build_workload
+
+_log = liblog.get("libra.trainer")
+CHECKPOINT_RE = re.compile(r"^step(\d+)\.pt$")
+
+
+@dataclass
+class Position:
+    """Where the trainer is: committed steps, its policy version, the next prompt position."""
+
+    step: int = 0
+    version: int = 0
+    data_position: int = 0
+    used_entries: list[str] = field(default_factory=list)  # stream entries used since the last checkpoint
+
+
+class ModelState:
+    def __init__(self, config: RunConfig, backend: TrainBackend, store: Any):
+        self.config, self.backend, self.store = config, backend, store
+        self.root = config.run_path
+        self.base_dir = self.root / "model" / "base"
+        self.checkpoints = self.root / "checkpoints"
+
+    def latest_checkpoint(self) -> pathlib.Path | None:
+        found = [(int(m.group(1)), p) for p in self.checkpoints.glob("step*.pt") if (m := CHECKPOINT_RE.match(p.name))]
+        return max(found)[1] if found else None
+
+    async def prepare(self, on_warmup: Callable[[str], Any]) -> Position:
+        """Create and warm-start the model if needed, or resume from the latest checkpoint."""
+        if not (self.base_dir / "config.json").exists():
+            await self._create(on_warmup)
+        await asyncio.to_thread(self.backend.load, str(self.base_dir))
+        position = Position()
+        checkpoint = self.latest_checkpoint()
+        if checkpoint is not None:
+            extra = await asyncio.to_thread(self.backend.load_checkpoint, str(checkpoint))
+            position = Position(step=extra["step"], version=extra["version"], data_position=extra["data_position"])
+            acked = await self.store.ack_completed(list(extra.get("used_entries", [])))
+            _log.info("resumed", checkpoint=str(checkpoint), step=position.step, acked_entries=acked)
+        return position
+
+    async def _create(self, on_warmup: Callable[[str], Any]) -> None:
+        from libra.services.trainer.warmup import warm_start
+        from libra.tiny_model import create_tiny_model
+
+        if self.config.model.source == "path":
+            await asyncio.to_thread(shutil.copytree, self.config.model.path, self.base_dir, dirs_exist_ok=True)
+            return
+        workload = build_workload(self.config.workload)
+        staging = self.base_dir.with_name("base.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        await on_warmup("creating the tiny model and its tokenizer")
+        await asyncio.to_thread(create_tiny_model, self.config.model, workload, staging, self.config.seed)
+        warm = self.config.trainer.warmup
+        loop = asyncio.get_running_loop()
+
+        def progress(step: int, loss: float) -> None:
+            if step % 20 == 0 or step == warm.steps:
+                asyncio.run_coroutine_threadsafe(on_warmup(f"{step}/{warm.steps} loss {loss:.3f}"), loop)
+
+        metrics = await asyncio.to_thread(warm_start, staging, workload, warm, self.config.seed,
+                                          self.config.trainer.torch_threads, progress)
+        staging.rename(self.base_dir)
+        _log.info("warm start done", **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
+
+    async def publish(self, version: int) -> tuple[str, float]:
+        """Write the current weights as policy `version` and record it in Redis (CAS on the version)."""
+        started = time.monotonic()
+        out = self.root / "weights" / f"v{version}"
+        partial = out.with_name(out.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        await asyncio.to_thread(self.backend.save_weights, str(partial))
+        shutil.rmtree(out, ignore_errors=True)
+        partial.rename(out)
+        await self.store.publish_version(version, str(out))
+        self._prune_weights(keep_from=version - self.config.trainer.max_staleness - 2)
+        return str(out), time.monotonic() - started
+
+    def _prune_weights(self, keep_from: int) -> None:
+        for path in (self.root / "weights").glob("v*"):
+            if path.name[1:].isdigit() and int(path.name[1:]) < keep_from:
+                shutil.rmtree(path, ignore_errors=True)
+
+    async def checkpoint(self, position: Position) -> pathlib.Path:
+        """Save, then ack the stream entries the saved steps used, then forget older checkpoints."""
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        path = self.checkpoints / f"step{position.step}.pt"
+        extra = {"step": position.step, "version": position.version, "data_position": position.data_position,
+                 "used_entries": list(position.used_entries)}
+        await asyncio.to_thread(self.backend.save_checkpoint, str(path), extra)
+        await self.store.ack_completed(list(position.used_entries))
+        position.used_entries.clear()
+        await self.store.set_trainer_progress({"step": position.step, "version": position.version,
+                                               "data_position": position.data_position, "checkpoint_path": str(path)})
+        for old in self.checkpoints.glob("step*.pt"):
+            match = CHECKPOINT_RE.match(old.name)
+            if match and int(match.group(1)) < position.step:
+                old.unlink(missing_ok=True)
+        return path

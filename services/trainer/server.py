@@ -1,0 +1,147 @@
+"""The trainer service: the control surface of the core training process (async GRPO).
+
+Start: Redis → model (create + warm start, or resume from the latest checkpoint) → publish the
+weights as a new policy version → wait for rollout → GRPO steps → reward plot → exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from libra import log as liblog
+from libra.config import RunConfig
+from libra.errors import FailedPrecondition
+from libra.rpc import channel, wait_for_peers
+from libra.runtime import Service, serve as run_service
+from libra.service_base import connect_store
+from libra.services.trainer.loop import GrpoLoop
+from libra.services.trainer.model_state import ModelState
+from libra.services.trainer.plot import reward_curve
+from libra.services.trainer.servicer import TrainerServicer
+from libra.services.trainer.status import TrainerStatus
+from libra.v1 import common_pb2, elastic_pb2, elastic_pb2_grpc, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from libra.workloads.base import build_workload
+
+_log = liblog.get("libra.trainer")
+P = trainer_pb2
+MEMBER_ID = "trainer-0"
+
+
+class TrainerService(Service):
+    name = "trainer"
+    drain_s = 30.0
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.run_id = config.run_id
+        self.status = TrainerStatus(config.trainer.steps)
+        self.store = None
+        self.loop: GrpoLoop | None = None
+        self._channels: list = []
+        self._resume = asyncio.Event()
+        self._resume.set()
+        self._step_lock = asyncio.Lock()
+
+    def service_names(self) -> list[str]:
+        return [P.DESCRIPTOR.services_by_name["Trainer"].full_name]
+
+    def register(self, server) -> None:
+        trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(self), server)
+
+    def _stub(self, stub_class, service: str):
+        chan = channel(self.config.address_of(service))
+        self._channels.append(chan)
+        return stub_class(chan)
+
+    async def start(self) -> None:
+        """Serve status at once (phase WAITING_FOR_PEERS/WARMUP); the work happens in run()."""
+
+    async def run(self) -> None:
+        try:
+            await self._prepare()
+            await self.status.set(P.TRAINER_PHASE_TRAINING, "")
+            while self.loop.position.step < self.config.trainer.steps:
+                await self._resume.wait()
+                async with self._step_lock:
+                    await self.loop.run_one()
+            await self._finish()
+        except Exception as error:
+            await self.status.set(P.TRAINER_PHASE_FAILED, f"{type(error).__name__}: {error}")
+            raise
+
+    async def _prepare(self) -> None:
+        from libra.services.trainer.torch_backend import TorchBackend
+
+        await self.status.set(P.TRAINER_PHASE_WAITING_FOR_PEERS, "redis")
+        self.store = await connect_store(self.config.redis.url, self.run_id)
+        await self.status.set(P.TRAINER_PHASE_WARMUP, "")
+        model = ModelState(self.config, TorchBackend(self.config.trainer, seed=self.config.seed), self.store)
+        position = await model.prepare(lambda detail: self.status.set(detail=detail))
+        rollout = self._stub(rollout_pb2_grpc.RolloutStub, "rollout")
+        workload = build_workload(self.config.workload)
+        self.loop = GrpoLoop(self.config, self.store, rollout, model, self.status, workload.num_prompts)
+        self.loop.position = position
+        for record in await self.store.step_records(1):
+            await self.status.add_record(P.StepRecord.FromString(record))
+        # The weights in memory become the next policy version; rollout starts (or reloads) on them.
+        version = await self.store.current_version() + 1
+        await model.publish(version)
+        position.version = version
+        await self.status.set(P.TRAINER_PHASE_WAITING_FOR_PEERS, "rollout workers, elastic coordinator")
+        await wait_for_peers({"rollout": self.config.address_of("rollout"),
+                              "elastic": self.config.address_of("elastic")})
+        await self._register_member()
+        await self.loop.publish_to_workers(version)
+
+    async def _register_member(self) -> None:
+        stub = self._stub(elastic_pb2_grpc.ElasticCoordinatorStub, "elastic")
+        member = elastic_pb2.Member(member_id=MEMBER_ID, role=elastic_pb2.ROLE_TRAINING,
+                                    address=self.config.address_of("trainer"),
+                                    gpus=self.config.planner.training.gpus)
+        meta = common_pb2.RequestMeta(request_id=f"register-{MEMBER_ID}-{self.loop.position.version}",
+                                      run_id=self.run_id)
+        await stub.RegisterMember(elastic_pb2.RegisterMemberRequest(meta=meta, member=member), timeout=10)
+
+    async def _finish(self) -> None:
+        records = [self.status.records[s] for s in sorted(self.status.records)]
+        if records:
+            out = reward_curve(records, self.config.run_path / "reward.png", f"Libra run {self.run_id}")
+            _log.info("reward curve written", path=str(out))
+        await self.status.set(P.TRAINER_PHASE_DONE, "")
+        await asyncio.sleep(1.0)  # let watchers read the last records before the server goes away
+
+    def pause(self, paused: bool) -> bool:
+        changed = self._resume.is_set() == paused
+        (self._resume.clear if paused else self._resume.set)()
+        phase = P.TRAINER_PHASE_PAUSED if paused else P.TRAINER_PHASE_TRAINING
+        if self.status.phase in (P.TRAINER_PHASE_TRAINING, P.TRAINER_PHASE_PAUSED):
+            self.status.phase = phase
+        return changed
+
+    async def save_checkpoint(self) -> P.CheckpointInfo:
+        if self.loop is None:
+            raise FailedPrecondition("the trainer has no model yet (still warming up)")
+        async with self._step_lock:
+            path = await self.loop.model.checkpoint(self.loop.position)
+        return P.CheckpointInfo(step=self.loop.position.step, policy_version=self.loop.position.version, path=str(path))
+
+    async def manifest(self, step: int) -> P.StepManifest:
+        """The membership of a step: a fixed core of one replica until hybrids can join."""
+        if self.loop is None or step > self.loop.position.step + 1:
+            raise FailedPrecondition(f"step {step} has not started")
+        return P.StepManifest(step=step, membership_epoch=0, active_replicas=[MEMBER_ID], acknowledged_by=[MEMBER_ID])
+
+    async def drain(self) -> None:
+        async with self._step_lock:  # let a step in progress commit
+            pass
+
+    async def close(self) -> None:
+        for chan in self._channels:
+            await chan.close()
+        if self.store is not None:
+            await self.store.close()
+
+
+def serve(config: RunConfig, port: int | None = None) -> int:
+    return run_service(TrainerService(config), port if port is not None else config.port_of("trainer"),
+                       config.metrics_port_of("trainer"))
