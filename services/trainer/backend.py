@@ -1,0 +1,168 @@
+"""The training-backend interface, the batch it consumes, and the padding that feeds a model.
+
+Owns: `TrainBackend` (what every backend — plain torch now, Megatron-Core later — must do),
+`TrainSequence`/`TrainBatch` (one trajectory as the trainer sees it: token ids end to end, never
+re-tokenised), and `pack`, which turns sequences into right-padded tensors on the *target grid*.
+Must not know: Redis, gRPC, rollout workers, which backend is in use. Torch is imported lazily
+so the control plane can import the dataclasses without it.
+
+Target grid. A sequence of L tokens has L−1 next-token targets; the log-prob of token t comes
+from the logits at t−1. Packed per-token tensors have shape (B, T−1) where column j is token j+1:
+
+    tokens      p0  p1  p2  r0  r1  r2  <pad>       prompt_length = 3, response = r0 r1 r2
+    target j        0   1   2   3   4   5
+    response         .   .   ✓   ✓   ✓   .          loss_mask / behaviour / advantage live at ✓
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from libra.services.trainer.config import TrainerConfig
+
+
+@dataclass(frozen=True)
+class TrainSequence:
+    """One trajectory: prompt + every later token (model turns and tool/environment tokens)."""
+
+    token_ids: list[int]
+    prompt_length: int  # tokens before the first generated token
+    loss_mask: list[int]  # one per token after the prompt: 1 model-generated (trained), 0 tool/env
+    behaviour_logprobs: list[float]  # aligned with loss_mask; ignored where the mask is 0
+    advantage: float
+
+    def __post_init__(self) -> None:
+        response = len(self.token_ids) - self.prompt_length
+        if self.prompt_length < 1:
+            raise ValueError("TrainSequence.prompt_length must be >= 1 (token t is scored by the logits at t-1)")
+        if response < 1:
+            raise ValueError(f"TrainSequence has no tokens after its prompt of {self.prompt_length}")
+        if len(self.loss_mask) != response or len(self.behaviour_logprobs) != response:
+            raise ValueError(
+                f"TrainSequence: loss_mask ({len(self.loss_mask)}) and behaviour_logprobs "
+                f"({len(self.behaviour_logprobs)}) must both have len(token_ids) - prompt_length = {response} entries"
+            )
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("TrainSequence.loss_mask entries must be 0 or 1")
+        if not math.isfinite(self.advantage):
+            raise ValueError(f"TrainSequence.advantage must be finite, got {self.advantage}")
+
+    @property
+    def response_length(self) -> int:
+        return len(self.token_ids) - self.prompt_length
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """The sequences of one optimizer step (on this rank); whole GRPO groups, advantages already set."""
+
+    sequences: list[TrainSequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def loss_tokens(self) -> int:
+        """Tokens that carry loss: the denominator of the token-level mean."""
+        return sum(sum(s.loss_mask) for s in self.sequences)
+
+    def micro_batches(self, size: int) -> list[list[TrainSequence]]:
+        """Consecutive chunks of at most `size` sequences, in order (deterministic)."""
+        if size < 1:
+            raise ValueError(f"micro batch size must be >= 1, got {size}")
+        return [self.sequences[i : i + size] for i in range(0, len(self.sequences), size)]
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Right-padded tensors of a list of sequences; per-token fields are on the target grid (B, T−1)."""
+
+    input_ids: Tensor  # (B, T) long, padded with pad_id
+    attention_mask: Tensor  # (B, T) long, 1 on real tokens
+    response_mask: Tensor  # (B, T-1) bool, True on targets after the prompt
+    loss_mask: Tensor  # (B, T-1) float, 1 on targets that are trained on
+    behaviour_logprobs: Tensor  # (B, T-1) float
+    advantages: Tensor  # (B, T-1) float, each sequence's advantage on its response targets
+    response_lengths: list[int]
+
+
+def pack(sequences: list[TrainSequence], pad_id: int = 0) -> PackedBatch:
+    """Right-pad `sequences` into a `PackedBatch` (float32 per-token values)."""
+    import torch
+
+    if not sequences:
+        raise ValueError("pack: no sequences")
+    batch, width = len(sequences), max(len(s.token_ids) for s in sequences)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    response_mask = torch.zeros((batch, width - 1), dtype=torch.bool)
+    loss_mask = torch.zeros((batch, width - 1))
+    behaviour = torch.zeros((batch, width - 1))
+    advantages = torch.zeros((batch, width - 1))
+    for row, seq in enumerate(sequences):
+        length, start = len(seq.token_ids), seq.prompt_length - 1
+        input_ids[row, :length] = torch.tensor(seq.token_ids, dtype=torch.long)
+        attention_mask[row, :length] = 1
+        response_mask[row, start : length - 1] = True
+        loss_mask[row, start : length - 1] = torch.tensor(seq.loss_mask, dtype=torch.float32)
+        behaviour[row, start : length - 1] = torch.tensor(seq.behaviour_logprobs, dtype=torch.float32)
+        advantages[row, start : length - 1] = seq.advantage
+    return PackedBatch(input_ids, attention_mask, response_mask, loss_mask, behaviour, advantages,
+                       [s.response_length for s in sequences])
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
+    """Log-prob of each next token, (B, T−1): log_softmax(logits[:, t−1])[token t], in float32."""
+    shifted = logits[:, :-1].float()
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    # gather − logsumexp avoids materialising a second (B, T, V) log-softmax tensor.
+    return shifted.gather(-1, targets).squeeze(-1) - shifted.logsumexp(-1)
+
+
+def unpack(per_token: Tensor, packed: PackedBatch) -> list[Tensor]:
+    """Per-sequence response slices of a (B, T−1) target-grid tensor, in order."""
+    return [row[mask] for row, mask in zip(per_token, packed.response_mask)]
+
+
+class TrainBackend(abc.ABC):
+    """What the trainer needs from a training engine. One instance per rank.
+
+    Distributed backends are called identically on every rank; each rank passes its own shard of
+    the step's batch, and the backend makes the update equal to a single-process step over the
+    union (token-level mean over all ranks' loss tokens). Save methods are collective: every rank
+    calls them, the backend decides who writes.
+    """
+
+    @abc.abstractmethod
+    def load(self, model_dir: str) -> None:
+        """Load an HF-format model directory (weights, config, tokenizer files) and build the optimizer."""
+
+    @abc.abstractmethod
+    def compute_logprobs(self, batch: TrainBatch) -> list[Tensor]:
+        """Per sequence, the float32 log-probs of its response tokens (len = response_length); no grad."""
+
+    @abc.abstractmethod
+    def train_step(self, batch: TrainBatch, config: TrainerConfig) -> dict[str, float]:
+        """One optimizer step over `batch` (micro-batched, accumulated, clipped); returns metrics."""
+
+    @abc.abstractmethod
+    def save_weights(self, out_dir: str) -> None:
+        """Write a complete HF model directory (safetensors + config + tokenizer files) for vLLM."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
+        """Atomically write model, optimizer, RNG state and `extra` (plain Python values) to `path`."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Restore what `save_checkpoint` wrote (after `load`); returns its `extra`."""
+
+    @abc.abstractmethod
+    def num_parameters(self) -> int:
+        """Number of trainable parameters of the full model."""

@@ -1,0 +1,286 @@
+"""The plain-PyTorch training backend: HF causal LM in float32, AdamW, optional data parallelism.
+
+Owns: one model replica and its optimizer on this process, the micro-batched GRPO step, and the
+files it writes (published weights, checkpoints). Must not know: Redis, gRPC, how batches are
+assembled or where weights go next.
+
+Data parallelism: when `torch.distributed` is initialised (gloo on CPU), each rank calls every
+method with its own shard of the step's batch. There is no DDP wrapper: after all micro-batches
+have accumulated, one all-reduce averages the flattened gradients. Every rank scales its loss by
+(global loss tokens / world size), so the average is the token-level mean over the whole batch:
+
+    rank r: Σ micro-batch grads of Σ_tokens loss / (N / W)  ──all-reduce SUM, ÷W──▶  ∇(Σ loss / N)
+
+The model stays in eval mode (no dropout): the policy ratio compares two forward passes of the
+same function, and rollout workers sample without dropout too.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from libra.errors import FailedPrecondition
+from libra.services.trainer.backend import TrainBackend, TrainBatch, pack, token_logprobs, unpack
+from libra.services.trainer.grpo import policy_loss
+
+if TYPE_CHECKING:
+    import torch
+
+    from libra.services.trainer.config import TrainerConfig
+
+CHECKPOINT_FORMAT = 1
+# Files of the source model directory that save_pretrained already writes or that are weights.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".safetensors.index.json", ".bin.index.json")
+
+
+class TorchBackend(TrainBackend):
+    """`TrainBackend` on plain PyTorch (CPU; data parallel over gloo when a process group exists)."""
+
+    def __init__(self, config: TrainerConfig, seed: int = 0) -> None:
+        self.config = config
+        self.seed = seed
+        self.model_dir: str | None = None
+        self._model: Any = None
+        self._optimizer: Any = None
+
+    # ---- loading -------------------------------------------------------------------------
+    def load(self, model_dir: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"TorchBackend.load: {model_dir!r} is not a model directory")
+        torch.set_num_threads(self.config.torch_threads)
+        torch.manual_seed(self.seed)
+        random.seed(self.seed)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.config.use_cache = False
+        model.eval()
+        self._model, self.model_dir = model, model_dir
+        self._optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=self.config.lr, weight_decay=self.config.weight_decay,
+        )
+
+    @property
+    def model(self) -> Any:
+        if self._model is None:
+            raise FailedPrecondition("TorchBackend: call load(model_dir) first")
+        return self._model
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    # ---- forward ---------------------------------------------------------------------------
+    def _forward(self, sequences: list) -> tuple[Any, torch.Tensor]:
+        packed = pack(sequences)
+        logits = self.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+        return packed, token_logprobs(logits, packed.input_ids)
+
+    def compute_logprobs(self, batch: TrainBatch) -> list[torch.Tensor]:
+        return self._logprobs(batch, self.config.micro_batch_size)
+
+    def _logprobs(self, batch: TrainBatch, micro_batch_size: int) -> list[torch.Tensor]:
+        import torch
+
+        out: list[torch.Tensor] = []
+        with torch.no_grad():
+            for micro in batch.micro_batches(micro_batch_size):
+                packed, logprobs = self._forward(micro)
+                out.extend(unpack(logprobs, packed))
+        return out
+
+    # ---- the GRPO step ---------------------------------------------------------------------
+    def train_step(self, batch: TrainBatch, config: TrainerConfig) -> dict[str, float]:
+        import torch
+
+        started = time.perf_counter()
+        world = _world_size()
+        total_tokens = _all_reduce_sum(float(batch.loss_tokens))
+        if total_tokens == 0:
+            raise ValueError("train_step: the batch has no loss tokens (every loss_mask is 0)")
+        old = self._logprobs(batch, config.micro_batch_size) if config.recompute_logprobs else None
+        self._set_hyper_parameters(config)
+        self._optimizer.zero_grad(set_to_none=True)
+        sums = self._accumulate(batch, config, old, token_count=total_tokens / world)
+        self._average_gradients(world)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+        self._optimizer.step()
+        result = _average_metrics(sums, world)
+        result.update(grad_norm=float(grad_norm), tokens=total_tokens, lr=config.lr,
+                      sequences=_all_reduce_sum(float(len(batch))), seconds=time.perf_counter() - started)
+        return result
+
+    def _accumulate(
+        self, batch: TrainBatch, config: TrainerConfig, old: list | None, token_count: float
+    ) -> dict[str, float]:
+        """Forward/backward every micro-batch, gradients summing in .grad; returns metric sums."""
+        import torch
+
+        sums: dict[str, float] = defaultdict(float)
+        done = 0
+        for micro in batch.micro_batches(config.micro_batch_size):
+            packed, new = self._forward(micro)
+            old_grid = packed.behaviour_logprobs  # no recompute: old = behaviour, so w = 1
+            if old is not None:
+                old_grid = torch.zeros_like(new)
+                old_grid[packed.response_mask] = torch.cat(old[done : done + len(micro)])
+            done += len(micro)
+            loss, metrics = policy_loss(
+                new, old_grid, packed.behaviour_logprobs, packed.advantages, packed.loss_mask,
+                config.clip_low, config.clip_high, config.tis_cap, config.kl_coef, token_count=token_count,
+            )
+            loss.backward()
+            sums["loss"] += float(loss.detach())
+            for name, value in metrics.items():
+                sums[name] += float(value)
+        return sums
+
+    def _set_hyper_parameters(self, config: TrainerConfig) -> None:
+        # Per step, so a schedule (or a changed config on resume) takes effect without a rebuild.
+        for group in self._optimizer.param_groups:
+            group["lr"], group["weight_decay"] = config.lr, config.weight_decay
+
+    def _average_gradients(self, world: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if world == 1:
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= world
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    # ---- files -----------------------------------------------------------------------------
+    def save_weights(self, out_dir: str) -> None:
+        if _rank() == 0:
+            staging = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
+            shutil.rmtree(staging, ignore_errors=True)
+            self.model.save_pretrained(staging)  # safetensors: the default (4.x) and only (5.x) format
+            _copy_tokenizer_files(self.model_dir or "", staging)
+            # The directory appears complete or not at all: a worker never reads half a weight set.
+            if os.path.exists(out_dir):
+                shutil.rmtree(out_dir)
+            os.rename(staging, out_dir)
+        _barrier()
+
+    def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
+        import torch
+
+        if _rank() == 0:
+            state = {
+                "format": CHECKPOINT_FORMAT,
+                "model": self.model.state_dict(),
+                "optimizer": self._optimizer.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                "extra": dict(extra),
+            }
+            _atomic_torch_save(state, path)
+        _barrier()
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        import torch
+
+        # weights_only: a checkpoint is data, never code; `extra` must be plain Python values.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+        self.model.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(_as_random_state(state["rng"]["python"]))
+        return state["extra"]
+
+
+def _average_metrics(sums: dict[str, float], world: int) -> dict[str, float]:
+    """Metric sums were already divided by (global tokens / world); summing over ranks ÷ W gives means."""
+    if world == 1:
+        return dict(sums)
+    import torch
+    import torch.distributed as dist
+
+    names = sorted(sums)
+    values = torch.tensor([sums[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return {n: float(v) / world for n, v in zip(names, values)}
+
+
+def _copy_tokenizer_files(model_dir: str, out_dir: str) -> None:
+    """Copy the source directory's other top-level files (tokenizer, chat template); none is fine."""
+    if not os.path.isdir(model_dir):
+        return
+    for name in sorted(os.listdir(model_dir)):
+        source = os.path.join(model_dir, name)
+        if not os.path.isfile(source) or name.endswith(_WEIGHT_SUFFIXES) or os.path.exists(os.path.join(out_dir, name)):
+            continue
+        shutil.copy2(source, os.path.join(out_dir, name))
+
+
+def _atomic_torch_save(state: dict[str, Any], path: str) -> None:
+    import torch
+
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    staging = f"{path}.tmp-{os.getpid()}"
+    with open(staging, "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(staging, path)
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)  # make the rename itself durable
+    finally:
+        os.close(descriptor)
+
+
+def _as_random_state(state: Any) -> tuple:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if _distributed():
+        dist.barrier()
+
+
+def _all_reduce_sum(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    if not _distributed():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return float(tensor)

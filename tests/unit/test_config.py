@@ -1,0 +1,72 @@
+"""Run config validation: every error names the field and the fix; nothing starts half-way."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from libra.config import build_run_config, load_run_config
+from libra.errors import ConfigError
+
+
+def error_of(tree, env=None) -> str:
+    with pytest.raises(ConfigError) as caught:
+        build_run_config(tree, env=env or {})
+    return str(caught.value)
+
+
+def test_defaults_and_quickstart_are_valid():
+    config = build_run_config({}, env={})
+    assert config.planner.buckets[0].max_tokens < config.planner.buckets[-1].max_tokens
+    quick = load_run_config("configs/quickstart.yaml", env={})
+    assert len(quick.planner.buckets) >= 2
+
+
+def test_unknown_key_wrong_type_and_range_name_the_field():
+    message = error_of({"trainer": {"lrr": 1, "steps": "many", "group_size": 1}})
+    assert "trainer.lrr: unknown key" in message
+    assert "trainer.steps" in message and "trainer.group_size" in message
+
+
+def test_buckets_must_be_sorted_and_unique():
+    buckets = [{"name": "long", "max_tokens": 900}, {"name": "short", "max_tokens": 100}]
+    assert "sorted by strictly increasing max_tokens" in error_of({"planner": {"buckets": buckets}})
+    twins = [{"name": "a", "max_tokens": 1}, {"name": "a", "max_tokens": 2}]
+    assert "names must be unique" in error_of({"planner": {"buckets": twins}})
+
+
+def test_addresses_and_redis_url_are_checked():
+    assert "addresses.scheduler must be HOST:PORT" in error_of({"addresses": {"scheduler": "nowhere"}})
+    assert "redis.url must start with redis://" in error_of({"redis": {"url": "http://x"}})
+
+
+def test_environment_overrides_apply():
+    config = build_run_config({}, env={"LIBRA_REDIS_URL": "redis://r:1/0", "LIBRA_PLANNER_ADDRESS": "planner:7000"})
+    assert config.redis.url == "redis://r:1/0" and config.port_of("planner") == 7000
+
+
+def test_model_shape_is_checked():
+    assert "divisible by model.heads" in error_of({"model": {"hidden_size": 30, "heads": 4}})
+
+
+def test_cli_exits_2_on_an_invalid_config(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  steps: -3\n")
+    result = subprocess.run([sys.executable, "-m", "libra.cli", "check-config", str(bad)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "trainer.steps" in result.stderr
+    missing = subprocess.run([sys.executable, "-m", "libra.cli", "up", "--config", str(tmp_path / "none.yaml")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "cannot read config" in missing.stderr
+
+
+def test_control_plane_imports_without_torch_or_vllm():
+    code = ("import sys; import libra.cli, libra.config, libra.services.planner.server, "
+            "libra.services.scheduler.server, libra.services.elastic.server, libra.services.rollout.server, "
+            "libra.services.trainer.config, libra.up, libra.status; "
+            "heavy = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; print(heavy); "
+            "sys.exit(1 if heavy else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,201 @@
+"""Unit tests of the plain-torch training backend on a tiny random Llama (CPU, seconds)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from libra.services.trainer.backend import TrainBatch, TrainSequence, pack
+from libra.services.trainer.config import TrainerConfig
+from libra.services.trainer.torch_backend import TorchBackend
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _config(**overrides) -> TrainerConfig:
+    return TrainerConfig(**{"lr": 1e-3, "micro_batch_size": 16, "torch_threads": 1, **overrides})
+
+
+def _backend(model_dir: str, **overrides) -> TorchBackend:
+    backend = TorchBackend(_config(**overrides), seed=0)
+    backend.load(model_dir)
+    return backend
+
+
+def _sequence(seed: int, prompt: int, response: int, advantage: float, tool_at=()) -> TrainSequence:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, VOCAB, (prompt + response,), generator=generator).tolist()
+    mask = [0 if i in tool_at else 1 for i in range(response)]
+    behaviour = (-torch.rand(response, generator=generator) - 3.5).tolist()
+    return TrainSequence(tokens, prompt, mask, behaviour, advantage)
+
+
+def _mixed_batch() -> TrainBatch:
+    # Different lengths and masks, so a per-micro-batch mean would weigh tokens differently.
+    return TrainBatch([
+        _sequence(1, 3, 9, 1.0, tool_at=(3, 4)),
+        _sequence(2, 5, 2, -1.0),
+        _sequence(3, 2, 6, 0.5, tool_at=(0,)),
+        _sequence(4, 4, 4, -0.5),
+    ])
+
+
+def _parameters(backend: TorchBackend) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in backend.model.named_parameters()}
+
+
+def _with_behaviour(backend: TorchBackend, batch: TrainBatch, shift: float = 0.0) -> TrainBatch:
+    """The batch with behaviour log-probs set to the model's own (as if sampled by these weights)."""
+    logprobs = backend.compute_logprobs(batch)
+    return TrainBatch([TrainSequence(s.token_ids, s.prompt_length, s.loss_mask, (lp + shift).tolist(), s.advantage)
+                       for s, lp in zip(batch.sequences, logprobs)])
+
+
+def test_pack_puts_response_on_the_target_grid():
+    packed = pack([TrainSequence([5, 6, 7, 8, 9], 3, [1, 0], [-1.0, -2.0], 0.5), TrainSequence([1, 2], 1, [1], [-3.0], -1.0)])
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9], [1, 2, 0, 0, 0]]
+    assert packed.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert packed.response_mask.tolist() == [[False, False, True, True], [True, False, False, False]]
+    assert packed.loss_mask.tolist() == [[0, 0, 1, 0], [1, 0, 0, 0]]
+    assert packed.advantages.tolist() == [[0, 0, 0.5, 0.5], [-1, 0, 0, 0]]
+    with pytest.raises(ValueError, match="loss_mask"):
+        TrainSequence([1, 2, 3], 1, [1], [-1.0], 0.0)
+
+
+def test_compute_logprobs_matches_manual_log_softmax(model_dir):
+    backend = _backend(model_dir, micro_batch_size=3)
+    batch = _mixed_batch()
+    got = backend.compute_logprobs(batch)
+    for seq, logprobs in zip(batch.sequences, got):
+        ids = torch.tensor([seq.token_ids])
+        with torch.no_grad():
+            logits = backend.model(input_ids=ids).logits[0]
+        expected = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0][seq.prompt_length - 1 :]
+        assert logprobs.shape == (seq.response_length,)
+        assert torch.allclose(logprobs, expected, atol=1e-5)
+
+
+def test_positive_advantage_raises_the_sequence_logprob(model_dir):
+    backend = _backend(model_dir, lr=1e-2)
+    batch = _with_behaviour(backend, TrainBatch([_sequence(7, 4, 6, 1.0, tool_at=(2,))]))
+    mask = torch.tensor(batch.sequences[0].loss_mask, dtype=torch.bool)
+    before = backend.compute_logprobs(batch)[0][mask].sum()
+    metrics = backend.train_step(batch, _config(lr=1e-2))
+    after = backend.compute_logprobs(batch)[0][mask].sum()
+    assert after > before + 0.1
+    assert metrics["tokens"] == 5 and metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["grad_norm"] > 0 and metrics["seconds"] > 0
+
+
+def test_micro_batching_gives_the_whole_batch_update(model_dir):
+    batch = _mixed_batch()
+    whole, single = _backend(model_dir), _backend(model_dir)
+    m_whole = whole.train_step(batch, _config(micro_batch_size=4))
+    m_single = single.train_step(batch, _config(micro_batch_size=1))
+    assert m_whole["loss"] == pytest.approx(m_single["loss"], rel=1e-5)
+    assert m_whole["clip_fraction"] == pytest.approx(m_single["clip_fraction"], abs=1e-6)
+    for (name, p), q in zip(whole.model.named_parameters(), single.model.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7), name
+        assert torch.allclose(p, q, atol=1e-6), name
+
+
+def test_recompute_sets_old_to_current_weights(model_dir):
+    backend = _backend(model_dir)
+    batch = _with_behaviour(backend, _mixed_batch(), shift=-0.1)  # the sampler was a bit less sure
+    metrics = backend.train_step(batch, _config(recompute_logprobs=True, tis_cap=5.0))
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["tis_mean"] == pytest.approx(torch.tensor(0.1).exp().item(), rel=1e-4)
+    assert metrics["clip_fraction"] == 0.0
+
+
+def test_save_weights_reloads_with_equal_logits(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    source = str(tmp_path / "source")
+    shutil.copytree(model_dir, source)
+    with open(os.path.join(source, "tokenizer_config.json"), "w") as handle:
+        handle.write("{}")
+    backend = _backend(source)
+    backend.train_step(_mixed_batch(), _config())
+    out = str(tmp_path / "v1")
+    backend.save_weights(out)
+    backend.save_weights(out)  # republishing the same version replaces it
+    assert os.path.exists(os.path.join(out, "model.safetensors"))
+    assert os.path.exists(os.path.join(out, "tokenizer_config.json"))
+    assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([_mixed_batch().sequences[0].token_ids])
+    with torch.no_grad():
+        assert torch.allclose(reloaded(input_ids=ids).logits, backend.model(input_ids=ids).logits, atol=1e-6)
+    _backend(model_dir).save_weights(str(tmp_path / "no-tokenizer"))  # absent tokenizer files are fine
+
+
+def test_checkpoint_restores_model_optimizer_and_extra(model_dir, tmp_path):
+    batch, config = _mixed_batch(), _config()
+    first = _backend(model_dir)
+    first.train_step(batch, config)
+    path = str(tmp_path / "ckpt" / "step-1.pt")
+    first.save_checkpoint(path, {"step": 1, "version": 3, "stream": {"offset": "1-0"}})
+    saved = _parameters(first)
+    first.train_step(batch, config)
+
+    second = _backend(model_dir)
+    extra = second.load_checkpoint(path)
+    assert extra == {"step": 1, "version": 3, "stream": {"offset": "1-0"}}
+    assert all(torch.equal(saved[n], p) for n, p in second.model.named_parameters())
+    state_a, state_b = first._optimizer.state_dict()["state"], second._optimizer.state_dict()["state"]
+    assert state_b[0]["step"] == 1 and set(state_a) == set(state_b)
+    second.train_step(batch, config)
+    for (name, p), q in zip(first.model.named_parameters(), second.model.parameters()):
+        assert torch.equal(p, q), name
+    assert os.listdir(tmp_path / "ckpt") == ["step-1.pt"]
+
+
+def _data_parallel_rank(rank: int, world: int, model_dir: str, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        backend = _backend(model_dir, micro_batch_size=1)
+        shard = TrainBatch(_mixed_batch().sequences[rank::world])
+        metrics = backend.train_step(shard, _config(micro_batch_size=1))
+        if rank == 0:
+            torch.save({"params": _parameters(backend), "metrics": metrics}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_update_equals_single_process(model_dir, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = str(tmp_path / "rank0.pt")
+    # fork: the children inherit the imported torch/transformers (spawn re-imports them: ~10 s).
+    # Safe here because every rank runs torch with one intra-op thread (torch_threads=1).
+    mp.start_processes(_data_parallel_rank, args=(2, model_dir, port, out), nprocs=2, join=True, start_method="fork")
+    result = torch.load(out, weights_only=True)
+    single = _backend(model_dir)
+    metrics = single.train_step(_mixed_batch(), _config())
+    assert result["metrics"]["tokens"] == metrics["tokens"]
+    assert result["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
+    for name, p in single.model.named_parameters():
+        assert torch.allclose(result["params"][name], p, atol=1e-6), name
