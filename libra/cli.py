@@ -57,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from libra.up import up
 
-    return up(_load(args), args.config)
+    return up(_load(args))
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -41,6 +41,20 @@ def _check_ports(config: RunConfig) -> None:
                     f"addresses.{service} in the config") from None
 
 
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1",
+             "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def write_resolved(config: RunConfig) -> pathlib.Path:
+    """The config with every override applied, as the file all services of this run read."""
+    import yaml
+
+    path = config.run_path / "config.yaml"
+    path.write_text("# written by `libra up`: the run config with all overrides applied\n"
+                    + yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
 class Children:
     """The service processes of one `libra up`."""
 
@@ -52,7 +66,7 @@ class Children:
     def start(self, service: str) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "LIBRA_REDIS_URL": self.redis_url, "LIBRA_RUN_ID": self.config.run_id,
-               "LIBRA_RUN_DIR": str(self.config.run_path), "LIBRA_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
+               "LIBRA_RUN_DIR": str(self.config.run_path), "LIBRA_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1", **QUIET_ENV}
         log = open(self.logs / f"{service}.log", "ab")
         self.procs[service] = subprocess.Popen(
             [sys.executable, "-m", "libra.cli", "serve", service, "--config", self.config_path],
@@ -107,7 +121,7 @@ async def _watch(config: RunConfig, children: Children, printer: ProgressPrinter
         watcher.cancel()
 
 
-def up(config: RunConfig, config_path: str) -> int:
+def up(config: RunConfig) -> int:
     run_path = config.run_path
     run_path.mkdir(parents=True, exist_ok=True)
     _check_ports(config)
@@ -119,7 +133,7 @@ def up(config: RunConfig, config_path: str) -> int:
         redis_url = redis.url
     config = config.model_copy(update={"redis": config.redis.model_copy(update={"url": redis_url})})
     printer.info(f"run {config.run_id} in {run_path} (redis {redis_url})")
-    children = Children(config, str(pathlib.Path(config_path).resolve()), redis_url)
+    children = Children(config, str(write_resolved(config)), redis_url)
     code = 1
     try:
         for service in START_ORDER:

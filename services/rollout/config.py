@@ -17,9 +17,13 @@ class WorkerConfig(Section):
     base_port: int = Field(8100, ge=1024, le=65000, description="first HTTP port; worker i uses base_port + i")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="engine dtype")
     max_model_len: int = Field(512, ge=16, le=1_000_000, description="context length of the engine")
-    kv_cache_gib: float = Field(0.25, gt=0, le=1024, description="KV cache size per worker (GiB; VLLM_CPU_KVCACHE_SPACE on CPU)")
+    kv_cache_gib: float = Field(0.25, gt=0, le=1024, description="KV cache size per worker (GiB; passed as --kv-cache-memory-bytes)")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="sequences an engine batches at once")
     cpu_threads: int = Field(1, ge=1, le=512, description="CPU threads per worker engine (CPU machines)")
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        "processed_logprobs",
+        description="log-probs the engine reports: processed = of the distribution sampled from "
+                    "(after temperature/top-p), raw = of the model's unscaled logits")
     startup_timeout_s: float = Field(300.0, gt=0, le=7200, description="time a worker may take to become ready")
     extra_args: tuple[str, ...] = Field((), description="extra command-line arguments for the engine server")
 

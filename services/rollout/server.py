@@ -193,7 +193,7 @@ class RolloutService(Service):
             for worker in await self.pool.check_health():
                 await self.membership.leave(worker, "unhealthy")
 
-    async def update_weights(self, version: int, path: str) -> list[T.WorkerAck]:
+    async def update_weights(self, version: int, path: str) -> list[rollout_pb2.WorkerAck]:
         import os
 
         if not os.path.isdir(path):

@@ -18,8 +18,9 @@ from typing import Any
 from libra import log as liblog
 from libra.errors import NotFound
 from libra.plans import Plan
+from libra.redis_server import free_port
 from libra.services.rollout.config import WorkerConfig
-from libra.v1 import common_pb2
+from libra.v1 import common_pb2, rollout_pb2
 
 _log = liblog.get("libra.rollout")
 
@@ -59,8 +60,9 @@ class WorkerPool:
             for _ in range(bucket.replicas):
                 index = self._next_index
                 self._next_index += 1
+                port = self.config.base_port + index if self.config.base_port else free_port()
                 process = VllmWorkerProcess(self.config, model_dir, index=index, log_dir=self.log_dir,
-                                            tp=bucket.tp)
+                                            port=port, tp=bucket.tp, policy_version=version)
                 process.start()
                 worker = PoolWorker(f"{bucket.name}-{index}", bucket.name, bucket.tp, process,
                                     EngineClient(process.base_url), version=version)
@@ -96,19 +98,19 @@ class WorkerPool:
             if worker.inflight == 0:
                 worker.drained.set()
 
-    async def update_weights(self, version: int, path: str) -> list[common_pb2.WorkerAck]:
+    async def update_weights(self, version: int, path: str) -> list[rollout_pb2.WorkerAck]:
         """Load `path` as `version` on every serving worker, concurrently, without draining."""
-        async def one(worker: PoolWorker) -> common_pb2.WorkerAck:
+        async def one(worker: PoolWorker) -> rollout_pb2.WorkerAck:
             started = time.monotonic()
             try:
                 await worker.client.load_weights(path, version)
             except Exception as error:  # noqa: BLE001 - reported per worker; the worker is marked unhealthy
                 worker.state = common_pb2.WORKER_STATE_UNHEALTHY
                 _log.error("weight update failed", worker=worker.worker_id, version=version, error=str(error))
-                return common_pb2.WorkerAck(worker_id=worker.worker_id, version=worker.version, ok=False,
+                return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=worker.version, ok=False,
                                             error=f"{type(error).__name__}: {error}")
             worker.version = version
-            return common_pb2.WorkerAck(worker_id=worker.worker_id, version=version, ok=True,
+            return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=version, ok=True,
                                         seconds=time.monotonic() - started)
         return list(await asyncio.gather(*(one(w) for w in self.serving())))
 

@@ -1,0 +1,211 @@
+"""Async HTTP client of one rollout worker (a vLLM OpenAI-compatible server), token-exact.
+
+`generate` sends the prompt as token ids to `/v1/completions` and reads back exactly the ids the
+engine sampled (`return_token_ids`) with the sampled token's log-prob (`logprobs: 0` gives it in
+`logprobs.token_logprobs`, one per generated token). Nothing is decoded and re-tokenized.
+
+How vLLM 0.32 reports a stop: a token in `stop_token_ids`, or EOS, is the last id in
+`token_ids` (with its log-prob) and `finish_reason` is "stop"; `stop_reason` is that id for a
+stop token id and null for EOS. The *text* leaves the stop token out (unless
+`include_stop_str_in_output`), which is one more reason to use the ids.
+
+Errors: a worker that cannot be reached, times out, answers 5xx or answers with something that
+is not a finished generation raises `EngineError` (an `Unavailable`: retry the turn on another
+worker); a request the worker rejects (4xx: prompt too long, bad parameter) raises
+`EngineRequestError` (an `InvalidArgument`: retrying elsewhere will not help).
+
+This module knows the HTTP protocol of the workers only; routing and retries are the gateway's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from libra.errors import FailedPrecondition, InvalidArgument, Unavailable
+
+DEFAULT_MODEL = "policy"  # the name VllmWorkerProcess serves the policy under
+LOAD_METHOD = "libra_load_weights"  # LibraWorkerExtension methods, called via /collective_rpc
+VERSION_METHOD = "libra_policy_version"
+FINISH_REASONS = ("stop", "length")
+
+
+class EngineError(Unavailable):
+    """The worker is unreachable, timed out, failed (5xx) or answered malformed; retry elsewhere."""
+
+
+class EngineRequestError(InvalidArgument):
+    """The worker rejected the request itself (4xx); the same request fails on every worker."""
+
+
+class WeightSetError(FailedPrecondition):
+    """The worker found the weight set unusable (missing, unreadable); its weights are unchanged."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One model turn as the engine produced it."""
+
+    token_ids: list[int]  # sampled ids, the stop token (or EOS) included when it ended the turn
+    logprobs: list[float]  # log-prob of each sampled id, same length as token_ids
+    finish_reason: str  # "stop" (stop token id / EOS) or "length" (max_tokens)
+    seconds: float  # wall-clock time of the request
+    text: str = field(default="", compare=False)  # the server's decoding, for display only
+
+
+class EngineClient:
+    """Talks to one worker at `base_url`; share one instance per worker, close it when done."""
+
+    def __init__(self, base_url: str, model: str = DEFAULT_MODEL, timeout_s: float = 120.0,
+                 connect_timeout_s: float = 5.0, load_timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.load_timeout_s = load_timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _post(self, path: str, body: dict[str, Any], timeout: float | None = None) -> Any:
+        """POST JSON and return the decoded answer, mapping every failure to our errors."""
+        extra = {} if timeout is None else {"timeout": timeout}
+        try:
+            response = await self._http.post(path, json=body, **extra)
+        except httpx.TimeoutException as error:
+            raise EngineError(f"{self.base_url}{path} timed out ({type(error).__name__})") from error
+        except httpx.HTTPError as error:
+            raise EngineError(f"{self.base_url}{path} unreachable: {error!r}") from error
+        if response.status_code >= 500:
+            raise EngineError(f"{self.base_url}{path} failed ({response.status_code}): "
+                              f"{_error_message(response)}")
+        if response.status_code >= 400:
+            raise EngineRequestError(f"{self.base_url}{path} rejected the request "
+                                     f"({response.status_code}): {_error_message(response)}")
+        try:
+            return response.json()
+        except ValueError as error:
+            raise EngineError(f"{self.base_url}{path} answered non-JSON: {response.text[:200]!r}") from error
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float = 1.0,
+                       top_p: float = 1.0, stop_token_ids: list[int] | None = None,
+                       seed: int | None = None) -> Generation:
+        """Continue `prompt_ids` by at most `max_tokens` sampled tokens (temperature 0: greedy)."""
+        if not prompt_ids:
+            raise InvalidArgument("prompt_ids must not be empty")
+        if max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {max_tokens}")
+        body = {
+            "model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens,
+            "temperature": temperature, "top_p": top_p, "stop_token_ids": list(stop_token_ids or []),
+            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        started = time.perf_counter()
+        answer = await self._post("/v1/completions", body)
+        choice = _only_choice(answer)
+        token_logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        return _generation(choice, token_logprobs, time.perf_counter() - started,
+                           choice.get("text") or "")
+
+    async def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float = 1.0,
+                   top_p: float = 1.0, seed: int | None = None) -> Generation:
+        """One chat turn through the server's chat template (ids and log-probs as in generate)."""
+        body = {
+            "model": self.model, "messages": messages, "max_tokens": max_tokens,
+            "temperature": temperature, "top_p": top_p, "logprobs": True, "return_token_ids": True,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        started = time.perf_counter()
+        choice = _only_choice(await self._post("/v1/chat/completions", body))
+        content = (choice.get("logprobs") or {}).get("content") or []
+        text = (choice.get("message") or {}).get("content") or ""
+        return _generation(choice, [entry.get("logprob") for entry in content],
+                           time.perf_counter() - started, text)
+
+    async def load_weights(self, path: str, version: int) -> float:
+        """Swap in the safetensors weight set in directory `path` (as the worker sees it) as
+        `version`, without draining running requests; return the seconds it took."""
+        started = time.perf_counter()
+        body = {"method": LOAD_METHOD, "args": [str(path), str(int(version))],
+                "timeout": self.load_timeout_s}
+        answer = await self._post("/collective_rpc", body, timeout=self.load_timeout_s + 30)
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not results or not all(isinstance(r, dict) for r in results):
+            raise EngineError(f"{self.base_url} answered the weight load with {answer!r}")
+        errors = [r["error"] for r in results if "error" in r]
+        if errors:
+            raise WeightSetError(f"{self.base_url} could not load {path}: {errors[0]}")
+        if any(r.get("version") != version for r in results):
+            raise EngineError(f"{self.base_url} did not confirm version {version}: {answer!r}")
+        return time.perf_counter() - started
+
+    async def policy_version(self) -> int:
+        """The policy version the worker's weights carry (the same on every rank)."""
+        answer = await self._post("/collective_rpc", {"method": VERSION_METHOD})
+        results = answer.get("results") if isinstance(answer, dict) else None
+        try:  # the dev endpoint turns non-container results into strings
+            versions = {int(r) for r in results}
+        except (TypeError, ValueError) as error:
+            raise EngineError(f"{self.base_url} answered a bad version: {answer!r}") from error
+        if len(versions) != 1:
+            raise EngineError(f"{self.base_url} ranks disagree on the version: {answer!r}")
+        return versions.pop()
+
+    async def health(self) -> bool:
+        """True when the server answers /health with 200 (its engine is alive)."""
+        try:
+            return (await self._http.get("/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def models(self) -> list[str]:
+        """The model names the server serves."""
+        try:
+            response = await self._http.get("/v1/models")
+            response.raise_for_status()
+            return [entry["id"] for entry in response.json()["data"]]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
+            raise EngineError(f"{self.base_url}/v1/models failed: {error!r}") from error
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return str(response.json().get("error", {}).get("message") or response.text[:500])
+    except (ValueError, AttributeError):
+        return response.text[:500]
+
+
+def _only_choice(answer: Any) -> dict[str, Any]:
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not choices or not isinstance(choices[0], dict):
+        raise EngineError(f"the worker answered without choices: {str(answer)[:300]}")
+    return choices[0]
+
+
+def _generation(choice: dict[str, Any], logprobs: list[Any] | None, seconds: float,
+                text: str) -> Generation:
+    """Check a choice is a finished, token-exact generation and build it."""
+    token_ids = choice.get("token_ids")
+    reason = choice.get("finish_reason")
+    if reason not in FINISH_REASONS:  # e.g. "abort": the engine dropped the request
+        raise EngineError(f"generation ended with finish_reason={reason!r}")
+    if token_ids is None or logprobs is None or len(token_ids) != len(logprobs):
+        raise EngineError(f"worker returned {len(token_ids or [])} token ids and "
+                          f"{len(logprobs or [])} log-probs; are return_token_ids/logprobs supported?")
+    if any(lp is None for lp in logprobs):
+        raise EngineError("worker returned a token without its log-prob")
+    return Generation([int(t) for t in token_ids], [float(lp) for lp in logprobs], reason,
+                      seconds, text)

@@ -1,0 +1,107 @@
+"""Libra's extension of the vLLM worker: in-place weight reload from a safetensors directory.
+
+vLLM mixes this class into its worker class when the server is started with
+`--worker-extension-cls libra.services.rollout.vllm_ext.LibraWorkerExtension` (see
+`vllm/v1/worker/worker_base.py`: the class is appended to the worker's bases, and a name that
+clashes with a worker attribute is an assertion error, hence the `libra_` prefix). Its methods
+run in the worker process and are reached from outside through the engine's `collective_rpc`,
+which the OpenAI server exposes as `POST /collective_rpc` when `VLLM_SERVER_DEV_MODE=1`:
+
+    gateway ──HTTP──▶ api server ──zmq──▶ engine core ──mq──▶ worker.libra_load_weights(path, v)
+                                          (between two scheduler steps)
+
+The engine core runs a utility call between two scheduler steps, so a reload never drains the
+running requests: they keep their KV cache and their next tokens come from the new weights.
+
+Why not `model.load_weights` alone: on CPU, vLLM repacks linear weights for oneDNN after loading
+(`dispatch_cpu_unquantized_gemm` with `remove_weight=True` leaves `layer.weight` empty and keeps
+the packed copy in a closure). vLLM's layer-wise reload (`Worker.reload_weights` with a weights
+iterator) restores the checkpoint layout, calls the model's `load_weights`, and runs the
+post-load processing again, so it is right on CPU and GPU alike.
+
+This module must not know about HTTP, Redis or the gateway; it only imports what the worker has.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+# Env var through which the launcher tells a fresh worker which policy version it starts with.
+INITIAL_VERSION_ENV = "LIBRA_POLICY_VERSION"
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The `*.safetensors` files of a weight directory, checked to be readable, in name order."""
+    from safetensors import safe_open
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"weight directory {directory} does not exist")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {directory}")
+    for file in files:  # parse every header before the model is touched
+        with safe_open(str(file), framework="pt") as handle:
+            if not list(handle.keys()):
+                raise ValueError(f"{file} holds no tensors")
+    return files
+
+
+def iterate_tensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """Yield (HF name, tensor) from each file, one tensor in memory at a time."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def _check_version(version: int | str) -> int:
+    value = int(version)
+    if value < 0:
+        raise ValueError(f"policy version must be >= 0, got {value}")
+    return value
+
+
+class LibraWorkerExtension:
+    """Methods mixed into vLLM's worker; call them by name through `collective_rpc`."""
+
+    def libra_load_weights(self, path: str, version: int | str) -> dict[str, Any]:
+        """Load the weight set in directory `path` into the running model as `version`.
+
+        Returns {"version", "seconds", "tensors"}, or {"error": message} when the weight set is
+        unusable (no directory, no or unreadable files, bad version): those are found before any
+        layer is touched, so the loaded weights stay as they were, and answering (rather than
+        raising) keeps the server from turning a caller's mistake into a 500. A failure during
+        the reload itself raises. Arguments may arrive as strings (the dev server passes JSON
+        values through as they are).
+        """
+        from safetensors import SafetensorError
+
+        started = time.perf_counter()
+        try:
+            version = _check_version(version)
+            files = safetensors_files(path)
+        except (OSError, ValueError, SafetensorError) as error:
+            return {"error": f"{type(error).__name__}: {error}"}
+        counted: list[str] = []
+
+        def tensors() -> Iterator[tuple[str, Any]]:
+            for name, tensor in iterate_tensors(files):
+                counted.append(name)
+                yield name, tensor
+
+        self.reload_weights(weights_iterator=tensors())  # type: ignore[attr-defined]
+        self.libra_version = version
+        return {"version": version, "seconds": time.perf_counter() - started,
+                "tensors": len(counted)}
+
+    def libra_policy_version(self) -> int:
+        """The policy version of the weights this worker holds now."""
+        if not hasattr(self, "libra_version"):
+            self.libra_version = int(os.environ.get(INITIAL_VERSION_ENV, "0"))
+        return self.libra_version
