@@ -39,7 +39,7 @@ class ProgressPrinter:
             f"step {record.step:>3}/{total} reward {record.mean_reward:.3f} | {record.trajectories} traj "
             f"{record.mean_turns:.1f} turns stale {record.mean_staleness:.2f} rejected {record.rejected_stale} | "
             f"wait {record.wait_seconds:.1f}s train {record.train_seconds:.1f}s sync {record.publish_seconds:.1f}s"
-            f" | v{record.policy_version}")
+            f" | v{record.policy_version} gap {record.behaviour_logprob_gap:.1e} ({record.fresh_sequences} fresh)")
 
     async def follow(self, config: RunConfig) -> None:
         """Print the trainer's status changes and steps until cancelled (reconnects as needed)."""

@@ -70,7 +70,7 @@ def llama_config(model_cfg: ModelConfig, tokenizer: Any) -> Any:
         num_key_value_heads=model_cfg.kv_heads, intermediate_size=model_cfg.intermediate_size,
         max_position_embeddings=model_cfg.max_position, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+        pad_token_id=tokenizer.pad_token_id, dtype="float32",
     )
 
 

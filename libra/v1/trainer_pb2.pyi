@@ -56,7 +56,7 @@ class WatchStepsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., from_step: _Optional[int] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "policy_version", "mean_reward", "loss", "trajectories", "rejected_stale", "mean_staleness", "train_seconds", "wait_seconds", "publish_seconds", "mean_turns", "tokens", "phase", "timestamp", "clip_fraction", "kl")
+    __slots__ = ("step", "policy_version", "mean_reward", "loss", "trajectories", "rejected_stale", "mean_staleness", "train_seconds", "wait_seconds", "publish_seconds", "mean_turns", "tokens", "phase", "timestamp", "clip_fraction", "kl", "behaviour_logprob_gap", "fresh_sequences")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,8 @@ class StepRecord(_message.Message):
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     CLIP_FRACTION_FIELD_NUMBER: _ClassVar[int]
     KL_FIELD_NUMBER: _ClassVar[int]
+    BEHAVIOUR_LOGPROB_GAP_FIELD_NUMBER: _ClassVar[int]
+    FRESH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     step: int
     policy_version: int
     mean_reward: float
@@ -89,7 +91,9 @@ class StepRecord(_message.Message):
     timestamp: float
     clip_fraction: float
     kl: float
-    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., mean_reward: _Optional[float] = ..., loss: _Optional[float] = ..., trajectories: _Optional[int] = ..., rejected_stale: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., train_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., publish_seconds: _Optional[float] = ..., mean_turns: _Optional[float] = ..., tokens: _Optional[int] = ..., phase: _Optional[_Union[TrainerPhase, str]] = ..., timestamp: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ...) -> None: ...
+    behaviour_logprob_gap: float
+    fresh_sequences: int
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., mean_reward: _Optional[float] = ..., loss: _Optional[float] = ..., trajectories: _Optional[int] = ..., rejected_stale: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., train_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., publish_seconds: _Optional[float] = ..., mean_turns: _Optional[float] = ..., tokens: _Optional[int] = ..., phase: _Optional[_Union[TrainerPhase, str]] = ..., timestamp: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., behaviour_logprob_gap: _Optional[float] = ..., fresh_sequences: _Optional[int] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("meta",)

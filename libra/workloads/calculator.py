@@ -183,16 +183,17 @@ class CalculatorWorkload(Workload):
         return ("<calc>", "</calc>", "<result>", "</result>", "<answer>", "</answer>")
 
     def parse_turn(self, text: str) -> Turn:
+        # Reasons are shown to the model inside <result>: they must not contain markup.
         match = _TURN.search(text)
         if match is None:
             if not text.rstrip().endswith(self.stop_strings):
-                return Malformed("turn did not end with </calc> or </answer>")
-            return Malformed("expected <calc>expression</calc> or <answer>number</answer>")
+                return Malformed("turn did not end with a calc call or an answer")
+            return Malformed("expected a calc call or an answer")
         opening, content, closing = match.groups()
         if opening != closing:
-            return Malformed(f"<{opening}> closed by </{closing}>")
+            return Malformed(f"{opening} closed as {closing}")
         if not content.strip():
-            return Malformed(f"empty <{opening}>")
+            return Malformed(f"empty {opening}")
         if opening == "calc":
             return ToolCall(TOOL, content.strip())
         return FinalAnswer(content.strip())
@@ -239,5 +240,5 @@ class CalculatorWorkload(Workload):
         for demonstration in self.demonstrations(count, seed):
             yield "".join(text for text, _ in demonstration)
         for reason in ("unexpected character", "expected a number", "unbalanced parentheses",
-                       "expression too long", "number too large", "timed out", "empty <calc>"):
+                       "expression too long", "number too large", "timed out", "empty calc"):
             yield self.render_tool_result(ToolResult(TOOL, ToolStatus.FAILURE, reason))

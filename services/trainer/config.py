@@ -12,9 +12,9 @@ from libra.configbase import Section
 class WarmupConfig(Section):
     """Supervised warm start on the workload's demonstrations before RL."""
 
-    steps: int = Field(200, ge=0, le=1_000_000, description="SFT optimizer steps (0: skip)")
+    steps: int = Field(250, ge=0, le=1_000_000, description="SFT optimizer steps (0: skip)")
     batch_size: int = Field(32, ge=1, le=65536, description="demonstrations per SFT step")
-    lr: float = Field(3e-3, gt=0, le=1.0, description="SFT learning rate")
+    lr: float = Field(1.5e-3, gt=0, le=1.0, description="SFT peak learning rate (linear ramp, cosine decay)")
 
 
 class TrainerConfig(Section):

@@ -19,7 +19,8 @@ import time
 
 from libra import log as liblog
 from libra.config import RunConfig
-from libra.services.trainer.batches import BatchAssembler, PendingGroup, build_batch
+from libra.services.trainer.backend import TrainBatch, TrainSequence
+from libra.services.trainer.batches import BatchAssembler, PendingGroup, build_batch, generated_versions
 from libra.services.trainer.model_state import ModelState, Position
 from libra.services.trainer.status import TrainerStatus
 from libra.v1 import common_pb2, rollout_pb2, trainer_pb2
@@ -49,10 +50,15 @@ class GrpoLoop:
 
     # -- feeding rollout -------------------------------------------------------------------------
     async def submit(self) -> None:
-        """Top up the groups in flight to the staleness capacity."""
-        capacity = self.cfg.groups_per_step * (self.cfg.max_staleness + 1)
-        in_flight = await self.store.inflight_groups() + len(self.assembler.groups)
-        missing = capacity - in_flight
+        """Submit groups up to the staleness budget (AReaL-style capacity bound).
+
+        Groups submitted while the trainer is at step s are trained at step s + max_staleness at
+        the latest, so at most (max_staleness + s + 1) batches may ever have been submitted
+        (plus replacements of discarded groups).
+        """
+        cfg, position = self.cfg, self.position
+        budget = (cfg.max_staleness + position.step + 1) * cfg.groups_per_step + position.discarded_groups
+        missing = budget - position.data_position
         if missing <= 0:
             return
         start = self.position.data_position
@@ -79,6 +85,7 @@ class GrpoLoop:
             await self._discard(verdicts.rejected, common_pb2.TRAJECTORY_STATUS_REJECTED)
             await self._discard(verdicts.failed, common_pb2.TRAJECTORY_STATUS_FAILED)
             self.rejected_since_step += sum(len(g.members) for g in verdicts.rejected)
+            self.position.discarded_groups += len(verdicts.rejected) + len(verdicts.failed)
         return admitted
 
     async def _discard(self, groups: list[PendingGroup], status: int) -> None:
@@ -96,6 +103,7 @@ class GrpoLoop:
         groups = await self.collect()
         wait_s = time.monotonic() - waited
         batch, stats = build_batch(groups, self.position.version)
+        gap, fresh = await self.behaviour_gap(groups)
         started = time.monotonic()
         metrics = await asyncio.to_thread(self.model.backend.train_step, batch, self.cfg)
         train_s = time.monotonic() - started
@@ -108,9 +116,26 @@ class GrpoLoop:
             mean_staleness=stats.mean_staleness, train_seconds=train_s, wait_seconds=wait_s,
             publish_seconds=publish_s, mean_turns=stats.mean_turns, tokens=stats.tokens,
             phase=trainer_pb2.TRAINER_PHASE_TRAINING, timestamp=time.time(),
-            clip_fraction=metrics.get("clip_fraction", 0.0), kl=metrics.get("kl", 0.0))
+            clip_fraction=metrics.get("clip_fraction", 0.0), kl=metrics.get("kl", 0.0),
+            behaviour_logprob_gap=gap, fresh_sequences=fresh)
         self.rejected_since_step = 0
         return record
+
+    async def behaviour_gap(self, groups: list[PendingGroup]) -> tuple[float, int]:
+        """Mean |trainer - rollout| log-prob on sequences sampled entirely by the current weights."""
+        fresh = [t for g in groups for t in g.trajectories()
+                 if set(generated_versions(t)) == {self.position.version}]
+        if not fresh:
+            return 0.0, 0
+        batch = TrainBatch([TrainSequence(list(t.token_ids), t.prompt_length, list(t.loss_mask), list(t.logprobs), 0.0)
+                            for t in fresh])
+        ours = await asyncio.to_thread(self.model.backend.compute_logprobs, batch)
+        total = count = 0.0
+        for traj, logprobs in zip(fresh, ours):
+            for mine, theirs, mask in zip(logprobs.tolist(), traj.logprobs, traj.loss_mask):
+                if mask:
+                    total, count = total + abs(mine - theirs), count + 1
+        return (total / count if count else 0.0), len(fresh)
 
     async def publish(self, version: int) -> float:
         """Publish the weights as `version` and load them on every rollout worker (no drain)."""

@@ -36,6 +36,7 @@ class Position:
     step: int = 0
     version: int = 0
     data_position: int = 0
+    discarded_groups: int = 0  # rejected (stale) or failed groups, replaced by new submissions
     used_entries: list[str] = field(default_factory=list)  # stream entries used since the last checkpoint
 
 
@@ -59,7 +60,8 @@ class ModelState:
         checkpoint = self.latest_checkpoint()
         if checkpoint is not None:
             extra = await asyncio.to_thread(self.backend.load_checkpoint, str(checkpoint))
-            position = Position(step=extra["step"], version=extra["version"], data_position=extra["data_position"])
+            position = Position(step=extra["step"], version=extra["version"], data_position=extra["data_position"],
+                                discarded_groups=extra.get("discarded_groups", 0))
             acked = await self.store.ack_completed(list(extra.get("used_entries", [])))
             _log.info("resumed", checkpoint=str(checkpoint), step=position.step, acked_entries=acked)
         return position
@@ -111,7 +113,7 @@ class ModelState:
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         path = self.checkpoints / f"step{position.step}.pt"
         extra = {"step": position.step, "version": position.version, "data_position": position.data_position,
-                 "used_entries": list(position.used_entries)}
+                 "discarded_groups": position.discarded_groups, "used_entries": list(position.used_entries)}
         await asyncio.to_thread(self.backend.save_checkpoint, str(path), extra)
         await self.store.ack_completed(list(position.used_entries))
         position.used_entries.clear()

@@ -132,8 +132,10 @@ class TrainerService(Service):
         return P.StepManifest(step=step, membership_epoch=0, active_replicas=[MEMBER_ID], acknowledged_by=[MEMBER_ID])
 
     async def drain(self) -> None:
-        async with self._step_lock:  # let a step in progress commit
-            pass
+        """Let a step in progress commit, then checkpoint what is not yet (so a restart loses nothing)."""
+        async with self._step_lock:
+            if self.loop is not None and self.loop.position.used_entries:
+                await self.loop.model.checkpoint(self.loop.position)
 
     async def close(self) -> None:
         for chan in self._channels:
