@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 
 from libra import log as liblog
-from libra.v1 import common_pb2, elastic_pb2, elastic_pb2_grpc
+from libra.v1 import common_pb2, elastic_pb2, elastic_pb2_grpc, scheduler_pb2
 
 _log = liblog.get("libra.rollout")
 
@@ -30,6 +30,16 @@ class Membership:
         await self.elastic.RegisterMember(elastic_pb2.RegisterMemberRequest(meta=self._meta(), member=member),
                                           timeout=10)
         _log.info("worker joined", worker=worker.worker_id, bucket=worker.bucket, address=info.address)
+
+    async def forget_others(self) -> list[str]:
+        """Deregister workers the scheduler still knows from an earlier gateway (a restart)."""
+        stats = await self.router.stub.GetStats(scheduler_pb2.GetStatsRequest(run_id=self.run_id), timeout=10)
+        stale = [w.worker_id for w in stats.workers if w.worker_id not in self.pool.workers]
+        for worker_id in stale:
+            await self.router.deregister(worker_id)
+        if stale:
+            _log.info("deregistered workers of an earlier gateway", workers=stale)
+        return stale
 
     async def leave(self, worker, reason: str) -> None:
         await self.router.deregister(worker.worker_id)

@@ -17,7 +17,7 @@ import time
 
 from libra import log as liblog
 from libra.config import RunConfig
-from libra.errors import FailedPrecondition, InvalidArgument, Unavailable
+from libra.errors import FailedPrecondition, InvalidArgument, LibraError
 from libra.plans import Bucket, Plan, from_proto
 from libra.rpc import channel, retry_until, wait_for_peers
 from libra.runtime import Service, serve as run_service
@@ -77,6 +77,7 @@ class RolloutService(Service):
                                   stop_token_ids(tokenizer, workload) + [tokenizer.eos_token_id], self.config.seed)
         self.runner.on_turn = self._record_turn
         await self._start_plan(plan, path, version)
+        await self.membership.forget_others()
         await self._recover()
 
     async def _wait_for_weights(self) -> tuple[int, str]:
@@ -176,7 +177,7 @@ class RolloutService(Service):
             await self.store.put_trajectory(traj)
             try:
                 traj = await self.runner.play(traj)
-            except (Unavailable, asyncio.TimeoutError) as error:
+            except (LibraError, asyncio.TimeoutError) as error:  # the trajectory fails, the gateway goes on
                 traj.status, traj.error, traj.finished_at = T.TRAJECTORY_STATUS_FAILED, str(error), time.time()
                 self.counters["failed"] += 1
                 _log.warning("trajectory failed", trajectory_id=tid, error=str(error))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from libra import log as liblog
-from libra.errors import NotFound
+from libra.errors import NotFound, Unavailable
 from libra.plans import Plan
 from libra.redis_server import free_port
 from libra.services.rollout.config import WorkerConfig
@@ -88,7 +88,10 @@ class WorkerPool:
 
     async def generate(self, worker_id: str, prompt_ids: list[int], max_tokens: int, seed: int, sampling: dict,
                        stop_ids: list[int]) -> Any:
-        worker = self.get(worker_id)
+        worker = self.workers.get(worker_id)
+        if worker is None or worker.state != common_pb2.WORKER_STATE_SERVING:
+            # routed to a worker this gateway does not serve (any more): the runner retries elsewhere
+            raise Unavailable(f"worker {worker_id!r} is not serving on this gateway")
         worker.inflight += 1
         try:
             return await worker.client.generate(prompt_ids, max_tokens=max_tokens, temperature=sampling["temperature"],

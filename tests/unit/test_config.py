@@ -70,3 +70,9 @@ def test_control_plane_imports_without_torch_or_vllm():
             "sys.exit(1 if heavy else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_configuration_reference_is_up_to_date():
+    result = subprocess.run([sys.executable, "scripts/config_docs.py", "--check"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
