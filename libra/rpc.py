@@ -19,7 +19,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from libra import log as liblog
-from libra.errors import status_code
+from libra.errors import FailedPrecondition, status_code
 
 _log = liblog.get("libra.rpc")
 
@@ -92,9 +92,13 @@ class ServiceHost:
 
     async def start(self) -> int:
         host, port = self._requested
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"{self.name}: cannot bind {host}:{port} (port in use?)")
+            raise FailedPrecondition(f"{self.name}: cannot listen on {host}:{port}: the port is in use; stop what "
+                                     f"holds it or give this service another port (--port or addresses.{self.name})")
         await self.server.start()
         await self.set_serving(False)
         return self.port

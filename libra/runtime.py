@@ -22,6 +22,7 @@ import signal
 from typing import Any
 
 from libra import log as liblog
+from libra.errors import FailedPrecondition
 from libra.rpc import ServiceHost
 
 _log = liblog.get("libra.runtime")
@@ -135,4 +136,8 @@ async def _serve(service: Service, port: int, metrics_port: int) -> int:
 
 def serve(service: Service, port: int, metrics_port: int = 0) -> int:
     """Run a service until SIGTERM/SIGINT or until its main loop ends; return the exit code."""
-    return asyncio.run(_serve(service, port, metrics_port))
+    try:
+        return asyncio.run(_serve(service, port, metrics_port))
+    except FailedPrecondition as error:  # cannot start at all (port taken): say why, exit 2
+        _log.error("cannot start", service=service.name, error=str(error))
+        return 2

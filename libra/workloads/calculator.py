@@ -225,11 +225,16 @@ class CalculatorWorkload(Workload):
     def demonstrations(self, count: int, seed: int) -> list[list[Segment]]:
         # A stream of its own ("demo"), so demonstrations are not the prompt set itself.
         rng = random.Random(f"calculator-demo:{self.config.seed}:{seed}")
-        return [self._demonstration(draw_problem(rng, self.config)) for _ in range(count)]
+        return [self._demonstration(draw_problem(rng, self.config), rng.random() < self.config.direct_answer_fraction)
+                for _ in range(count)]
 
-    def _demonstration(self, problem: Problem) -> list[Segment]:
+    def _demonstration(self, problem: Problem, direct: bool = False) -> list[Segment]:
         steps = problem.steps()
         segments: list[Segment] = [(prompt_text(problem), False)]
+        if direct:
+            # Answering without the tool: right in the demonstration, but a tiny model cannot do
+            # the arithmetic itself, so this habit earns little reward and RL learns to call the tool.
+            return segments + [(f"<answer>{steps[-1][1]}</answer>", True)]
         for call, value in steps:
             segments.append((f"<calc>{call}</calc>", True))
             segments.append((self.render_tool_result(ToolResult(TOOL, ToolStatus.SUCCESS, str(value))), False))

@@ -18,6 +18,9 @@ class CalculatorConfig(Section):
     max_operand: int = Field(99, ge=1, le=10**9, description="largest operand")
     max_operations: int = Field(2, ge=1, le=8, description="operations per problem (each needs one tool call)")
     seed: int = Field(0, ge=0, description="seed of the prompt set")
+    direct_answer_fraction: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="share of warm-start demonstrations that answer at once, without the tool (a habit RL must unlearn)")
 
     @model_validator(mode="after")
     def _range(self) -> "CalculatorConfig":
