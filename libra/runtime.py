@@ -34,6 +34,10 @@ class Service(abc.ABC):
     name: str = "service"
     #: drain budget on SIGTERM; everything must be down within drain_s + 5 s
     drain_s: float = 10.0
+    #: False: the service answers RPCs right after start() but reports SERVING itself, through
+    #: `set_health`, once its peers are up (the trainer shows its warm-up progress meanwhile)
+    ready_after_start: bool = True
+    set_health: Any = None
 
     @abc.abstractmethod
     def service_names(self) -> list[str]:
@@ -64,6 +68,7 @@ class RunningService:
         self.service = service
         self.host = ServiceHost(service.name, service.service_names(), port, host)
         service.register(self.host.server)
+        service.set_health = self.host.set_serving
         self.port = 0
         self._main: asyncio.Task | None = None
 
@@ -85,7 +90,8 @@ class RunningService:
 
     async def _lifecycle(self) -> None:
         await self.service.start()
-        await self.host.set_serving(True)
+        if self.service.ready_after_start:
+            await self.host.set_serving(True)
         self.ready.set()
         _log.info("serving", service=self.service.name, port=self.port)
         await self.service.run()

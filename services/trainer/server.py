@@ -30,6 +30,7 @@ MEMBER_ID = "trainer-0"
 class TrainerService(Service):
     name = "trainer"
     drain_s = 30.0
+    ready_after_start = False  # health turns SERVING once rollout and elastic answer
 
     def __init__(self, config: RunConfig):
         self.config = config
@@ -92,6 +93,7 @@ class TrainerService(Service):
                               "elastic": self.config.address_of("elastic")})
         await self._register_member()
         await self.loop.publish_to_workers(version)
+        await self.set_health(True)
 
     async def _register_member(self) -> None:
         stub = self._stub(elastic_pb2_grpc.ElasticCoordinatorStub, "elastic")

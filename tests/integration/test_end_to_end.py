@@ -86,7 +86,10 @@ def test_libra_up_trains_publishes_survives_a_dead_worker_and_resumes(tmp_path, 
 
     second = _up(config, redis_url, run_id, run_dir, steps=6)  # same Redis, same run dir: resume
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "step   5/6" in second.stdout and "step   1/6" not in second.stdout
+    assert "step   6/6" in second.stdout
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert '"event": "resumed"' in trainer_log and '"step": 4' in trainer_log  # from the step-4 checkpoint
+    assert trainer_log.count('"event": "warm start done"') == 1  # the model was not created again
     asyncio.run(_check_state(redis_url, run_id, steps=6))
 
 
@@ -106,7 +109,9 @@ async def _check_state(redis_url: str, run_id: str, steps: int) -> None:
         assert version >= steps + 1
         for v in range(2, steps + 2):
             assert await store.worker_acks(v), f"no worker acknowledged policy version {v}"
-        assert await store.pending_count() == 0  # every used entry acked at a checkpoint
+        # entries delivered but unacked belong to groups still incomplete when the run ended; they
+        # are handed out again after a restart. What a step used was acked at its checkpoint:
+        assert await store.pending_count() <= await store.completed_length() - steps * GROUPS * SAMPLES
         consumed = 0
         for index in range(400):
             try:
