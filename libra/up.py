@@ -25,7 +25,7 @@ from libra.progress import ProgressPrinter
 from libra.redis_server import PrivateRedis
 
 START_ORDER = ("planner", "elastic", "scheduler", "rollout", "trainer")
-STOP_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 40.0  # per service: its drain budget plus shutdown
 
 
 def _check_ports(config: RunConfig) -> None:
@@ -89,17 +89,21 @@ class Children:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> None:
+        """SIGTERM one service at a time in reverse start order, so each drains while the
+        services it talks to are still up (trainer checkpoints, rollout finishes its turns)."""
         for name in reversed(list(self.procs)):
             proc = self.procs[name]
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for proc in self.procs.values():
             try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            try:  # whatever the service left in its process group (e.g. engine processes)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 async def _watch(config: RunConfig, children: Children, printer: ProgressPrinter) -> int:

@@ -17,6 +17,8 @@ import asyncio
 import hashlib
 import time
 
+from prometheus_client import Gauge, Histogram
+
 from libra import log as liblog
 from libra.config import RunConfig
 from libra.services.trainer.backend import TrainBatch, TrainSequence
@@ -27,6 +29,12 @@ from libra.v1 import common_pb2, rollout_pb2, trainer_pb2
 
 _log = liblog.get("libra.trainer")
 CONSUMER = "trainer-0"
+STEP = Gauge("libra_trainer_step", "last committed training step")
+VERSION = Gauge("libra_trainer_policy_version", "policy version of the trainer's weights")
+REWARD = Gauge("libra_trainer_mean_reward", "mean reward of the last batch")
+GAP = Gauge("libra_trainer_behaviour_logprob_gap", "mean |trainer - rollout| log-prob on fresh sequences")
+STEP_SECONDS = Histogram("libra_trainer_step_seconds", "phases of a step", ["phase"],
+                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
 
 
 def prompt_for(position: int, num_prompts: int, seed: int) -> int:
@@ -165,6 +173,13 @@ class GrpoLoop:
         if record.step % self.cfg.checkpoint_every == 0 or record.step == self.cfg.steps:
             await self.model.checkpoint(self.position)
         await self.status.add_record(record)
+        STEP.set(record.step)
+        VERSION.set(record.policy_version)
+        REWARD.set(record.mean_reward)
+        if record.fresh_sequences:
+            GAP.set(record.behaviour_logprob_gap)
+        for phase in ("wait", "train", "publish"):
+            STEP_SECONDS.labels(phase).observe(getattr(record, f"{phase}_seconds"))
         _log.info("step", step=record.step, reward=round(record.mean_reward, 4), version=record.policy_version,
                   wait_s=round(record.wait_seconds, 2), train_s=round(record.train_seconds, 2))
         return record
