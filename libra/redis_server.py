@@ -33,7 +33,19 @@ class PrivateRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> "PrivateRedis":
+    def start(self, timeout_s: float = 10.0, attempts: int = 3) -> "PrivateRedis":
+        """Start and wait for PONG; a port taken meanwhile by someone else means another try."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout_s)
+            except FailedPrecondition:
+                if attempt == attempts - 1 or shutil.which("redis-server") is None:
+                    raise
+                self.stop()
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout_s: float) -> "PrivateRedis":
         binary = shutil.which("redis-server")
         if binary is None:
             raise FailedPrecondition(INSTALL_HINT)

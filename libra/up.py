@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 from libra.config import SERVICES, RunConfig
 from libra.errors import FailedPrecondition

@@ -14,52 +14,14 @@ import asyncio
 import os
 import re
 import shutil
-import socket
-import subprocess
-import time
 import uuid
 from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 import pytest
 
+from libra.redis_server import INSTALL_HINT, PrivateRedis
+
 T = TypeVar("T")
-INSTALL_HINT = ("redis-server is needed by the service and integration tests: install it "
-                "(`apt-get install redis-server`, `brew install redis`, or `conda install -c conda-forge "
-                "redis`) or point LIBRA_TEST_REDIS_URL at a Redis you can flush keys in")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _answers_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
-            conn.sendall(b"PING\r\n")
-            return conn.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-def _start_redis(binary: str, workdir: str) -> tuple[subprocess.Popen, int]:
-    """Start redis-server on a free port; retry with another port if one was taken meanwhile."""
-    for _ in range(3):
-        port = _free_port()
-        with open(os.path.join(workdir, f"redis-{port}.log"), "wb") as log:
-            process = subprocess.Popen(
-                [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "",
-                 "--appendonly", "no", "--daemonize", "no"], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and process.poll() is None:
-            if _answers_ping(port):
-                return process, port
-            time.sleep(0.02)
-        process.kill()
-        process.wait()
-    pytest.fail(f"redis-server did not start; see the logs in {workdir}")
-
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -68,20 +30,13 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if external:
         yield external
         return
-    binary = shutil.which("redis-server") or ("/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server")
-                                               else None)
-    if binary is None:
+    if shutil.which("redis-server") is None:
         pytest.fail(INSTALL_HINT)
-    process, port = _start_redis(binary, str(tmp_path_factory.mktemp("redis")))
+    server = PrivateRedis(tmp_path_factory.mktemp("redis")).start()
     try:
-        yield f"redis://127.0.0.1:{port}/0"
+        yield server.url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        server.stop()
 
 
 @pytest.fixture

