@@ -174,3 +174,41 @@ def test_missing_redis_url_exits_2_naming_redis_url(tmp_path: pathlib.Path) -> N
     result = _libra("serve", "planner", "--config", str(config), "--port", str(free_port()))
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "redis.url" in result.stderr, result.stderr
+
+
+@needs_grpcurl
+def test_every_service_answers_grpcurl_while_its_peers_are_missing(tmp_path: pathlib.Path, redis_url: str,
+                                                                    run_id: str) -> None:
+    """Each of the five services, started alone, lists its service; the ones with missing peers
+    (rollout waits for planner/scheduler/elastic, trainer for its model and rollout) say NOT_SERVING."""
+    ports = {name: free_port() for name in ("planner", "scheduler", "rollout", "trainer", "elastic")}
+    tree = {"run_id": run_id, "run_dir": str(tmp_path / "run"), "metrics": {"base_port": 0},
+            "addresses": {name: f"127.0.0.1:{free_port()}" for name in ports}}  # peers: nothing listens
+    config = _write_config(tmp_path / "alone.yaml", tree)
+    expected = {"planner": "Planner", "scheduler": "Scheduler", "rollout": "Rollout", "trainer": "Trainer",
+                "elastic": "ElasticCoordinator"}
+    processes = {}
+    try:
+        for name, port in ports.items():
+            processes[name] = subprocess.Popen(
+                [sys.executable, "-m", "libra.cli", "serve", name, "--config", str(config), "--redis-url",
+                 redis_url, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                env=_clean_env())
+        for name, port in ports.items():
+            deadline, listed = time.monotonic() + READY_S, None
+            while time.monotonic() < deadline:
+                listed = grpcurl("-plaintext", f"127.0.0.1:{port}", "list")
+                if listed.returncode == 0:
+                    break
+                time.sleep(0.2)
+            assert listed is not None and f"libra.v1.{expected[name]}" in listed.stdout, (name, listed)
+        health = grpcurl("-plaintext", f"127.0.0.1:{ports['rollout']}", "grpc.health.v1.Health/Check")
+        assert "NOT_SERVING" in health.stdout, health.stdout + health.stderr
+    finally:
+        for process in processes.values():
+            process.send_signal(signal.SIGTERM)
+        for process in processes.values():
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
