@@ -16,6 +16,7 @@ import asyncio
 import pathlib
 import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -46,6 +47,7 @@ class ModelState:
         self.root = config.run_path
         self.base_dir = self.root / "model" / "base"
         self.checkpoints = self.root / "checkpoints"
+        self.stopping = threading.Event()  # set on SIGTERM: the warm start stops at its next step
 
     def latest_checkpoint(self) -> pathlib.Path | None:
         found = [(int(m.group(1)), p) for p in self.checkpoints.glob("step*.pt") if (m := CHECKPOINT_RE.match(p.name))]
@@ -82,6 +84,8 @@ class ModelState:
         loop = asyncio.get_running_loop()
 
         def progress(step: int, loss: float) -> None:
+            if self.stopping.is_set():
+                raise InterruptedError("warm start interrupted by shutdown; it restarts from scratch next time")
             if step % 20 == 0 or step == warm.steps:
                 asyncio.run_coroutine_threadsafe(on_warmup(f"{step}/{warm.steps} loss {loss:.3f}"), loop)
 

@@ -38,6 +38,7 @@ class TrainerService(Service):
         self.status = TrainerStatus(config.trainer.steps)
         self.store = None
         self.loop: GrpoLoop | None = None
+        self.model: ModelState | None = None
         self._channels: list = []
         self._resume = asyncio.Event()
         self._resume.set()
@@ -76,7 +77,8 @@ class TrainerService(Service):
         await self.status.set(P.TRAINER_PHASE_WAITING_FOR_PEERS, "redis")
         self.store = await connect_store(self.config.redis.url, self.run_id)
         await self.status.set(P.TRAINER_PHASE_WARMUP, "")
-        model = ModelState(self.config, TorchBackend(self.config.trainer, seed=self.config.seed), self.store)
+        model = self.model = ModelState(self.config, TorchBackend(self.config.trainer, seed=self.config.seed),
+                                        self.store)
         position = await model.prepare(lambda detail: self.status.set(detail=detail))
         rollout = self._stub(rollout_pb2_grpc.RolloutStub, "rollout")
         workload = build_workload(self.config.workload)
@@ -135,6 +137,8 @@ class TrainerService(Service):
 
     async def drain(self) -> None:
         """Let a step in progress commit, then checkpoint what is not yet (so a restart loses nothing)."""
+        if self.model is not None:
+            self.model.stopping.set()
         async with self._step_lock:
             if self.loop is not None and self.loop.position.used_entries:
                 await self.loop.model.checkpoint(self.loop.position)
