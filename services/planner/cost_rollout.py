@@ -1,0 +1,235 @@
+"""Rollout cost model: how long a TP-sharded inference instance takes to serve a trace.
+
+Owns the per-TP instance model (weights, KV cache and capacity, prefill and decode times) and the
+trace assignment that turns a multiset of instances into a makespan. Units are explicit: bytes and
+seconds, and "per GPU" means one GPU of a TP group. Pure: no clock, no network, no randomness.
+
+KV sharding across TP (vLLM's rule): with tp <= kv_heads each GPU holds kv_heads/tp heads; with
+tp > kv_heads each KV head is replicated tp/kv_heads times, so every GPU holds exactly one head.
+Hence doubling TP at most halves the KV bytes per token per GPU, and beyond kv_heads it stops
+helping. (The instance's token capacity can still more than double, because the weights per GPU
+shrink too and free memory for the cache.)
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from pydantic import Field
+
+from libra.configbase import Section
+from libra.errors import InvalidArgument
+from libra.services.planner.hardware import GpuSpec, ModelSpec
+
+
+class Infeasible(InvalidArgument):
+    """A candidate cannot run at all (out of memory, a request that fits nowhere, bad sharding)."""
+
+
+class RolloutEfficiency(Section):
+    """Calibrated fractions of the datasheet peaks that inference reaches."""
+
+    prefill_mfu: float = Field(0.5, gt=0, le=1, description="fraction of BF16 peak during prefill")
+    decode_bw: float = Field(0.7, gt=0, le=1, description="fraction of HBM bandwidth during decode")
+    comm: float = Field(0.7, gt=0, le=1, description="fraction of link bandwidth all-reduce reaches")
+    allreduce_latency_s: float = Field(10e-6, ge=0, le=1e-2, description="fixed cost of one all-reduce")
+    memory_fraction: float = Field(0.9, gt=0, le=1, description="share of GPU memory the engine may use")
+    reserve_gib: float = Field(2.0, ge=0, le=64, description="per-GPU activations and workspace, GiB")
+    max_seqs: int = Field(256, ge=1, le=65536, description="most sequences one instance decodes at once")
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One rollout instance of TP degree `tp`, in per-GPU and per-instance units."""
+
+    tp: int
+    weight_bytes_per_gpu: float
+    kv_bytes_per_token_per_gpu: float
+    kv_capacity_tokens: int  # tokens of KV the whole instance holds at once
+    model: ModelSpec
+    gpu: GpuSpec
+    eff: RolloutEfficiency
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """Compute-bound: 2 * active_params * tokens over the group's effective FLOP/s."""
+        flops = 2.0 * self.model.active_params * tokens
+        return flops / (self.tp * self.gpu.bf16_tflops * 1e12 * self.eff.prefill_mfu)
+
+    def decode_step_seconds(self, batch: int, context_tokens: float) -> float:
+        """Bandwidth-bound: weights read + KV read per GPU over HBM, plus 2 all-reduces per layer."""
+        weights = self.weight_bytes_per_gpu * _expert_read_fraction(self.model, batch)
+        kv = context_tokens * self.kv_bytes_per_token_per_gpu
+        memory = (weights + kv) / (self.gpu.hbm_gbps * 1e9 * self.eff.decode_bw)
+        return memory + 2 * self.model.layers * self.allreduce_seconds(batch)
+
+    def allreduce_seconds(self, batch: int) -> float:
+        """Ring all-reduce of one hidden-state activation (batch x hidden, bf16) across the group."""
+        if self.tp == 1:
+            return 0.0
+        payload = batch * self.model.hidden_size * 2.0
+        wire = 2.0 * (self.tp - 1) / self.tp * payload
+        return self.eff.allreduce_latency_s + wire / (self.gpu.link_bytes_per_s(self.tp) * self.eff.comm)
+
+
+def _expert_read_fraction(model: ModelSpec, batch: int) -> float:
+    """Share of the weights a decode step reads: every dense weight, and the experts some token hit."""
+    if not model.experts:
+        return 1.0
+    touched = 1.0 - (1.0 - model.active_experts / model.experts) ** batch
+    expert = model.layers * (model.mlp_params - model.hidden_size * model.experts)
+    dense = model.total_params - expert
+    return (dense + expert * touched) / model.total_params
+
+
+def kv_heads_per_gpu(model: ModelSpec, tp: int) -> int:
+    """KV heads one GPU stores; raises `Infeasible` for a TP degree the heads cannot be split over."""
+    if model.heads % tp:
+        raise Infeasible(f"tp {tp} does not divide {model.name}'s {model.heads} attention heads")
+    if tp <= model.kv_heads:
+        if model.kv_heads % tp:
+            raise Infeasible(f"tp {tp} does not divide {model.name}'s {model.kv_heads} kv heads")
+        return model.kv_heads // tp
+    if tp % model.kv_heads:
+        raise Infeasible(f"tp {tp} is not a multiple of {model.name}'s {model.kv_heads} kv heads")
+    return 1  # replicated: one head per GPU
+
+
+def instance(model: ModelSpec, gpu: GpuSpec, tp: int, eff: RolloutEfficiency) -> Instance:
+    """The instance model for one TP degree; `Infeasible` if the weights leave no room for KV."""
+    if tp > gpu.gpus_per_node:
+        raise Infeasible(f"tp {tp} exceeds the {gpu.gpus_per_node} GPUs of one node")
+    weights = model.weight_bytes / tp
+    kv_per_token = 2.0 * model.layers * kv_heads_per_gpu(model, tp) * model.head_dim * model.kv_bytes_per_value
+    free = gpu.memory_bytes * eff.memory_fraction - eff.reserve_gib * 1024 ** 3 - weights
+    if free <= 0:
+        raise Infeasible(f"{model.name} at tp {tp} needs {weights / 2**30:.1f} GiB of weights per GPU; "
+                         f"{gpu.name} leaves no room for a KV cache")
+    return Instance(tp, weights, kv_per_token, int(free // kv_per_token), model, gpu, eff)
+
+
+class _Load(NamedTuple):
+    """Requests assigned to one instance so far, summarised for the finish-time estimate."""
+
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    context_sum: float = 0.0  # sum over requests of mean context while decoding
+    longest_output: int = 0
+    requests: int = 0
+
+
+class _Costs:
+    """One instance's finish-time estimate with its constants folded (the greedy's hot loop).
+
+    Continuous batching: prefills are serialised (sum of their times). Decode runs at a steady
+    batch b = the number of requests, capped by `max_seqs` and by how many mean-size contexts fit
+    in the KV cache; it needs max(longest output, total output / b) steps, each costing
+    `Instance.decode_step_seconds(b, b * mean context)`.
+    """
+
+    def __init__(self, inst: Instance):
+        model, bandwidth = inst.model, inst.gpu.hbm_gbps * 1e9 * inst.eff.decode_bw
+        self.capacity, self.max_seqs = inst.kv_capacity_tokens, inst.eff.max_seqs
+        self.prefill_per_token = inst.prefill_seconds(1)
+        self.weight_s = inst.weight_bytes_per_gpu / bandwidth
+        self.kv_s = inst.kv_bytes_per_token_per_gpu / bandwidth
+        self.comm_fixed = 2 * model.layers * inst.allreduce_seconds(0) if inst.tp > 1 else 0.0
+        self.comm_per_seq = 2 * model.layers * (inst.allreduce_seconds(1) - inst.allreduce_seconds(0))
+        self.inst = inst
+
+    def finish(self, load: _Load) -> float:
+        prefill_s, decode_tokens, context_sum, longest, requests = load
+        if not requests:
+            return 0.0
+        mean_context = context_sum / requests
+        batch = max(1, min(requests, self.max_seqs, int(self.capacity // max(mean_context, 1.0))))
+        steps = max(longest, -(-decode_tokens // batch))
+        fraction = _expert_read_fraction(self.inst.model, batch) if self.inst.model.experts else 1.0
+        step = (self.weight_s * fraction + self.kv_s * batch * mean_context
+                + self.comm_fixed + self.comm_per_seq * batch)
+        return prefill_s + steps * step
+
+    def added(self, load: _Load, prompt: int, output: int) -> _Load:
+        return _Load(load[0] + self.prefill_per_token * prompt, load[1] + output,
+                     load[2] + prompt + output / 2.0, max(load[3], output), load[4] + 1)
+
+
+def finish_seconds(inst: Instance, load: _Load) -> float:
+    """When an instance finishes the requests summarised by `load` (see `_Costs`)."""
+    return _Costs(inst).finish(load)
+
+
+def rollout_time(trace: Sequence[tuple[int, int]], instances: Sequence[Instance],
+                 cutoff: float = math.inf, allow_idle: bool = False) -> float:
+    """Makespan of serving `trace` [(prompt tokens, output tokens)] on `instances`.
+
+    `allow_idle=False` is the plain greedy below. Like every list-scheduling rule it has Graham's
+    anomalies: one more instance can, rarely, lengthen the greedy makespan a little. `allow_idle=True`
+    returns the best greedy over every sub-fleet (idle instances allowed), which is monotone by
+    construction: more instances never increase it. It costs one greedy per sub-fleet count vector,
+    so it is for small fleets (at most `IDLE_LATTICE_LIMIT` count vectors).
+
+    Requests go longest-first (prompt + output) to the instance whose estimated finish after taking
+    the request is earliest, among instances whose KV cache can hold the whole request. Instances of
+    one TP degree are identical, so only the least-loaded of each degree is a candidate (one heap per
+    degree). Returns `math.inf` as soon as any finish reaches `cutoff` (used for pruning).
+    """
+    if allow_idle:
+        return _best_sub_fleet(trace, instances, cutoff)
+    return _greedy(trace, instances, cutoff)
+
+
+IDLE_LATTICE_LIMIT = 4096
+
+
+def _best_sub_fleet(trace: Sequence[tuple[int, int]], instances: Sequence[Instance], cutoff: float) -> float:
+    kinds = {inst.tp: inst for inst in instances}
+    tps = sorted(kinds)
+    counts = [sum(1 for inst in instances if inst.tp == tp) for tp in tps]
+    if math.prod(c + 1 for c in counts) > IDLE_LATTICE_LIMIT:
+        raise InvalidArgument(f"allow_idle over {len(instances)} instances is too large a lattice")
+    best = math.inf
+    for vector in itertools.product(*(range(c + 1) for c in counts)):
+        fleet = [kinds[tp] for tp, n in zip(tps, vector) for _ in range(n)]
+        if fleet:
+            try:
+                best = min(best, _greedy(trace, fleet, min(cutoff, best)))
+            except Infeasible:
+                continue
+    if best == math.inf and cutoff == math.inf:
+        _greedy(trace, instances, cutoff)  # every sub-fleet failed: raise the full fleet's reason
+    return best
+
+
+def _greedy(trace: Sequence[tuple[int, int]], instances: Sequence[Instance], cutoff: float) -> float:
+    if not instances:
+        raise Infeasible("no rollout instances")
+    by_tp: dict[int, tuple[_Costs, list]] = {}
+    for index, inst in enumerate(instances):
+        if inst.tp not in by_tp:
+            by_tp[inst.tp] = (_Costs(inst), [])
+        by_tp[inst.tp][1].append((0.0, index, _Load()))
+    classes = list(by_tp.values())
+    makespan = 0.0
+    for prompt, output in sorted(trace, key=lambda r: r[0] + r[1], reverse=True):
+        best = None
+        for costs, heap in classes:
+            if prompt + output > costs.capacity:
+                continue
+            load = costs.added(heap[0][2], prompt, output)
+            finish = costs.finish(load)
+            if best is None or finish < best[0]:
+                best = (finish, heap, load)
+        if best is None:
+            raise Infeasible(f"a request of {prompt}+{output} tokens fits the KV cache of no instance "
+                             f"(largest holds {max(i.kv_capacity_tokens for i in instances)} tokens)")
+        finish, heap, load = best
+        heapq.heapreplace(heap, (finish, heap[0][1], load))
+        if finish > makespan:
+            makespan = finish
+            if makespan >= cutoff:
+                return math.inf
+    return makespan

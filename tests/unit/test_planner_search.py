@@ -1,0 +1,136 @@
+"""The planner's allocation search: same optimum as brute force on small clusters, and its filters."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from libra.services.planner import cost_rollout as cr
+from libra.services.planner import cost_train as ct
+from libra.services.planner.cost_rollout import Infeasible
+from libra.services.planner.hardware import GpuSpec, gpu_named, model_named
+from libra.services.planner.search import SearchConfig, multisets, search
+
+
+def _trace(seed: int, prompts: int, group: int, output_mu: float = 6.5) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    return [(p, int(rng.lognormvariate(output_mu, 1.0)) + 1)
+            for p in (rng.randint(50, 3000) for _ in range(prompts)) for _ in range(group)]
+
+
+def _small_node(gpus_per_node: int) -> GpuSpec:
+    return GpuSpec(**{**gpu_named("h100-80g").model_dump(), "gpus_per_node": gpus_per_node, "name": "h100-small"})
+
+
+def brute_force(model, gpu, trace, config: SearchConfig) -> list[float]:
+    """Every (layout, rollout multiset) pair, written independently of `search`: sorted objectives,
+    one per training layout (with its best rollout multiset of at most the remaining GPUs)."""
+    batch = len(trace)
+    seq_len = max(1, round(sum(p + o for p, o in trace) / batch))
+    total = config.total_gpus
+    node = gpu.gpus_per_node if config.whole_nodes and total >= gpu.gpus_per_node else 1
+    kinds = {}
+    for tp in config.tp_choices:
+        try:
+            if gpu.gpus_per_node % tp == 0:
+                kinds[tp] = cr.instance(model, gpu, tp, config.rollout)
+        except Infeasible:
+            pass
+
+    def best_rollout(gpus: int) -> float:
+        best = math.inf
+        for counts in itertools.product(*(range(gpus // tp + 1) for tp in kinds)):
+            used = sum(n * tp for n, tp in zip(counts, kinds))
+            if 0 < used <= gpus:
+                fleet = [kinds[tp] for n, tp in zip(counts, kinds) for _ in range(n)]
+                try:
+                    best = min(best, cr.rollout_time(trace, fleet))
+                except Infeasible:
+                    pass
+        return best
+
+    objectives = []
+    for tp, pp, dp, mb in itertools.product(config.tp_choices, config.pp_choices, range(1, total + 1),
+                                            config.micro_batches):
+        train_gpus = tp * pp * dp
+        rollout_gpus = total - train_gpus
+        if train_gpus < config.min_train_gpus or rollout_gpus < config.min_rollout_gpus:
+            continue
+        if train_gpus % node or rollout_gpus % node or batch % dp or (batch // dp) % config.group_size:
+            continue
+        try:
+            train = ct.step_time(model, gpu, ct.Layout(tp, pp, dp, mb), batch, seq_len, config.train).seconds
+        except Infeasible:
+            continue
+        rollout = best_rollout(rollout_gpus)
+        if rollout < math.inf:
+            objectives.append(max(train, rollout))
+    return sorted(objectives)
+
+
+CASES = [  # (model, gpu, total GPUs, prompts, group, seed[, output_mu]); short outputs: training-bound
+    ("qwen2.5-3b", "a100-80g", 2, 4, 4, 0),
+    ("qwen2.5-3b", "a100-80g", 4, 8, 4, 1),
+    ("qwen3-4b", "h100-80g", 6, 8, 4, 2),
+    ("qwen2.5-3b", "h200-141g", 7, 16, 2, 3),
+    ("qwen3-14b", "h200-141g", 6, 8, 8, 4),
+    ("qwen2.5-7b", "h100-80g", 7, 8, 4, 5),  # (Qwen3-30B-A3B cannot train on <= 8 GPUs)
+    ("qwen2.5-7b", "small-node-4", 8, 8, 4, 6),
+    ("qwen3-4b", "small-node-2", 8, 16, 4, 7),
+    ("qwen3-4b", "h100-80g", 6, 32, 4, 8, 2.5),
+    ("qwen2.5-3b", "small-node-2", 8, 64, 2, 9, 3.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: "-".join(map(str, case)))
+def test_search_matches_brute_force_on_small_clusters(case):
+    model_name, gpu_name, total, prompts, group, seed, *mu = case
+    model = model_named(model_name)
+    gpu = _small_node(int(gpu_name[-1])) if gpu_name.startswith("small-node") else gpu_named(gpu_name)
+    trace = _trace(seed, prompts, group, *mu)
+    config = SearchConfig(total_gpus=total, group_size=group, top_k=3)
+    expected = brute_force(model, gpu, trace, config)
+    assert expected, "a case with no feasible allocation tests nothing"
+    result = search(model, gpu, trace, config)
+    assert result.best.step_s == pytest.approx(expected[0], rel=1e-9)
+    assert [c.step_s for c in result.alternatives] == pytest.approx(expected[:3], rel=1e-9)
+    assert result.best.describe().startswith("train tp")
+    assert result.sequences_per_s == pytest.approx(len(trace) / expected[0])
+
+
+def test_plans_respect_groups_min_gpus_and_nodes():
+    model, gpu = model_named("qwen3-4b"), _small_node(4)
+    trace = _trace(11, 4, 16)
+    config = SearchConfig(total_gpus=16, group_size=16, min_rollout_gpus=8, top_k=10)
+    result = search(model, gpu, trace, config)
+    for cand in result.alternatives:
+        layout = cand.layout
+        assert (len(trace) // layout.dp) % 16 == 0
+        assert layout.gpus % 4 == 0 and 16 - layout.gpus >= 8 and layout.tp <= 4
+        assert cand.rollout_gpus <= 16 - layout.gpus and all(tp <= 4 for tp, _ in cand.rollout)
+    assert result.rejected["DP replica would split a GRPO group"] > 0
+    assert result.rejected["rollout tp8 would straddle nodes"] == 1
+
+
+def test_no_feasible_split_is_reported_with_reasons():
+    model, gpu = model_named("qwen2.5-3b"), gpu_named("a100-80g")
+    with pytest.raises(Infeasible, match="not whole nodes"):  # 8 GPUs = one node: no split possible
+        search(model, gpu, _trace(0, 4, 4), SearchConfig(total_gpus=8, group_size=4))
+
+
+def test_large_gpu_counts_use_a_grid_that_fills_the_rollout_side():
+    config = SearchConfig(total_gpus=1024, exact_multiset_limit=64, mix_steps=4)
+    mixes = multisets(256, [1, 2, 4, 8], config)
+    assert ((1, 256),) in mixes and ((8, 32),) in mixes and ((1, 128), (8, 16)) in mixes
+    assert all(sum(tp * n for tp, n in mix) == 256 for mix in mixes)
+    assert len(mixes) < 64
+
+
+def test_search_is_fast_at_cluster_scale():
+    trace = _trace(3, 64, 16)
+    result = search(model_named("qwen3-14b"), gpu_named("h200-141g"), trace,
+                    SearchConfig(total_gpus=512, group_size=16))
+    assert result.best.layout.gpus % 8 == 0 and result.pruned + result.evaluated > 0
