@@ -4,16 +4,36 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from libra.configbase import Section
 
 
 class SchedulerConfig(Section):
-    """Routing policy and its limits."""
+    """Routing policy and its limits (the C-MLFQ fields are ignored by load_balance)."""
 
-    policy: Literal["load_balance"] = Field("load_balance",
-                                            description="routing policy (load_balance: least outstanding tokens)")
+    policy: Literal["load_balance", "cmlfq"] = Field(
+        "load_balance", description="routing policy (load_balance: least outstanding tokens; "
+                                    "cmlfq: bucket levels learned from tool-outcome prefixes)")
     per_worker_cap_tokens: int = Field(1_000_000, ge=1,
                                        description="outstanding tokens above which a worker is skipped if another has room")
     affinity: bool = Field(True, description="keep a trajectory on its worker between turns (prefix cache)")
+    tool_small_max_tokens: int = Field(256, ge=0, le=10_000_000,
+                                       description="cmlfq: tool payloads up to this many tokens are 'small'")
+    tool_medium_max_tokens: int = Field(2048, ge=1, le=10_000_000,
+                                        description="cmlfq: tool payloads up to this many tokens are 'medium', above 'large'")
+    min_visits: int = Field(3, ge=1, le=1_000_000,
+                            description="cmlfq: finished trajectories a prefix needs before it can move one")
+    p90_window: int = Field(64, ge=1, le=4096,
+                            description="cmlfq: observations per prefix-tree node kept for the p90")
+    max_prompt_trees: int = Field(10_000, ge=1, le=10_000_000,
+                                  description="cmlfq: per-prompt trees kept (least recently learned evicted)")
+    max_moves: int = Field(4, ge=0, le=1000,
+                           description="cmlfq: bucket moves after which a trajectory is pinned (hysteresis)")
+
+    @model_validator(mode="after")
+    def _size_thresholds_ordered(self) -> "SchedulerConfig":
+        if self.tool_medium_max_tokens <= self.tool_small_max_tokens:
+            raise ValueError(f"scheduler.tool_medium_max_tokens ({self.tool_medium_max_tokens}) must be greater "
+                             f"than scheduler.tool_small_max_tokens ({self.tool_small_max_tokens})")
+        return self

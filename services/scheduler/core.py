@@ -2,8 +2,8 @@
 
 `LoadBalance` sends each model turn to the serving worker with the fewest outstanding tokens,
 rotating among ties, and keeps a trajectory on its worker between turns (prefix-cache affinity)
-unless that worker is over its cap while another has room. C-MLFQ and the other baselines implement
-the same `Policy` interface.
+unless that worker is over its cap while another has room. C-MLFQ (`cmlfq.py`) and the other
+baselines implement the same `Policy` interface; `make_policy` builds the configured one.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from libra.errors import FailedPrecondition, InvalidArgument, NotFound
+from libra.services.scheduler.config import SchedulerConfig
+from libra.services.scheduler.prefix_tree import PrefixForest
+from libra.services.scheduler.signatures import SizeThresholds
 
 
 @dataclass
@@ -119,7 +122,8 @@ class Policy(abc.ABC):
         return tied[self.state.rotation % len(tied)]
 
     # -- reports -------------------------------------------------------------------------------
-    def turn_done(self, trajectory_id: str, worker_id: str) -> None:
+    def turn_done(self, trajectory_id: str, worker_id: str, output_tokens: int = 0) -> None:
+        """The turn in flight is over: release its load (`output_tokens` is for policies that learn)."""
         placement = self.state.placements.get(trajectory_id)
         if placement is None:
             raise NotFound(f"unknown trajectory {trajectory_id!r}: it has no routed turn")
@@ -167,7 +171,17 @@ class LoadBalance(Policy):
 POLICIES = {LoadBalance.name: LoadBalance}
 
 
-def make_policy(name: str, per_worker_cap_tokens: int, affinity: bool) -> Policy:
-    if name not in POLICIES:
-        raise InvalidArgument(f"unknown scheduler policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[name](per_worker_cap_tokens, affinity)
+def make_policy(config: SchedulerConfig, buckets: list[tuple[str, int]] | None = None) -> Policy:
+    """Build the configured policy; C-MLFQ also needs the buckets as (name, max_tokens)."""
+    if config.policy == "cmlfq":
+        from libra.services.scheduler import cmlfq  # imported here: it builds on this module
+
+        if not buckets:
+            raise InvalidArgument("scheduler.policy cmlfq needs the bucket list (planner.buckets)")
+        forest = PrefixForest(config.min_visits, config.p90_window, config.max_prompt_trees)
+        thresholds = SizeThresholds(config.tool_small_max_tokens, config.tool_medium_max_tokens)
+        return cmlfq.CMLFQ(config.per_worker_cap_tokens, config.affinity, buckets, forest, thresholds,
+                           config.max_moves)
+    if config.policy not in POLICIES:
+        raise InvalidArgument(f"unknown scheduler policy {config.policy!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[config.policy](config.per_worker_cap_tokens, config.affinity)

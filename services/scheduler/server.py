@@ -35,7 +35,8 @@ class SchedulerService(Service):
         self.config = config
         self.run_id = config.run_id
         cfg = config.scheduler
-        self.policy = make_policy(cfg.policy, cfg.per_worker_cap_tokens, cfg.affinity)
+        buckets = [(bucket.name, bucket.max_tokens) for bucket in config.planner.buckets]
+        self.policy = make_policy(cfg, buckets)
         self.store = None
         self._seen: OrderedDict[str, Any] = OrderedDict()
 
@@ -72,8 +73,8 @@ class SchedulerService(Service):
         self._update_gauges()
         return decision
 
-    def turn_done(self, request_id: str, trajectory_id: str, worker_id: str) -> bool:
-        return self._mutate(request_id, lambda: self.policy.turn_done(trajectory_id, worker_id))
+    def turn_done(self, request_id: str, trajectory_id: str, worker_id: str, output_tokens: int = 0) -> bool:
+        return self._mutate(request_id, lambda: self.policy.turn_done(trajectory_id, worker_id, output_tokens))
 
     def tool_returned(self, request_id: str, trajectory_id: str, tool: str, status: str, payload: int) -> bool:
         return self._mutate(request_id, lambda: self.policy.tool_returned(trajectory_id, tool, status, payload))

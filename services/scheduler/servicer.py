@@ -30,7 +30,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def ReportTurn(self, request, context):
         rid = self._check(request.meta)
         require(request.worker_id, "worker_id")
-        return _ack(self.service.turn_done(rid, request.trajectory_id, request.worker_id))
+        return _ack(self.service.turn_done(rid, request.trajectory_id, request.worker_id, request.output_tokens))
 
     @guard
     async def ReportToolReturn(self, request, context):

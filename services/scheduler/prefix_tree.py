@@ -1,0 +1,195 @@
+"""The causal prefix tree of C-MLFQ: what a trajectory still has to generate after a prefix of
+tool outcomes.
+
+A path from the root is a sequence of signatures (`tool:size:status`, see `signatures`). Each node
+keeps how many finished trajectories went through it (visits), the running mean of the output
+tokens they produced *after* that prefix, and the last `window` such observations, from which the
+p90 is read. There is one tree per prompt (bounded by an LRU of `max_prompt_trees`, least recently
+learned first out) and one global tree for prompts never seen.
+
+    finish(trajectory) ──insert──▶ prompt tree[prompt_id] ─┐
+                             └──▶ global tree ─────────────┤
+    tool return ──lookup(prompt_id, signatures)──▶ deepest node with >= min_visits
+                                                   (prompt tree first, else global)
+
+Pure data structure: no clock, no Redis. `to_bytes`/`from_bytes` give the compact JSON the service
+stores, so a restarted scheduler keeps what it learned.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from libra.errors import InvalidArgument
+
+FORMAT_VERSION = 2
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    """What a node predicts: visits, mean and p90 of the remaining output tokens."""
+
+    visits: int
+    mean: float
+    p90: int
+
+
+class Tree:
+    """One prefix tree stored flat, so millions of nodes stay cheap for the garbage collector:
+    node `i`'s statistics live at index `i` of parallel arrays, and the edges in one dict from
+    `"{parent}/{signature}"` to the child's index (strings and ints only: the GC does not track it).
+    Node 0 is the root. Each window is a ring buffer; `windows[i][visits[i] % size]` is its oldest
+    entry once full.
+    """
+
+    __slots__ = ("edges", "visits", "means", "p90s", "windows")
+
+    def __init__(self) -> None:
+        self.edges: dict[str, int] = {}
+        self.visits = array("q", [0])
+        self.means = array("d", [0.0])
+        self.p90s = array("q", [-1])  # -1: not computed since the last observation
+        self.windows = [array("q")]
+
+    def child(self, node: int, sig: str) -> int:
+        """The child of `node` along `sig`, or -1."""
+        return self.edges.get(f"{node}/{sig}", -1)
+
+    def add_child(self, node: int, sig: str) -> int:
+        found = self.edges.get(f"{node}/{sig}", -1)
+        if found < 0:
+            found = self.edges[f"{node}/{sig}"] = len(self.visits)
+            self.visits.append(0)
+            self.means.append(0.0)
+            self.p90s.append(-1)
+            self.windows.append(array("q"))
+        return found
+
+    def observe(self, node: int, remaining: int, size: int) -> None:
+        window, seen = self.windows[node], self.visits[node]
+        if len(window) < size:
+            window.append(remaining)
+        else:
+            window[seen % size] = remaining
+        self.visits[node] = seen + 1
+        self.means[node] += (remaining - self.means[node]) / (seen + 1)
+        self.p90s[node] = -1
+
+    def stats(self, node: int) -> NodeStats:
+        """Visits, mean and nearest-rank p90 of the window (the p90 cached until the next observation)."""
+        if self.p90s[node] < 0:
+            ordered = sorted(self.windows[node])
+            rank = -(-9 * len(ordered) // 10)  # ceil(0.9 * n)
+            self.p90s[node] = ordered[max(rank, 1) - 1] if ordered else 0
+        return NodeStats(self.visits[node], self.means[node], self.p90s[node])
+
+    def stats_at(self, signatures: list[str]) -> NodeStats | None:
+        """Statistics of the node at exactly this path, whatever its visits, or None."""
+        node = 0
+        for sig in signatures:
+            node = self.child(node, sig)
+            if node < 0:
+                return None
+        return self.stats(node)
+
+    def to_plain(self) -> dict:
+        windows = []
+        for seen, window in zip(self.visits, self.windows):
+            oldest = seen % len(window) if window else 0
+            windows.append(list(window[oldest:]) + list(window[:oldest]))
+        return {"edges": self.edges, "visits": list(self.visits), "means": list(self.means), "windows": windows}
+
+    @classmethod
+    def from_plain(cls, plain: dict) -> "Tree":
+        tree = cls()
+        tree.edges = {str(k): int(v) for k, v in plain["edges"].items()}
+        tree.visits, tree.means = array("q", plain["visits"]), array("d", plain["means"])
+        tree.p90s = array("q", [-1] * len(tree.visits))
+        tree.windows = []
+        for seen, chronological in zip(tree.visits, plain["windows"]):
+            cut = len(chronological) - (seen % len(chronological) if chronological else 0)
+            tree.windows.append(array("q", chronological[cut:] + chronological[:cut]))
+        return tree
+
+
+class PrefixForest:
+    """A global prefix tree plus one tree per prompt id, LRU-bounded."""
+
+    def __init__(self, min_visits: int = 3, window: int = 64, max_prompt_trees: int = 10_000):
+        if min_visits < 1 or window < 1 or max_prompt_trees < 1:
+            raise InvalidArgument(f"min_visits, window and max_prompt_trees must be >= 1, got "
+                                  f"{min_visits}, {window}, {max_prompt_trees}")
+        self.min_visits, self.window, self.max_prompt_trees = min_visits, window, max_prompt_trees
+        self.global_tree = Tree()
+        self.prompt_trees: OrderedDict[str, Tree] = OrderedDict()
+
+    def insert(self, prompt_id: str, signatures: list[str], remaining_after: list[int]) -> None:
+        """Learn one finished trajectory.
+
+        `remaining_after[i]` is the output tokens produced after the i-th signature, with index 0
+        the root (after nothing: the trajectory's total), so it has one more entry than
+        `signatures`.
+        """
+        if len(remaining_after) != len(signatures) + 1:
+            raise InvalidArgument(f"remaining_after needs len(signatures) + 1 = {len(signatures) + 1} "
+                                  f"entries (index 0 is the total), got {len(remaining_after)}")
+        if any(r < 0 for r in remaining_after):
+            raise InvalidArgument(f"remaining_after must be >= 0, got {remaining_after}")
+        tree = self.prompt_trees.pop(prompt_id, None) or Tree()
+        self.prompt_trees[prompt_id] = tree  # most recently learned goes last
+        while len(self.prompt_trees) > self.max_prompt_trees:
+            self.prompt_trees.popitem(last=False)
+        for root in (tree, self.global_tree):
+            self._walk_insert(root, signatures, remaining_after)
+
+    def _walk_insert(self, tree: Tree, signatures: list[str], remaining_after: list[int]) -> None:
+        node = 0
+        tree.observe(node, remaining_after[0], self.window)
+        for sig, remaining in zip(signatures, remaining_after[1:]):
+            node = tree.add_child(node, sig)
+            tree.observe(node, remaining, self.window)
+
+    def lookup(self, prompt_id: str, signatures: list[str]) -> tuple[NodeStats | None, str | None, int]:
+        """The deepest node with >= min_visits: (stats, "prompt" | "global", depth) or (None, None, 0)."""
+        tree = self.prompt_trees.get(prompt_id)
+        if tree is not None:
+            node, depth = self._deepest(tree, signatures)
+            if node >= 0:
+                return tree.stats(node), "prompt", depth
+        node, depth = self._deepest(self.global_tree, signatures)
+        if node >= 0:
+            return self.global_tree.stats(node), "global", depth
+        return None, None, 0
+
+    def _deepest(self, tree: Tree, signatures: list[str]) -> tuple[int, int]:
+        """(node, depth) of the deepest node on the path with >= min_visits, or (-1, 0)."""
+        if tree.visits[0] < self.min_visits:
+            return -1, 0  # children never have more visits than their parent
+        best = depth = node = 0
+        for depth, sig in enumerate(signatures, start=1):
+            node = tree.child(node, sig)
+            if node < 0 or tree.visits[node] < self.min_visits:
+                return best, depth - 1
+            best = node
+        return best, depth
+
+    # -- persistence ---------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        plain = {"v": FORMAT_VERSION, "min_visits": self.min_visits, "window": self.window,
+                 "max_prompt_trees": self.max_prompt_trees, "global": self.global_tree.to_plain(),
+                 "prompts": [[pid, tree.to_plain()] for pid, tree in self.prompt_trees.items()]}
+        return json.dumps(plain, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> "PrefixForest":
+        plain = json.loads(blob)
+        if plain.get("v") != FORMAT_VERSION:
+            raise InvalidArgument(f"prefix tree blob has format {plain.get('v')!r}, expected {FORMAT_VERSION}")
+        forest = cls(plain["min_visits"], plain["window"], plain["max_prompt_trees"])
+        forest.global_tree = Tree.from_plain(plain["global"])
+        for pid, tree in plain["prompts"]:
+            forest.prompt_trees[pid] = Tree.from_plain(tree)
+        return forest

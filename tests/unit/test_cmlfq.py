@@ -1,0 +1,176 @@
+"""C-MLFQ routing as a deterministic step function: levels, moves, affinity, fallbacks, learning."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from libra.services.scheduler.cmlfq import CMLFQ
+from libra.services.scheduler.config import SchedulerConfig
+from libra.services.scheduler.core import LoadBalance, Turn, Worker, make_policy
+from libra.services.scheduler.prefix_tree import PrefixForest
+
+BUCKETS = [("long", 10_000), ("short", 100), ("medium", 1_000)]  # deliberately unordered
+BIG = "search:large:success"  # default thresholds: > 2048 payload tokens is large
+SMALL = "search:small:success"
+
+
+def policy(cap: int = 100_000, max_moves: int = 4, workers=("s0:short", "s1:short", "m0:medium", "l0:long")) -> CMLFQ:
+    cmlfq = CMLFQ(cap, buckets=BUCKETS, forest=PrefixForest(min_visits=3), max_moves=max_moves)
+    for spec in workers:
+        worker_id, bucket = spec.split(":")
+        cmlfq.register(Worker(worker_id, bucket, f"http://{worker_id}"))
+    return cmlfq
+
+
+def turn(tid: str, prompt: str = "p", tokens: int = 10) -> Turn:
+    return Turn(tid, prompt, 0, tokens, 10)
+
+
+def teach(cmlfq: CMLFQ, signatures: list[str], remaining_after: list[int], times: int = 3, prompt: str = "p"):
+    for _ in range(times):
+        cmlfq.forest.insert(prompt, signatures, remaining_after)
+
+
+def tool_turn(cmlfq: CMLFQ, tid: str, payload_tokens: int):
+    """Finish the turn in flight, report a search tool return, route the next turn."""
+    cmlfq.turn_done(tid, cmlfq.state.placements[tid].worker_id, 20)
+    cmlfq.tool_returned(tid, "search", "success", payload_tokens)
+    return cmlfq.route(turn(tid))
+
+
+def test_new_trajectories_start_in_the_shortest_bucket_and_spread():
+    cmlfq = policy()
+    decisions = [cmlfq.route(turn(f"t{i}")) for i in range(4)]
+    assert {d.bucket for d in decisions} == {"short"} and {d.reason for d in decisions} == {"new:shortest"}
+    assert sorted(d.worker_id for d in decisions) == ["s0", "s0", "s1", "s1"]
+    assert cmlfq.buckets == ["short", "medium", "long"]
+
+
+def test_learned_long_signature_moves_up_and_short_one_moves_down():
+    cmlfq = policy()
+    teach(cmlfq, [BIG, SMALL], [5000, 4000, 50])
+    cmlfq.route(turn("t"))
+    up = tool_turn(cmlfq, "t", 5000)
+    assert (up.reason, up.bucket, up.moved) == ("move:up:long", "long", True)
+    down = tool_turn(cmlfq, "t", 10)
+    assert (down.reason, down.bucket, down.moved) == ("move:down:short", "short", True)
+    assert cmlfq.signals["move"] == 2
+
+
+def test_no_move_when_mean_and_p90_disagree_or_visits_are_few():
+    cmlfq = policy()
+    for remaining in [10] * 8 + [2000] * 2:  # mean 408 -> medium, p90 2000 -> long
+        cmlfq.forest.insert("p", [BIG], [remaining, remaining])
+    cmlfq.route(turn("t"))
+    assert tool_turn(cmlfq, "t", 5000).reason == "affinity"
+    teach(cmlfq, [BIG, BIG], [10, 10, 5000], times=2)  # deeper node says long, but 2 < min_visits
+    decision = tool_turn(cmlfq, "t", 5000)
+    assert decision.reason == "affinity" and decision.bucket == "short"
+    assert cmlfq.signals == {"disagree": 2}  # the deeper node is skipped; its parent still disagrees
+
+
+def test_affinity_between_moves_and_cap_breaks_it():
+    cmlfq = policy(cap=100)
+    first = cmlfq.route(turn("t", tokens=50))
+    cmlfq.turn_done("t", first.worker_id, 10)
+    again = cmlfq.route(turn("t", tokens=50))
+    assert (again.reason, again.worker_id, again.moved) == ("affinity", first.worker_id, False)
+    cmlfq.turn_done("t", first.worker_id, 10)
+    hog = cmlfq.route(Turn("hog", "p", 0, 500, 10, frozenset({"s0", "s1"} - {first.worker_id})))
+    assert hog.worker_id == first.worker_id
+    moved = cmlfq.route(turn("t"))
+    assert (moved.reason, moved.bucket, moved.moved) == ("least_loaded", "short", True)
+
+
+def test_fallback_to_nearest_bucket_then_any_worker():
+    cmlfq = policy(cap=100, workers=("s0:short", "m0:medium", "l0:long"))
+    cmlfq.route(turn("hog-s", tokens=500))
+    spill = cmlfq.route(turn("t"))
+    assert (spill.reason, spill.bucket) == ("fallback:bucket", "medium")
+    cmlfq.route(Turn("hog-m", "p", 0, 500, 10, frozenset({"s0", "l0"})))
+    assert cmlfq.route(turn("u")).bucket == "long"
+    cmlfq.route(Turn("hog-l", "p", 0, 500, 10, frozenset({"s0", "m0"})))
+    assert cmlfq.route(turn("v")).reason == "fallback:any"
+
+
+def test_buckets_without_serving_workers_are_skipped():
+    cmlfq = policy(workers=("m0:medium", "l0:long"))
+    start = cmlfq.route(turn("t"))
+    assert (start.reason, start.bucket) == ("new:shortest", "medium")
+    cmlfq.deregister("l0")
+    teach(cmlfq, [BIG], [5000, 5000])
+    moved = tool_turn(cmlfq, "t", 5000)
+    assert (moved.reason, moved.bucket) == ("fallback:bucket", "medium")
+
+
+def test_pinned_after_max_moves():
+    cmlfq = policy(max_moves=1)
+    teach(cmlfq, [BIG, SMALL], [5000, 4000, 50])
+    cmlfq.route(turn("t"))
+    assert tool_turn(cmlfq, "t", 5000).reason == "move:up:long"
+    stay = tool_turn(cmlfq, "t", 10)
+    assert (stay.reason, stay.bucket) == ("affinity", "long") and cmlfq.signals["pinned"] == 1
+
+
+def test_empty_tree_behaves_like_load_balance():
+    workers = [Worker(f"w{i}", "short", f"http://w{i}") for i in range(3)]
+    cmlfq, lb = CMLFQ(100, buckets=[("short", 100)]), LoadBalance(100)
+    for worker in workers:
+        cmlfq.register(Worker(**vars(worker)))
+        lb.register(Worker(**vars(worker)))
+    chosen = {"cmlfq": [], "lb": []}
+    for step in range(30):
+        tid, tokens = f"t{step % 7}", 10 + (step * 37) % 90
+        for name, p in (("cmlfq", cmlfq), ("lb", lb)):
+            decision = p.route(turn(tid, tokens=tokens))
+            chosen[name].append(decision.worker_id)
+            if step % 3:
+                p.turn_done(tid, decision.worker_id)
+            if step % 2:
+                p.tool_returned(tid, "search", "success", 5)
+    assert chosen["cmlfq"] == chosen["lb"]
+    assert cmlfq.signals == {"no_signal": 15}
+
+
+def test_finish_teaches_remaining_tokens_after_each_signature():
+    cmlfq = policy()
+    worker = cmlfq.route(turn("t")).worker_id
+    for output_tokens, payload in ((100, 5000), (50, 10)):
+        cmlfq.turn_done("t", worker, output_tokens)
+        cmlfq.tool_returned("t", "search", "success", payload)
+        cmlfq.route(turn("t"))
+    cmlfq.turn_done("t", worker, 30)
+    cmlfq.finish("t", "p", 180)
+    tree = cmlfq.forest.prompt_trees["p"]
+    assert [tree.stats_at(path).mean for path in ([], [BIG], [BIG, SMALL])] == [180, 80, 30]
+    assert "t" not in cmlfq.progress and "t" not in cmlfq.state.placements
+
+
+def test_bad_reports_are_rejected():
+    cmlfq = policy()
+    worker = cmlfq.route(turn("t")).worker_id
+    with pytest.raises(ValueError, match="success, failure, timeout"):
+        cmlfq.tool_returned("t", "search", "error", 5)
+    with pytest.raises(ValueError, match="output_tokens"):
+        cmlfq.turn_done("t", worker, -1)
+    assert cmlfq.progress["t"].signatures == []
+
+
+def test_make_policy_from_config():
+    assert isinstance(make_policy(SchedulerConfig()), LoadBalance)
+    built = make_policy(SchedulerConfig(policy="cmlfq", min_visits=5, p90_window=8, max_moves=2), BUCKETS)
+    assert isinstance(built, CMLFQ) and built.forest.min_visits == 5 and built.max_moves == 2
+    with pytest.raises(ValueError, match="bucket list"):
+        make_policy(SchedulerConfig(policy="cmlfq"))
+    with pytest.raises(ValidationError, match="greater"):
+        SchedulerConfig(tool_small_max_tokens=10, tool_medium_max_tokens=10)
+
+
+def test_worker_gone_reroutes_inside_the_bucket():
+    cmlfq = policy()
+    first = cmlfq.route(turn("t"))
+    cmlfq.turn_done("t", first.worker_id, 5)
+    cmlfq.deregister(first.worker_id)
+    again = cmlfq.route(turn("t"))
+    assert (again.reason, again.bucket, again.moved) == ("reroute:worker_gone", "short", True)
