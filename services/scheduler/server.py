@@ -7,6 +7,7 @@ rebuilt from the reports that follow.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import OrderedDict
 from typing import Any, Callable
@@ -26,6 +27,8 @@ _log = liblog.get("libra.scheduler")
 ROUTED = Counter("libra_scheduler_routed_total", "turns routed", ["bucket", "reason"])
 OUTSTANDING = Gauge("libra_scheduler_outstanding_tokens", "outstanding tokens", ["bucket"])
 REPLAY_WINDOW = 200_000
+TREE_BLOB = "scheduler.tree"
+TREE_SAVE_S = 5.0
 
 
 class SchedulerService(Service):
@@ -39,6 +42,7 @@ class SchedulerService(Service):
         self.policy = make_policy(cfg, buckets)
         self.store = None
         self._seen: OrderedDict[str, Any] = OrderedDict()
+        self.finished = 0  # trajectories learned from; the tree is saved when this changes
 
     def service_names(self) -> list[str]:
         return [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name]
@@ -51,6 +55,30 @@ class SchedulerService(Service):
         blob = await self.store.load_blob("scheduler.workers")
         for item in json.loads(blob) if blob else []:
             self.policy.register(Worker(**item))
+        forest = getattr(self.policy, "forest", None)
+        tree = await self.store.load_blob(TREE_BLOB) if forest is not None else None
+        if tree:
+            from libra.services.scheduler.prefix_tree import PrefixForest
+
+            self.policy.forest = PrefixForest.from_bytes(tree)
+            _log.info("prefix tree restored from redis", bytes=len(tree))
+
+    async def run(self) -> None:
+        """Persist what C-MLFQ learned every few seconds (a restart keeps the tree)."""
+        saved = 0
+        while True:
+            await asyncio.sleep(TREE_SAVE_S)
+            saved = await self._save_tree(saved)
+
+    async def _save_tree(self, saved: int) -> int:
+        finished = self.finished
+        if getattr(self.policy, "forest", None) is None or finished == saved:
+            return saved
+        await self.store.save_blob(TREE_BLOB, self.policy.forest.to_bytes())
+        return finished
+
+    async def drain(self) -> None:
+        await self._save_tree(-1)
         _log.info("scheduler ready", policy=self.policy.name, workers=len(self.policy.state.workers))
 
     async def close(self) -> None:
@@ -80,7 +108,9 @@ class SchedulerService(Service):
         return self._mutate(request_id, lambda: self.policy.tool_returned(trajectory_id, tool, status, payload))
 
     def finish(self, request_id: str, trajectory_id: str, prompt_id: str, output_tokens: int) -> bool:
-        return self._mutate(request_id, lambda: self.policy.finish(trajectory_id, prompt_id, output_tokens))
+        applied = self._mutate(request_id, lambda: self.policy.finish(trajectory_id, prompt_id, output_tokens))
+        self.finished += applied
+        return applied
 
     def _mutate(self, request_id: str, apply: Callable[[], None]) -> bool:
         if request_id in self._seen:

@@ -115,3 +115,25 @@ def test_elastic_membership_transitions_and_plan_races(redis_url, run_id, tmp_pa
     older = common_pb2.Plan(generation=4)
     assert code_of(arun, stub.ApplyPlan(epb.ApplyPlanRequest(meta=meta("p4"), plan=older))) == grpc.StatusCode.ABORTED
     arun(running.stop())
+
+
+def test_cmlfq_scheduler_keeps_its_prefix_tree_across_a_restart(redis_url, run_id, tmp_path, arun):
+    config = run_config(redis_url, run_id, tmp_path, scheduler={"policy": "cmlfq", "min_visits": 1})
+    service = SchedulerService(config)
+    running, chan = arun(start(service))
+    stub = scheduler_pb2_grpc.SchedulerStub(chan)
+    for wid, bucket in (("w-s", "short"), ("w-l", "long")):
+        arun(stub.RegisterWorker(spb.RegisterWorkerRequest(meta=meta(f"reg-{wid}"), worker=_worker(wid, bucket))))
+    first = arun(stub.Route(spb.RouteRequest(meta=meta("r1"), trajectory_id="t1", prompt_id="p", prompt_tokens=5,
+                                             max_new_tokens=10)))
+    assert first.bucket == "short" and first.reason == "new:shortest"
+    arun(stub.ReportTurn(spb.TurnReport(meta=meta("d1"), trajectory_id="t1", worker_id=first.worker_id,
+                                        output_tokens=10)))
+    arun(stub.ReportToolReturn(spb.ToolReturnReport(meta=meta("x1"), trajectory_id="t1", tool="search",
+                                                    status=common_pb2.TOOL_STATUS_SUCCESS, payload_tokens=3)))
+    arun(stub.ReportFinish(spb.FinishReport(meta=meta("f1"), trajectory_id="t1", prompt_id="p", output_tokens=400)))
+    arun(running.stop())  # drain saves the tree
+    running, chan = arun(start(SchedulerService(config)))
+    assert running.service.policy.forest.to_bytes() == service.policy.forest.to_bytes()
+    assert running.service.policy.forest.lookup("p", ["search:small:success"])[0] is not None
+    arun(running.stop())
