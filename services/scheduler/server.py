@@ -98,6 +98,9 @@ class SchedulerService(Service):
     def route(self, request_id: str, turn: Turn) -> Decision:
         decision = self._once(request_id, lambda: self.policy.route(turn))
         ROUTED.labels(decision.bucket, decision.reason).inc()
+        if decision.reason.startswith("move:"):  # rare, and what people look for: log every move
+            _log.info("move", trajectory_id=turn.trajectory_id, turn=turn.turn, bucket=decision.bucket,
+                      reason=decision.reason, worker=decision.worker_id)
         self._update_gauges()
         return decision
 
