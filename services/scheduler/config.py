@@ -12,9 +12,11 @@ from libra.configbase import Section
 class SchedulerConfig(Section):
     """Routing policy and its limits (the C-MLFQ fields are ignored by load_balance)."""
 
-    policy: Literal["load_balance", "cmlfq"] = Field(
+    policy: Literal["load_balance", "cmlfq", "length_aware", "la_mlfq"] = Field(
         "load_balance", description="routing policy (load_balance: least outstanding tokens; "
-                                    "cmlfq: bucket levels learned from tool-outcome prefixes)")
+                                    "cmlfq: bucket levels learned from tool-outcome prefixes; "
+                                    "length_aware: bucket fitting the prompt length; "
+                                    "la_mlfq: start short, demote as output grows, per-prompt history)")
     per_worker_cap_tokens: int = Field(1_000_000, ge=1,
                                        description="outstanding tokens above which a worker is skipped if another has room")
     affinity: bool = Field(True, description="keep a trajectory on its worker between turns (prefix cache)")
@@ -27,7 +29,8 @@ class SchedulerConfig(Section):
     p90_window: int = Field(64, ge=1, le=4096,
                             description="cmlfq: observations per prefix-tree node kept for the p90")
     max_prompt_trees: int = Field(10_000, ge=1, le=10_000_000,
-                                  description="cmlfq: per-prompt trees kept (least recently learned evicted)")
+                                  description="cmlfq: per-prompt trees kept (least recently learned evicted); "
+                                              "la_mlfq: prompts kept in its history table")
     max_moves: int = Field(4, ge=0, le=1000,
                            description="cmlfq: bucket moves after which a trajectory is pinned (hysteresis)")
 

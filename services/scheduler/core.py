@@ -172,7 +172,7 @@ POLICIES = {LoadBalance.name: LoadBalance}
 
 
 def make_policy(config: SchedulerConfig, buckets: list[tuple[str, int]] | None = None) -> Policy:
-    """Build the configured policy; C-MLFQ also needs the buckets as (name, max_tokens)."""
+    """Build the configured policy; the bucket policies also need the buckets as (name, max_tokens)."""
     if config.policy == "cmlfq":
         from libra.services.scheduler import cmlfq  # imported here: it builds on this module
 
@@ -182,6 +182,17 @@ def make_policy(config: SchedulerConfig, buckets: list[tuple[str, int]] | None =
         thresholds = SizeThresholds(config.tool_small_max_tokens, config.tool_medium_max_tokens)
         return cmlfq.CMLFQ(config.per_worker_cap_tokens, config.affinity, buckets, forest, thresholds,
                            config.max_moves)
+    if config.policy in ("length_aware", "la_mlfq", "oracle"):
+        from libra.services.scheduler import baselines  # imported here: it builds on this module
+
+        if config.policy == "oracle":
+            raise InvalidArgument("scheduler.policy oracle knows each trajectory's true remaining output: it is "
+                                  "for evaluation only (benchmarks/scheduler_eval.py); choose cmlfq or la_mlfq")
+        if not buckets:
+            raise InvalidArgument(f"scheduler.policy {config.policy} needs the bucket list (planner.buckets)")
+        if config.policy == "la_mlfq":
+            return baselines.LAMLFQ(config.per_worker_cap_tokens, config.affinity, buckets, config.max_prompt_trees)
+        return baselines.LengthAware(config.per_worker_cap_tokens, config.affinity, buckets)
     if config.policy not in POLICIES:
         raise InvalidArgument(f"unknown scheduler policy {config.policy!r}; choose one of {sorted(POLICIES)}")
     return POLICIES[config.policy](config.per_worker_cap_tokens, config.affinity)

@@ -153,15 +153,20 @@ class PrefixForest:
             tree.observe(node, remaining, self.window)
 
     def lookup(self, prompt_id: str, signatures: list[str]) -> tuple[NodeStats | None, str | None, int]:
-        """The deepest node with >= min_visits: (stats, "prompt" | "global", depth) or (None, None, 0)."""
+        """The deepest node with >= min_visits: (stats, "prompt" | "global", depth) or (None, None, 0).
+
+        The prompt's own tree wins when it matches at least as deep as the global tree; a deeper
+        global match wins otherwise (a prompt root only knows that prompt's mix of lengths, while
+        a global node several signatures deep knows what follows those tool outcomes).
+        """
+        g_node, g_depth = self._deepest(self.global_tree, signatures)
         tree = self.prompt_trees.get(prompt_id)
         if tree is not None:
             node, depth = self._deepest(tree, signatures)
-            if node >= 0:
+            if node >= 0 and (g_node < 0 or depth >= g_depth):
                 return tree.stats(node), "prompt", depth
-        node, depth = self._deepest(self.global_tree, signatures)
-        if node >= 0:
-            return self.global_tree.stats(node), "global", depth
+        if g_node >= 0:
+            return self.global_tree.stats(g_node), "global", g_depth
         return None, None, 0
 
     def _deepest(self, tree: Tree, signatures: list[str]) -> tuple[int, int]:

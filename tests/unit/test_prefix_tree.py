@@ -97,3 +97,13 @@ def test_serialisation_round_trip():
     assert restored.to_bytes() == forest.to_bytes()
     with pytest.raises(ValueError, match="format"):
         PrefixForest.from_bytes(b'{"v": 99}')
+
+
+def test_a_deeper_global_match_beats_a_shallow_prompt_match():
+    forest = PrefixForest(min_visits=1, window=8, max_prompt_trees=10)
+    forest.insert("p", ["calc:small:success"], [100, 10])          # the prompt tree knows only its mix
+    forest.insert("q", ["search:large:success"], [9000, 8000])     # the global tree knows what search predicts
+    stats, source, depth = forest.lookup("p", ["search:large:success"])
+    assert source == "global" and depth == 1 and stats.mean == 8000
+    stats, source, depth = forest.lookup("p", ["calc:small:success"])
+    assert source == "prompt" and depth == 1  # equal depth: the prompt's own tree is more specific
