@@ -4,6 +4,7 @@
     libra serve SERVICE --config FILE [--port P]   # one service (what compose and Slurm run)
     libra status --config FILE                     # plan, pool, workers, trainer progress
     libra check-config FILE                        # validate a config and print it resolved
+    libra plan --cluster HW.yaml --model M.yaml --trace T --gpus N   # preflight allocation
 
 Exit codes: 0 success, 1 a failure while running, 2 an invalid config or command line, 130 Ctrl-C.
 """
@@ -66,6 +67,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     return print_status(_load(args))
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from libra.errors import InvalidArgument
+    from libra.services.planner.hardware import load_gpu, load_model
+    from libra.services.planner.preflight import load_trace, preflight
+
+    try:
+        decision = preflight(load_model(args.model), load_gpu(args.cluster), load_trace(args.trace), args.gpus,
+                             args.top_k)
+    except InvalidArgument as error:
+        raise ConfigError(str(error)) from None
+    print(f"chosen: {decision.candidates[0].note}")
+    print(f"why:    {decision.reason}")
+    for rank, candidate in enumerate(decision.candidates[1:], start=2):
+        print(f"  #{rank}: {candidate.note}")
+    buckets = ", ".join(f"{b.name} (tp{b.tp} x{b.replicas}, <= {b.max_tokens} tokens)" for b in decision.chosen.buckets)
+    print(f"rollout buckets: {buckets}")
+    return 0
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     import yaml
 
@@ -97,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show plan, pool, workers and trainer progress")
     _common(status, config_required=False)
     status.set_defaults(func=cmd_status)
+    plan = sub.add_parser("plan", help="preflight: choose an allocation for a cluster, model and trace")
+    plan.add_argument("--cluster", required=True, help="hardware description, e.g. configs/hardware/h200-141g.yaml")
+    plan.add_argument("--model", required=True, help="model description, e.g. configs/models/qwen3-14b.yaml")
+    plan.add_argument("--trace", required=True, help="length trace: JSON lines or CSV of prompt_tokens,output_tokens")
+    plan.add_argument("--gpus", type=int, required=True, help="GPU budget shared by training and rollout")
+    plan.add_argument("--top-k", type=int, default=5, help="alternatives to show")
+    plan.set_defaults(func=cmd_plan)
     check = sub.add_parser("check-config", help="validate a config and print it with defaults")
     check.add_argument("config_path", metavar="FILE")
     _common(check, config_required=False)

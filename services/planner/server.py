@@ -55,9 +55,19 @@ class PlannerService(Service):
         return from_proto(message)
 
     async def preflight(self, request) -> planner_pb2.PlanDecision:
-        raise FailedPrecondition(
-            "preflight search needs the Global Resource Planner; this planner runs planner.mode: static "
-            "and serves the configured allocation (GetPlan)")
+        """Search allocations for the given cluster, model and trace; the decision is logged, not applied."""
+        import asyncio
+
+        from libra.services.planner.hardware import GpuSpec, ModelSpec
+        from libra.services.planner.preflight import preflight, spec_from_yaml
+
+        gpu = spec_from_yaml(GpuSpec, request.cluster_yaml, "cluster_yaml")
+        model = spec_from_yaml(ModelSpec, request.model_yaml, "model_yaml")
+        trace = [(s.prompt_tokens, s.output_tokens) for s in request.trace]
+        decision = await asyncio.to_thread(preflight, model, gpu, trace, request.gpus, request.top_k or 5)
+        decision.reason = "preflight (not applied): " + decision.reason
+        await self.store.append_plan_decision(decision.SerializeToString())
+        return decision
 
     async def observe(self, request_id: str, records) -> bool:
         for record in records:

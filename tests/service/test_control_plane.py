@@ -137,3 +137,21 @@ def test_cmlfq_scheduler_keeps_its_prefix_tree_across_a_restart(redis_url, run_i
     assert running.service.policy.forest.to_bytes() == service.policy.forest.to_bytes()
     assert running.service.policy.forest.lookup("p", ["search:small:success"])[0] is not None
     arun(running.stop())
+
+
+def test_planner_preflight_rpc_searches_and_logs_without_applying(redis_url, run_id, tmp_path, arun):
+    import pathlib
+
+    running, chan = arun(start(PlannerService(run_config(redis_url, run_id, tmp_path))))
+    stub = planner_pb2_grpc.PlannerStub(chan)
+    request = planner_pb2.PreflightRequest(
+        cluster_yaml=pathlib.Path("configs/hardware/h200-141g.yaml").read_text(),
+        model_yaml=pathlib.Path("configs/models/qwen3-4b.yaml").read_text(), gpus=16, top_k=2,
+        trace=[planner_pb2.LengthSample(prompt_tokens=500, output_tokens=o) for o in (100, 900, 3000, 9000)] * 8)
+    decision = arun(stub.Preflight(request))
+    assert decision.chosen.source == "search" and not decision.applied and len(decision.candidates) <= 2
+    assert arun(stub.GetPlan(planner_pb2.GetPlanRequest())).source == "config"  # nothing applied
+    assert len(arun(stub.Explain(planner_pb2.ExplainRequest())).decisions) == 2  # config + preflight, logged
+    bad = planner_pb2.PreflightRequest(cluster_yaml="memory_gib: [", model_yaml="", gpus=16)
+    assert code_of(arun, stub.Preflight(bad)) == grpc.StatusCode.INVALID_ARGUMENT
+    arun(running.stop())

@@ -1,0 +1,57 @@
+"""Preflight: trace validation, candidates turned into plans, the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from libra.errors import ConfigError, InvalidArgument
+from libra.services.planner.hardware import gpu_named, model_named
+from libra.services.planner.preflight import check_trace, load_trace, preflight
+
+TRACE = [(512, 200), (800, 4000), (300, 900), (1000, 12000)] * 16
+
+
+def test_preflight_returns_the_best_plan_first_with_buckets_by_tp():
+    decision = preflight(model_named("qwen2.5-7b"), gpu_named("h100-80g"), TRACE, gpus=16, top_k=3)
+    chosen = decision.chosen
+    assert chosen.source == "search" and not decision.applied
+    assert chosen.training.gpus + sum(b.tp * b.replicas for b in chosen.buckets) <= 16
+    assert [b.tp for b in chosen.buckets] == sorted(b.tp for b in chosen.buckets)
+    assert chosen.buckets[-1].max_tokens == max(o for _, o in TRACE)
+    steps = [max(c.predicted_train_seconds, c.predicted_rollout_seconds) for c in decision.candidates]
+    assert steps == sorted(steps) and len(decision.candidates) <= 3
+    assert decision.candidates[0].plan == chosen
+
+
+def test_bad_traces_and_budgets_are_named():
+    with pytest.raises(InvalidArgument, match="entry 1"):
+        check_trace([(10, 10), (10, -1)])
+    with pytest.raises(InvalidArgument, match="empty"):
+        check_trace([])
+    with pytest.raises(InvalidArgument, match="gpus must be >= 2"):
+        preflight(model_named("qwen2.5-3b"), gpu_named("a100-80g"), TRACE, gpus=1)
+
+
+def test_trace_files(tmp_path):
+    good = tmp_path / "t.csv"
+    good.write_text("prompt_tokens,output_tokens\n10,20\n{\"prompt_tokens\": 5, \"output_tokens\": 7}\n")
+    assert load_trace(good) == [(10, 20), (5, 7)]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("10,x\n")
+    with pytest.raises(ConfigError, match="bad.csv:1"):
+        load_trace(bad)
+
+
+def test_libra_plan_prints_the_choice_and_exits_2_on_bad_input(tmp_path):
+    base = [sys.executable, "-m", "libra.cli", "plan", "--cluster", "configs/hardware/h200-141g.yaml",
+            "--model", "configs/models/qwen3-4b.yaml", "--gpus", "16"]
+    ok = subprocess.run(base + ["--trace", "configs/traces/agentic-longtail.csv"], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0 and ok.stdout.startswith("chosen: train"), ok.stdout + ok.stderr
+    bad = tmp_path / "bad.csv"
+    bad.write_text("5,0\n")
+    failed = subprocess.run(base + ["--trace", str(bad)], capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 2 and "output_tokens=0" in failed.stderr
