@@ -5,8 +5,10 @@ serving worker. Each tool return adds a signature (`signatures`) to the trajecto
 the causal prefix tree (`prefix_tree`) for the output it still has to generate; the mean and the
 p90 of that prediction each map to the smallest bucket whose `max_tokens` covers them. The
 trajectory moves (up or down) on its next turn only when both agree and the node has enough
-visits; between moves it keeps its worker (KV/prefix cache affinity) unless that worker is over
-the per-worker cap. Finished trajectories teach the tree.
+visits. Without a confident prediction (no node, or mean and p90 disagree) the signal left is work
+done: a trajectory that has already produced more than its bucket's `max_tokens` moves up one
+level ("move:work"). Between moves it keeps its worker (KV/prefix cache affinity) unless that
+worker is over the per-worker cap. Finished trajectories teach the tree.
 
     route(turn) ──▶ new? shortest bucket ── pending move? target bucket ── else affinity
                           │                         │
@@ -157,12 +159,20 @@ class CMLFQ(Policy):
             return "pinned"
         stats, _source, _depth = self.forest.lookup(record.prompt_id, record.signatures)
         if stats is None:
-            return "no_signal"
+            return self._by_work_done(record, "no_signal")
         by_mean, by_p90 = self.level_for(stats.mean), self.level_for(stats.p90)
         if by_mean != by_p90:
-            return "disagree"
+            return self._by_work_done(record, "disagree")
         record.target = by_mean if by_mean != record.level else None
         return "stay" if record.target is None else "move"
+
+    def _by_work_done(self, record: Progress, verdict: str) -> str:
+        """Without a confident prediction, work done is the causal signal left: a trajectory that
+        has already produced more than its bucket's max_tokens goes up one level."""
+        if record.level + 1 < len(self.limits) and record.output_tokens > self.limits[record.level]:
+            record.target = record.level + 1
+            return "move:work"
+        return verdict
 
     def finish(self, trajectory_id: str, prompt_id: str, output_tokens: int) -> None:
         super().finish(trajectory_id, prompt_id, output_tokens)

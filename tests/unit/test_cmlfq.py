@@ -135,12 +135,13 @@ def test_empty_tree_behaves_like_load_balance():
 
 def test_finish_teaches_remaining_tokens_after_each_signature():
     cmlfq = policy()
-    worker = cmlfq.route(turn("t")).worker_id
+    cmlfq.route(turn("t"))
+    worker = lambda: cmlfq.state.placements["t"].worker_id  # noqa: E731 - work done may move it
     for output_tokens, payload in ((100, 5000), (50, 10)):
-        cmlfq.turn_done("t", worker, output_tokens)
+        cmlfq.turn_done("t", worker(), output_tokens)
         cmlfq.tool_returned("t", "search", "success", payload)
         cmlfq.route(turn("t"))
-    cmlfq.turn_done("t", worker, 30)
+    cmlfq.turn_done("t", worker(), 30)
     cmlfq.finish("t", "p", 180)
     tree = cmlfq.forest.prompt_trees["p"]
     assert [tree.stats_at(path).mean for path in ([], [BIG], [BIG, SMALL])] == [180, 80, 30]
@@ -174,3 +175,14 @@ def test_worker_gone_reroutes_inside_the_bucket():
     cmlfq.deregister(first.worker_id)
     again = cmlfq.route(turn("t"))
     assert (again.reason, again.bucket, again.moved) == ("reroute:worker_gone", "short", True)
+
+
+def test_without_a_confident_prediction_work_done_moves_a_long_trajectory_up():
+    cmlfq = policy()
+    cmlfq.route(turn("t"))
+    limit = cmlfq.limits[0]
+    cmlfq.turn_done("t", cmlfq.state.placements["t"].worker_id, limit + 1)  # already past the short bucket
+    cmlfq.tool_returned("t", "search", "success", 10)
+    decision = cmlfq.route(turn("t"))
+    assert (decision.reason, decision.bucket) == ("move:up:medium", "medium")
+    assert cmlfq.signals == {"move:work": 1}
