@@ -15,6 +15,7 @@ import time
 from typing import Sequence
 
 import yaml
+from pydantic import ValidationError
 
 from libra.errors import ConfigError, InvalidArgument
 from libra.services.planner.hardware import GpuSpec, ModelSpec
@@ -63,7 +64,7 @@ def spec_from_yaml(kind: type, text: str, what: str):
     try:
         data = yaml.safe_load(text) or {}
         return kind.model_validate(data)
-    except Exception as error:  # noqa: BLE001 - any parse or validation error is the caller's input
+    except (yaml.YAMLError, ValidationError, TypeError) as error:
         raise InvalidArgument(f"{what} is not a valid {kind.__name__}: {error}") from None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import time
 
 from prometheus_client import Counter, Gauge
@@ -225,8 +226,6 @@ class RolloutService(Service):
                 await self.membership.leave(worker, "unhealthy")
 
     async def update_weights(self, version: int, path: str) -> list[rollout_pb2.WorkerAck]:
-        import os
-
         if not os.path.isdir(path):
             raise InvalidArgument(f"path {path!r} is not a directory of this machine (weights of v{version})")
         acks = await self.pool.update_weights(version, path)

@@ -71,6 +71,13 @@ class BatchAssembler:
         return verdicts
 
 
+def to_sequence(traj: common_pb2.Trajectory, advantage: float) -> TrainSequence:
+    """The training view of a trajectory: its token ids, masks and behaviour log-probs."""
+    return TrainSequence(token_ids=list(traj.token_ids), prompt_length=traj.prompt_length,
+                         loss_mask=list(traj.loss_mask), behaviour_logprobs=list(traj.logprobs),
+                         advantage=float(advantage))
+
+
 @dataclass(frozen=True)
 class BatchStats:
     mean_reward: float
@@ -83,10 +90,7 @@ def build_batch(groups: list[PendingGroup], current_version: int) -> tuple[Train
     """GRPO batch of whole groups: group-normalised advantages on every sample."""
     trajs = [t for group in groups for t in group.trajectories()]
     advantages = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs]).tolist()
-    sequences = [
-        TrainSequence(token_ids=list(t.token_ids), prompt_length=t.prompt_length, loss_mask=list(t.loss_mask),
-                      behaviour_logprobs=list(t.logprobs), advantage=float(a))
-        for t, a in zip(trajs, advantages)]
+    sequences = [to_sequence(t, a) for t, a in zip(trajs, advantages)]
     stats = BatchStats(
         mean_reward=sum(t.reward for t in trajs) / len(trajs),
         mean_turns=sum(t.turns for t in trajs) / len(trajs),

@@ -21,8 +21,9 @@ from prometheus_client import Gauge, Histogram
 
 from libra import log as liblog
 from libra.config import RunConfig
-from libra.services.trainer.backend import TrainBatch, TrainSequence
-from libra.services.trainer.batches import BatchAssembler, PendingGroup, build_batch, generated_versions
+from libra.services.trainer.backend import TrainBatch
+from libra.services.trainer.batches import (BatchAssembler, PendingGroup, build_batch, generated_versions,
+                                          to_sequence)
 from libra.services.trainer.model_state import ModelState, Position
 from libra.services.trainer.status import TrainerStatus
 from libra.v1 import common_pb2, rollout_pb2, trainer_pb2
@@ -135,8 +136,7 @@ class GrpoLoop:
                  if set(generated_versions(t)) == {self.position.version}]
         if not fresh:
             return 0.0, 0
-        batch = TrainBatch([TrainSequence(list(t.token_ids), t.prompt_length, list(t.loss_mask), list(t.logprobs), 0.0)
-                            for t in fresh])
+        batch = TrainBatch([to_sequence(t, 0.0) for t in fresh])
         ours = await asyncio.to_thread(self.model.backend.compute_logprobs, batch)
         total = count = 0.0
         for traj, logprobs in zip(fresh, ours):

@@ -114,12 +114,11 @@ class TrainerService(Service):
         await self.status.set(P.TRAINER_PHASE_DONE, "")
         await asyncio.sleep(1.0)  # let watchers read the last records before the server goes away
 
-    def pause(self, paused: bool) -> bool:
+    async def pause(self, paused: bool) -> bool:
         changed = self._resume.is_set() == paused
         (self._resume.clear if paused else self._resume.set)()
-        phase = P.TRAINER_PHASE_PAUSED if paused else P.TRAINER_PHASE_TRAINING
         if self.status.phase in (P.TRAINER_PHASE_TRAINING, P.TRAINER_PHASE_PAUSED):
-            self.status.phase = phase
+            await self.status.set(P.TRAINER_PHASE_PAUSED if paused else P.TRAINER_PHASE_TRAINING)
         return changed
 
     async def save_checkpoint(self) -> P.CheckpointInfo:

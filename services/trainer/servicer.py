@@ -43,13 +43,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def Pause(self, request, context):
         check_run(request.meta.run_id, self.service.run_id)
         request_id(request.meta)
-        return common_pb2.Ack(applied=self.service.pause(True))
+        return common_pb2.Ack(applied=await self.service.pause(True))
 
     @guard
     async def Resume(self, request, context):
         check_run(request.meta.run_id, self.service.run_id)
         request_id(request.meta)
-        return common_pb2.Ack(applied=self.service.pause(False))
+        return common_pb2.Ack(applied=await self.service.pause(False))
 
     @guard
     async def GetStepManifest(self, request, context):
