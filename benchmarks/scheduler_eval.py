@@ -8,6 +8,12 @@ object first replays a warm-up trace (other trajectories, same prompt pool), the
 trace; it keeps learning during both.
 
     .venv/bin/python benchmarks/scheduler_eval.py [--trajectories 400] [--seeds 3] [--cap 1000000]
+        [--recorded RUN_DIR/trace.jsonl --recorded-buckets short:10,long:512]
+
+`--recorded` adds a trace that a real run wrote (libra/trace_record.py): trajectories are drawn
+from it by seed (warm-up and evaluation draws differ), with their real prompt ids, per-turn
+lengths, tool outcomes and tool latencies, on a layout of the run's own buckets (TP1x4 for the
+first, TP2x2 for the second, TP4x1 for a third) with the run's bucket thresholds.
 
 Goals: C-MLFQ within 15% of the oracle's makespan and clearly ahead of load balance where
 signals exist; not worse than load balance where outcomes carry no signal.
@@ -16,13 +22,14 @@ signals exist; not worse than load balance where outcomes carry no signal.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 from libra.services.scheduler.baselines import LAMLFQ, LengthAware, Oracle
 from libra.services.scheduler.cmlfq import CMLFQ
 from libra.services.scheduler.core import LoadBalance, Policy
 from libra.services.scheduler.prefix_tree import PrefixForest
-from libra.services.scheduler.simulate import Group, Result, Simulator, no_signal_trace, signal_trace
+from libra.services.scheduler.simulate import Group, Result, Simulator, no_signal_trace, recorded_trace, signal_trace
 
 BUCKETS = [("short", 2_000), ("medium", 8_000), ("long", 32_000)]
 LAYOUTS = {
@@ -44,22 +51,23 @@ class Holder:
         return self.sim.remaining_of(trajectory_id)
 
 
-def build(name: str, holder: Holder, cap: int = CAP) -> Policy:
+def build(name: str, holder: Holder, cap: int = CAP, buckets=BUCKETS) -> Policy:
     if name == "cmlfq":
-        return CMLFQ(cap, buckets=BUCKETS, forest=PrefixForest(min_visits=3))
+        return CMLFQ(cap, buckets=buckets, forest=PrefixForest(min_visits=3))
     if name == "load_balance":
         return LoadBalance(cap)
     if name == "length_aware":
-        return LengthAware(cap, buckets=BUCKETS)
+        return LengthAware(cap, buckets=buckets)
     if name == "la_mlfq":
-        return LAMLFQ(cap, buckets=BUCKETS)
-    return Oracle(cap, buckets=BUCKETS, remaining_of=holder.remaining_of)
+        return LAMLFQ(cap, buckets=buckets)
+    return Oracle(cap, buckets=buckets, remaining_of=holder.remaining_of)
 
 
-def evaluate(name: str, layout: list[Group], make_trace, n: int, seed: int, cap: int = CAP) -> Result:
+def evaluate(name: str, layout: list[Group], make_trace, n: int, seed: int, cap: int = CAP,
+             buckets=BUCKETS) -> Result:
     """Warm the policy on one trace, then measure it on another (same prompt pool)."""
     holder = Holder()
-    policy = build(name, holder, cap)
+    policy = build(name, holder, cap, buckets)
     for trace_seed in (seed * 1000 + 1, seed * 1000 + 2):  # warm-up, then evaluation
         holder.sim = Simulator(layout, make_trace(n, trace_seed, prefix=f"s{trace_seed}-"))
         result = holder.sim.run(policy)
@@ -80,22 +88,33 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=400)
     parser.add_argument("--seeds", type=int, default=3, help="seeds averaged per row (1..N)")
     parser.add_argument("--cap", type=int, default=CAP, help="per-worker cap on outstanding tokens")
+    parser.add_argument("--recorded", help="a trace.jsonl a run recorded (RUN_DIR/trace.jsonl)")
+    parser.add_argument("--recorded-buckets", default="short:10,long:512",
+                        help="that run's buckets as name:max_tokens,... (the quickstart's by default)")
+    parser.add_argument("--only-recorded", action="store_true", help="skip the synthetic traces")
     args = parser.parse_args()
     started = time.perf_counter()
+    runs = [] if args.only_recorded else [(name, layout, trace_name, make_trace, BUCKETS)
+                                          for name, layout in LAYOUTS.items() for trace_name, make_trace in TRACES.items()]
+    if args.recorded:
+        buckets = [(name, int(tokens)) for name, tokens in (item.split(":") for item in args.recorded_buckets.split(","))]
+        shapes = [(1, 4), (2, 2), (4, 1)]
+        layout = [Group(name, *shapes[i]) for i, (name, _) in enumerate(buckets[:3])]
+        layout_name = "+".join(f"TP{g.tp}x{g.count}" for g in layout)
+        runs.append((layout_name, layout, "recorded", functools.partial(recorded_trace, args.recorded), buckets))
     print(f"{args.trajectories} trajectories, mean of {args.seeds} seeds, per-worker cap {args.cap} tokens")
     print(f"{'layout':<18} {'trace':<9} {'policy':<13} {'makespan s':>10} {'traj/s':>6} {'tok/s':>6} "
-          f"{'vs LB':>5} {'vs oracle':>9} {'moves':>5}  busy short/medium/long")
-    for layout_name, layout in LAYOUTS.items():
-        for trace_name, make_trace in TRACES.items():
-            results = {name: mean_result([evaluate(name, layout, make_trace, args.trajectories, seed, args.cap)
-                                          for seed in range(1, args.seeds + 1)]) for name in POLICY_NAMES}
-            lb, oracle = results["load_balance"].makespan_s, results["oracle"].makespan_s
-            for name, r in results.items():
-                busy = "/".join(f"{r.busy.get(b, 0):.2f}" for b, _ in BUCKETS)
-                print(f"{layout_name:<18} {trace_name:<9} {name:<13} {r.makespan_s:>10.1f} "
-                      f"{r.trajectories_per_s:>6.3f} {r.tokens_per_s:>6.0f} {lb / r.makespan_s:>5.2f} "
-                      f"{r.makespan_s / oracle:>9.2f} {r.moves:>5}  {busy}")
-            print()
+          f"{'vs LB':>5} {'vs oracle':>9} {'moves':>5}  busy per bucket")
+    for layout_name, layout, trace_name, make_trace, buckets in runs:
+        results = {name: mean_result([evaluate(name, layout, make_trace, args.trajectories, seed, args.cap, buckets)
+                                      for seed in range(1, args.seeds + 1)]) for name in POLICY_NAMES}
+        lb, oracle = results["load_balance"].makespan_s, results["oracle"].makespan_s
+        for name, r in results.items():
+            busy = "/".join(f"{r.busy.get(b, 0):.2f}" for b, _ in buckets)
+            print(f"{layout_name:<18} {trace_name:<9} {name:<13} {r.makespan_s:>10.1f} "
+                  f"{r.trajectories_per_s:>6.3f} {r.tokens_per_s:>6.0f} {lb / r.makespan_s:>5.2f} "
+                  f"{r.makespan_s / oracle:>9.2f} {r.moves:>5}  {busy}")
+        print()
     print("vs LB: load-balance makespan / policy makespan (>1 is faster); "
           "vs oracle: policy makespan / oracle makespan (1.15 = 15% slower)")
     print(f"({time.perf_counter() - started:.1f} s)")

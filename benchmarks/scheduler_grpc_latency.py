@@ -1,5 +1,9 @@
 """What the gateway→scheduler path adds per model turn, through real gRPC, load balance beside C-MLFQ.
 
+Two transports side by side: `session` (what the gateway uses: one Session stream, only the Route
+is waited for, reports are queued in order behind it) and `unary` (the baseline: one unary call
+per Route and per report, each waited for, as the gateway did before).
+
 ```
  this process (one asyncio loop)                   child process              child process
  ┌──────────────────────────────────────┐  gRPC  ┌───────────────────────┐  ┌────────────────┐
@@ -47,7 +51,7 @@ import time
 from libra.redis_server import PrivateRedis, free_port
 from libra.rpc import channel, peer_serving
 from libra.services.rollout.router import SchedulerRouter
-from libra.v1 import common_pb2
+from libra.v1 import common_pb2, scheduler_pb2
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -79,7 +83,7 @@ class Scheduler:
                             for name, tokens in BUCKETS)
         config.write_text(CONFIG.format(run_id=RUN_ID, run_dir=directory / "run", buckets=buckets))
         self.log_path = directory / f"scheduler-{policy}.log"
-        self.run_id = f"{RUN_ID}-{policy}"  # a fresh run id per policy: no worker registry left from before
+        self.run_id = f"{RUN_ID}-{directory.name}"  # a fresh run id per run: no worker registry left from before
         command = [sys.executable, "-m", "libra.cli", "serve", "scheduler", "--config", str(config),
                    "--redis-url", redis_url, "--port", str(self.port), "--set", f"scheduler.policy={policy}",
                    "--run-id", self.run_id]
@@ -109,6 +113,32 @@ class Scheduler:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+class UnaryRouter(SchedulerRouter):
+    """The baseline transport: every Route and report is its own unary call, waited for."""
+
+    async def route(self, trajectory_id, prompt_id, turn, prompt_tokens, max_new_tokens, exclude):
+        return await self.stub.Route(scheduler_pb2.RouteRequest(
+            meta=self._meta(), trajectory_id=trajectory_id, prompt_id=prompt_id, turn=turn,
+            prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, exclude_workers=exclude))
+
+    async def turn_done(self, trajectory_id, worker_id, output_tokens, seconds, failed):
+        await self.stub.ReportTurn(scheduler_pb2.TurnReport(
+            meta=self._meta(), trajectory_id=trajectory_id, worker_id=worker_id, output_tokens=output_tokens,
+            seconds=seconds, failed=failed))
+
+    async def tool_returned(self, trajectory_id, tool, status, payload_tokens):
+        await self.stub.ReportToolReturn(scheduler_pb2.ToolReturnReport(
+            meta=self._meta(), trajectory_id=trajectory_id, tool=tool, status=status, payload_tokens=payload_tokens))
+
+    async def finished(self, trajectory_id, prompt_id, output_tokens, status):
+        await self.stub.ReportFinish(scheduler_pb2.FinishReport(
+            meta=self._meta(), trajectory_id=trajectory_id, prompt_id=prompt_id, output_tokens=output_tokens,
+            status=status))
+
+
+ROUTERS = {"session": SchedulerRouter, "unary": UnaryRouter}
 
 
 async def trajectory(router: SchedulerRouter, index: int, turns: int, gen_s: float, tool_s: float,
@@ -156,11 +186,11 @@ async def phase(router: SchedulerRouter, scheduler: Scheduler, name: str, trajec
             "client_cpu_ms": (time.process_time() - client_cpu) * 1000 / calls}
 
 
-async def measure(scheduler: Scheduler, args: argparse.Namespace) -> list[dict]:
+async def measure(scheduler: Scheduler, args: argparse.Namespace, transport: str) -> list[dict]:
     """The unloaded baseline (one trajectory, back-to-back turns), then the concurrent run."""
     await scheduler.wait_serving()
     async with channel(scheduler.address) as chan:
-        router = SchedulerRouter(chan, scheduler.run_id)
+        router = ROUTERS[transport](chan, scheduler.run_id)
         for i in range(args.workers):
             await router.register(common_pb2.WorkerInfo(worker_id=f"w{i}", bucket=BUCKETS[i % len(BUCKETS)][0],
                                                         address=f"http://w{i}", tp=1))
@@ -169,6 +199,7 @@ async def measure(scheduler: Scheduler, args: argparse.Namespace) -> list[dict]:
                                args.seed + 2, args.timeout_s)
         loaded = await phase(router, scheduler, f"{args.trajectories} in flight", args.trajectories, args.turns,
                              args.gen_ms / 1000, args.tool_ms / 1000, args.seed, args.timeout_s)
+        await router.close()
     return [baseline, loaded]
 
 
@@ -182,31 +213,40 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace, load_before
           f"~{args.tool_ms:.0f} ms) beside 1 trajectory x {args.baseline_turns} back-to-back turns; "
           f"{args.workers} workers in {len(BUCKETS)} buckets; {os.cpu_count()} CPUs, load average before "
           f"{load_before:.2f} (other processes compete for the same cores)")
-    print(f"{'policy':>12} {'load':>14}  {'Route ms p50/p90/p99':>22}  {'per turn ms p50/p90/p99':>25}"
+    print(f"{'policy/transport':>20} {'load':>14}  {'Route ms p50/p90/p99':>22}  {'per turn ms p50/p90/p99':>25}"
           f"  {'calls/s':>7}  {'CPU ms/call srv+cli':>19}  {'wall s':>6}")
     for policy, rows in results.items():
         for row in rows:
             route, turn = row["route"], row["turn"]
-            print(f"{policy:>12} {row['name']:>14}  {route[0]:>6.2f} /{route[1]:>6.2f} /{route[2]:>6.2f}  "
+            print(f"{policy:>20} {row['name']:>14}  {route[0]:>6.2f} /{route[1]:>6.2f} /{route[2]:>6.2f}  "
                   f"{turn[0]:>7.2f} /{turn[1]:>6.2f} /{turn[2]:>7.2f}  {row['calls_s']:>7,.0f}  "
                   f"{row['server_cpu_ms']:>8.2f} + {row['client_cpu_ms']:>6.2f}  {row['seconds']:>6.1f}")
     for policy, rows in results.items():
+        if not policy.endswith("/session"):
+            continue
+        baseline = results.get(policy.replace("/session", "/unary"))
+        if baseline:
+            (s50, _, s99), (u50, _, u99) = rows[-1]["turn"], baseline[-1]["turn"]
+            print(f"{policy.split('/')[0]:>12}: per turn at {args.trajectories} in flight, session vs unary: "
+                  f"p50 {u50 / s50:.1f}x lower, p99 {u99 / s99:.1f}x lower")
+    for policy, rows in results.items():
         median, _, p99 = rows[-1]["turn"]
         verdict = "met" if median <= TARGET_MEDIAN_MS and p99 <= TARGET_P99_MS else "NOT met"
-        print(f"{policy:>12}: target <= {TARGET_MEDIAN_MS:g} ms median and <= {TARGET_P99_MS:g} ms p99 added per "
+        print(f"{policy:>20}: target <= {TARGET_MEDIAN_MS:g} ms median and <= {TARGET_P99_MS:g} ms p99 added per "
               f"turn at {args.trajectories} in flight: {verdict} (p50 {median:.2f} ms, p99 {p99:.2f} ms)")
 
 
 async def main_async(args: argparse.Namespace, directory: pathlib.Path, redis_url: str) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {}
     for policy in args.policies:
-        workdir = directory / policy
-        workdir.mkdir()
-        scheduler = Scheduler(workdir, redis_url, policy)
-        try:
-            results[policy] = await measure(scheduler, args)
-        finally:
-            scheduler.stop()
+        for transport in args.transports:
+            workdir = directory / f"{policy}-{transport}"
+            workdir.mkdir()
+            scheduler = Scheduler(workdir, redis_url, policy)
+            try:
+                results[f"{policy}/{transport}"] = await measure(scheduler, args, transport)
+            finally:
+                scheduler.stop()
     return results
 
 
@@ -220,6 +260,8 @@ def main() -> None:
     parser.add_argument("--baseline-turns", type=int, default=300, help="turns of the one-trajectory baseline")
     parser.add_argument("--policies", nargs="+", default=["load_balance", "cmlfq"],
                         choices=["load_balance", "cmlfq"])
+    parser.add_argument("--transports", nargs="+", default=["session", "unary"], choices=sorted(ROUTERS),
+                        help="session: the gateway's stream (only Route waited for); unary: one call each")
     parser.add_argument("--timeout-s", type=float, default=25.0, help="bound on each phase (seconds)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -5,6 +5,8 @@
     libra status --config FILE                     # plan, pool, workers, trainer progress
     libra check-config FILE                        # validate a config and print it resolved
     libra plan --cluster HW.yaml --model M.yaml --trace T --gpus N   # preflight allocation
+    libra plan explain --config FILE               # the planner's decisions and calibration
+    libra data prepare WORKLOAD --source RAW [--out FILE]   # a dataset -> Libra's prompt JSONL
 
 Exit codes: 0 success, 1 a failure while running, 2 an invalid config or command line, 130 Ctrl-C.
 """
@@ -72,6 +74,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from libra.services.planner.hardware import load_gpu, load_model
     from libra.services.planner.preflight import load_trace, preflight
 
+    missing = [f"--{name}" for name in ("cluster", "model", "trace", "gpus") if getattr(args, name) is None]
+    if missing:
+        raise ConfigError(f"libra plan needs {', '.join(missing)} (or `libra plan explain --config FILE`)")
+
     try:
         decision = preflight(load_model(args.model), load_gpu(args.cluster), load_trace(args.trace), args.gpus,
                              args.top_k)
@@ -83,6 +89,44 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"  #{rank}: {candidate.note}")
     buckets = ", ".join(f"{b.name} (tp{b.tp} x{b.replicas}, <= {b.max_tokens} tokens)" for b in decision.chosen.buckets)
     print(f"rollout buckets: {buckets}")
+    return 0
+
+
+def cmd_plan_explain(args: argparse.Namespace) -> int:
+    """The planner's recent decisions and calibration (the Explain RPC of a running planner)."""
+    import asyncio
+
+    import grpc
+
+    from libra.services.planner.core import render_explain as render
+    from libra.v1 import planner_pb2, planner_pb2_grpc
+
+    config = _load(args)
+
+    async def call():
+        async with grpc.aio.insecure_channel(config.address_of("planner")) as chan:
+            return await planner_pb2_grpc.PlannerStub(chan).Explain(
+                planner_pb2.ExplainRequest(run_id=config.run_id, limit=args.limit), timeout=10)
+    try:
+        reply = asyncio.run(call())
+    except grpc.aio.AioRpcError as error:
+        raise FailedPrecondition(f"planner at {config.address_of('planner')} did not answer Explain: "
+                                 f"{error.code().name} {error.details()}; is it running (libra up / libra serve "
+                                 f"planner)?") from None
+    if args.json:
+        from google.protobuf.json_format import MessageToJson
+
+        print(MessageToJson(reply))
+    else:
+        print(render(reply))
+    return 0
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from libra.workloads.data_prepare import prepare
+
+    summary = prepare(args.workload, args.source, args.out or f"data/{args.workload}.jsonl", args.limit)
+    print("\n".join(summary.lines()))
     return 0
 
 
@@ -118,16 +162,30 @@ def build_parser() -> argparse.ArgumentParser:
     _common(status, config_required=False)
     status.set_defaults(func=cmd_status)
     plan = sub.add_parser("plan", help="preflight: choose an allocation for a cluster, model and trace")
-    plan.add_argument("--cluster", required=True, help="hardware description, e.g. configs/hardware/h200-141g.yaml")
-    plan.add_argument("--model", required=True, help="model description, e.g. configs/models/qwen3-14b.yaml")
-    plan.add_argument("--trace", required=True, help="length trace: JSON lines or CSV of prompt_tokens,output_tokens")
-    plan.add_argument("--gpus", type=int, required=True, help="GPU budget shared by training and rollout")
+    plan.add_argument("--cluster", help="hardware description, e.g. configs/hardware/h200-141g.yaml (required)")
+    plan.add_argument("--model", help="model description, e.g. configs/models/qwen3-14b.yaml (required)")
+    plan.add_argument("--trace", help="length trace: JSON lines or CSV of prompt_tokens,output_tokens (required)")
+    plan.add_argument("--gpus", type=int, help="GPU budget shared by training and rollout (required)")
     plan.add_argument("--top-k", type=int, default=5, help="alternatives to show")
     plan.set_defaults(func=cmd_plan)
+    plan_sub = plan.add_subparsers(dest="plan_command")
+    explain = plan_sub.add_parser("explain", help="a running planner's recent decisions and calibration")
+    explain.add_argument("--limit", type=int, default=10, help="decisions to show (latest)")
+    explain.add_argument("--json", action="store_true", help="print the Explain reply as JSON")
+    _common(explain, config_required=False)
+    explain.set_defaults(func=cmd_plan_explain)
     check = sub.add_parser("check-config", help="validate a config and print it with defaults")
     check.add_argument("config_path", metavar="FILE")
     _common(check, config_required=False)
     check.set_defaults(func=lambda a: cmd_check(argparse.Namespace(**{**vars(a), "config": a.config_path})))
+    data = sub.add_parser("data", help="dataset tools")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prepare = data_sub.add_parser("prepare", help="convert a public dataset file into Libra's prompt JSONL")
+    prepare.add_argument("workload", choices=("gsm8k", "dapo_math", "search_r1"), help="workload the data is for")
+    prepare.add_argument("--source", required=True, help="the dataset file: .parquet or JSON lines")
+    prepare.add_argument("--out", help="prompt file to write (default: data/WORKLOAD.jsonl)")
+    prepare.add_argument("--limit", type=int, default=0, help="stop after this many valid rows (0: all)")
+    prepare.set_defaults(func=cmd_data_prepare)
     return parser
 
 

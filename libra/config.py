@@ -22,7 +22,7 @@ from libra.services.planner.config import PlannerConfig
 from libra.services.rollout.config import RolloutConfig
 from libra.services.scheduler.config import SchedulerConfig
 from libra.services.trainer.config import TrainerConfig
-from libra.workloads.config import WorkloadConfig
+from libra.workloads.config import CalculatorConfig, WorkloadConfig
 
 SERVICES = ("planner", "scheduler", "trainer", "rollout", "elastic")
 
@@ -72,7 +72,7 @@ class RunConfig(Section):
     addresses: Addresses = Field(default_factory=Addresses, description="service addresses")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics")
     model: ModelConfig = Field(default_factory=ModelConfig, description="policy model")
-    workload: WorkloadConfig = Field(default_factory=WorkloadConfig, description="agentic workload")
+    workload: WorkloadConfig = Field(default_factory=CalculatorConfig, description="agentic workload")
     planner: PlannerConfig = Field(default_factory=PlannerConfig, description="planner service")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="scheduler service")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout service")

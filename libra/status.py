@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
 from libra.config import RunConfig
 from libra.rpc import channel
+from libra.services.elastic.report import pool_lines
 from libra.v1 import (common_pb2, elastic_pb2, elastic_pb2_grpc, planner_pb2, planner_pb2_grpc, rollout_pb2,
                       rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc)
 
@@ -31,13 +33,15 @@ async def _gather(config: RunConfig) -> list[str]:
                 f"rollout {buckets}"]
 
     async def elastic(chan):
-        reply = await elastic_pb2_grpc.ElasticCoordinatorStub(chan).ListMembers(
-            elastic_pb2.ListMembersRequest(run_id=run), timeout=3)
-        rows = [f"pool      epoch {reply.membership_epoch}, {len(reply.members)} members"]
-        for m in reply.members:
-            rows.append(f"  {m.member_id:<14} {elastic_pb2.Role.Name(m.role)[5:].lower():<9} "
-                        f"{elastic_pb2.MemberState.Name(m.state)[13:].lower():<10} gen {m.generation} {m.bucket}")
-        return rows
+        stub = elastic_pb2_grpc.ElasticCoordinatorStub(chan)
+        reply = await stub.ListMembers(elastic_pb2.ListMembersRequest(run_id=run), timeout=3)
+        try:
+            progress = await stub.GetPlanProgress(elastic_pb2.PlanProgressRequest(run_id=run), timeout=3)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: no plan applied yet
+                raise
+            progress = None
+        return pool_lines(list(reply.members), reply.membership_epoch, progress, time.time())
 
     async def rollout(chan):
         stub = rollout_pb2_grpc.RolloutStub(chan)

@@ -47,13 +47,27 @@ def _model_of(annotation) -> type[BaseModel] | None:
     return None
 
 
-def _section(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
+def _union_members(annotation) -> list[type[BaseModel]]:
+    """The config classes of a union of sections (the workload union: one per workload name)."""
+    found = []
+    for arg in typing.get_args(annotation):
+        model = _model_of(arg)
+        if model is not None and model not in found:
+            found.append(model)
+    return found if typing.get_origin(annotation) is typing.Union and len(found) > 1 else []
+
+
+def _section(model: type[BaseModel], prefix: str, lines: list[str], title: str = "") -> None:
     nested: list[tuple[str, type[BaseModel]]] = []
-    lines += [f"\n## `{prefix or '(top level)'}`\n", (model.__doc__ or "").strip().splitlines()[0] + "\n",
+    lines += [f"\n## `{prefix or '(top level)'}`{title}\n", (model.__doc__ or "").strip().splitlines()[0] + "\n",
               "| field | type | default | bounds | what it is |", "|---|---|---|---|---|"]
     for name, info in model.model_fields.items():
         sub = _model_of(info.annotation)
         key = f"{prefix}.{name}" if prefix else name
+        members = _union_members(info.annotation)
+        if members:
+            nested.extend((key, member) for member in members)
+            continue
         if sub is not None and typing.get_origin(info.annotation) is None:
             nested.append((key, sub))
             continue
@@ -64,7 +78,9 @@ def _section(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
         if sub is not None:
             nested.append((key + "[]", sub))
     for key, sub in nested:
-        _section(sub, key, lines)
+        name = sub.model_fields.get("name")
+        tagged = name is not None and typing.get_origin(name.annotation) is typing.Literal
+        _section(sub, key, lines, f" (name: {name.get_default()})" if tagged else "")
 
 
 def render() -> str:

@@ -25,35 +25,39 @@ _sym_db = _symbol_database.Default()
 from libra.v1 import common_pb2 as libra_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16libra/v1/elastic.proto\x12\x08libra.v1\x1a\x15libra/v1/common.proto\"\xca\x01\n\x06Member\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.libra.v1.Role\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.libra.v1.MemberState\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x0e\n\x06\x62ucket\x18\x06 \x01(\t\x12\x0c\n\x04gpus\x18\x07 \x01(\r\x12\x16\n\x0elast_heartbeat\x18\x08 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\t \x01(\t\"^\n\x15RegisterMemberRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12 \n\x06member\x18\x02 \x01(\x0b\x32\x10.libra.v1.Member\"5\n\x10HeartbeatRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\"B\n\x12ListMembersRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.libra.v1.Role\"R\n\x13ListMembersResponse\x12!\n\x07members\x18\x01 \x03(\x0b\x32\x10.libra.v1.Member\x12\x18\n\x10membership_epoch\x18\x02 \x01(\x04\"\x9f\x01\n\x11TransitionRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12%\n\x06target\x18\x03 \x01(\x0e\x32\x15.libra.v1.MemberState\x12\x1b\n\x13\x65xpected_generation\x18\x04 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"U\n\x10\x41pplyPlanRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x1c\n\x04plan\x18\x02 \x01(\x0b\x32\x0e.libra.v1.Plan\"9\n\x13PlanProgressRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"j\n\x0cPlanProgress\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x12\n\nsteps_done\x18\x04 \x01(\r\x12\x13\n\x0bsteps_total\x18\x05 \x01(\r*R\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_ROLLOUT\x10\x01\x12\x11\n\rROLE_TRAINING\x10\x02\x12\x0f\n\x0bROLE_HYBRID\x10\x03*\x9d\x02\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14MEMBER_STATE_ROLLOUT\x10\x01\x12\x18\n\x14MEMBER_STATE_JOINING\x10\x02\x12\x1f\n\x1bMEMBER_STATE_FETCHING_STATE\x10\x03\x12\x18\n\x14MEMBER_STATE_ALIGNED\x10\x04\x12\x17\n\x13MEMBER_STATE_ACTIVE\x10\x05\x12\x1a\n\x16MEMBER_STATE_RELEASING\x10\x06\x12\x17\n\x13MEMBER_STATE_FAILED\x10\x07\x12\x18\n\x14MEMBER_STATE_OFFLINE\x10\x08\x12\x19\n\x15MEMBER_STATE_TRAINING\x10\t2\xa8\x03\n\x12\x45lasticCoordinator\x12\x43\n\x0eRegisterMember\x12\x1f.libra.v1.RegisterMemberRequest\x1a\x10.libra.v1.Member\x12\x39\n\tHeartbeat\x12\x1a.libra.v1.HeartbeatRequest\x1a\x10.libra.v1.Member\x12J\n\x0bListMembers\x12\x1c.libra.v1.ListMembersRequest\x1a\x1d.libra.v1.ListMembersResponse\x12;\n\nTransition\x12\x1b.libra.v1.TransitionRequest\x1a\x10.libra.v1.Member\x12?\n\tApplyPlan\x12\x1a.libra.v1.ApplyPlanRequest\x1a\x16.libra.v1.PlanProgress\x12H\n\x0fGetPlanProgress\x12\x1d.libra.v1.PlanProgressRequest\x1a\x16.libra.v1.PlanProgressb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16libra/v1/elastic.proto\x12\x08libra.v1\x1a\x15libra/v1/common.proto\"\xe4\x02\n\x06Member\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.libra.v1.Role\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.libra.v1.MemberState\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x0e\n\x06\x62ucket\x18\x06 \x01(\t\x12\x0c\n\x04gpus\x18\x07 \x01(\r\x12\x16\n\x0elast_heartbeat\x18\x08 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\t \x01(\t\x12\x17\n\x0fplan_generation\x18\n \x01(\x04\x12\x13\n\x0bstate_since\x18\x0b \x01(\x01\x12&\n\x07history\x18\x0c \x03(\x0b\x32\x15.libra.v1.PhaseRecord\x12\'\n\tdisplaced\x18\r \x03(\x0b\x32\x14.libra.v1.BucketSpec\x12\x0b\n\x03pid\x18\x0e \x01(\r\x12\x0c\n\x04step\x18\x0f \x01(\x04\"\xc7\x01\n\x0bPhaseRecord\x12)\n\nfrom_state\x18\x01 \x01(\x0e\x32\x15.libra.v1.MemberState\x12\'\n\x08to_state\x18\x02 \x01(\x0e\x32\x15.libra.v1.MemberState\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\n\n\x02\x61t\x18\x04 \x01(\x01\x12\x1b\n\x13seconds_in_previous\x18\x05 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\x17\n\x0fplan_generation\x18\x07 \x01(\x04\"^\n\x15RegisterMemberRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12 \n\x06member\x18\x02 \x01(\x0b\x32\x10.libra.v1.Member\"5\n\x10HeartbeatRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tmember_id\x18\x02 \x01(\t\"B\n\x12ListMembersRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.libra.v1.Role\"R\n\x13ListMembersResponse\x12!\n\x07members\x18\x01 \x03(\x0b\x32\x10.libra.v1.Member\x12\x18\n\x10membership_epoch\x18\x02 \x01(\x04\"\x9f\x01\n\x11TransitionRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12%\n\x06target\x18\x03 \x01(\x0e\x32\x15.libra.v1.MemberState\x12\x1b\n\x13\x65xpected_generation\x18\x04 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"U\n\x10\x41pplyPlanRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x1c\n\x04plan\x18\x02 \x01(\x0b\x32\x0e.libra.v1.Plan\"9\n\x13PlanProgressRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\xde\x01\n\x0cPlanProgress\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x12\n\nsteps_done\x18\x04 \x01(\r\x12\x13\n\x0bsteps_total\x18\x05 \x01(\r\x12%\n\x07\x61\x63tions\x18\x06 \x03(\x0b\x32\x14.libra.v1.PlanAction\x12\"\n\x08replicas\x18\x07 \x03(\x0b\x32\x10.libra.v1.Member\x12\x12\n\nstarted_at\x18\x08 \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\t \x01(\x01\"\x81\x01\n\nPlanAction\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x12\n\nstarted_at\x18\x05 \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x06 \x01(\x01\x12\r\n\x05phase\x18\x07 \x01(\r*R\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_ROLLOUT\x10\x01\x12\x11\n\rROLE_TRAINING\x10\x02\x12\x0f\n\x0bROLE_HYBRID\x10\x03*\x9d\x02\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14MEMBER_STATE_ROLLOUT\x10\x01\x12\x18\n\x14MEMBER_STATE_JOINING\x10\x02\x12\x1f\n\x1bMEMBER_STATE_FETCHING_STATE\x10\x03\x12\x18\n\x14MEMBER_STATE_ALIGNED\x10\x04\x12\x17\n\x13MEMBER_STATE_ACTIVE\x10\x05\x12\x1a\n\x16MEMBER_STATE_RELEASING\x10\x06\x12\x17\n\x13MEMBER_STATE_FAILED\x10\x07\x12\x18\n\x14MEMBER_STATE_OFFLINE\x10\x08\x12\x19\n\x15MEMBER_STATE_TRAINING\x10\t2\xa8\x03\n\x12\x45lasticCoordinator\x12\x43\n\x0eRegisterMember\x12\x1f.libra.v1.RegisterMemberRequest\x1a\x10.libra.v1.Member\x12\x39\n\tHeartbeat\x12\x1a.libra.v1.HeartbeatRequest\x1a\x10.libra.v1.Member\x12J\n\x0bListMembers\x12\x1c.libra.v1.ListMembersRequest\x1a\x1d.libra.v1.ListMembersResponse\x12;\n\nTransition\x12\x1b.libra.v1.TransitionRequest\x1a\x10.libra.v1.Member\x12?\n\tApplyPlan\x12\x1a.libra.v1.ApplyPlanRequest\x1a\x16.libra.v1.PlanProgress\x12H\n\x0fGetPlanProgress\x12\x1d.libra.v1.PlanProgressRequest\x1a\x16.libra.v1.PlanProgressb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'libra.v1.elastic_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=983
-  _globals['_ROLE']._serialized_end=1065
-  _globals['_MEMBERSTATE']._serialized_start=1068
-  _globals['_MEMBERSTATE']._serialized_end=1353
+  _globals['_ROLE']._serialized_start=1588
+  _globals['_ROLE']._serialized_end=1670
+  _globals['_MEMBERSTATE']._serialized_start=1673
+  _globals['_MEMBERSTATE']._serialized_end=1958
   _globals['_MEMBER']._serialized_start=60
-  _globals['_MEMBER']._serialized_end=262
-  _globals['_REGISTERMEMBERREQUEST']._serialized_start=264
-  _globals['_REGISTERMEMBERREQUEST']._serialized_end=358
-  _globals['_HEARTBEATREQUEST']._serialized_start=360
-  _globals['_HEARTBEATREQUEST']._serialized_end=413
-  _globals['_LISTMEMBERSREQUEST']._serialized_start=415
-  _globals['_LISTMEMBERSREQUEST']._serialized_end=481
-  _globals['_LISTMEMBERSRESPONSE']._serialized_start=483
-  _globals['_LISTMEMBERSRESPONSE']._serialized_end=565
-  _globals['_TRANSITIONREQUEST']._serialized_start=568
-  _globals['_TRANSITIONREQUEST']._serialized_end=727
-  _globals['_APPLYPLANREQUEST']._serialized_start=729
-  _globals['_APPLYPLANREQUEST']._serialized_end=814
-  _globals['_PLANPROGRESSREQUEST']._serialized_start=816
-  _globals['_PLANPROGRESSREQUEST']._serialized_end=873
-  _globals['_PLANPROGRESS']._serialized_start=875
-  _globals['_PLANPROGRESS']._serialized_end=981
-  _globals['_ELASTICCOORDINATOR']._serialized_start=1356
-  _globals['_ELASTICCOORDINATOR']._serialized_end=1780
+  _globals['_MEMBER']._serialized_end=416
+  _globals['_PHASERECORD']._serialized_start=419
+  _globals['_PHASERECORD']._serialized_end=618
+  _globals['_REGISTERMEMBERREQUEST']._serialized_start=620
+  _globals['_REGISTERMEMBERREQUEST']._serialized_end=714
+  _globals['_HEARTBEATREQUEST']._serialized_start=716
+  _globals['_HEARTBEATREQUEST']._serialized_end=769
+  _globals['_LISTMEMBERSREQUEST']._serialized_start=771
+  _globals['_LISTMEMBERSREQUEST']._serialized_end=837
+  _globals['_LISTMEMBERSRESPONSE']._serialized_start=839
+  _globals['_LISTMEMBERSRESPONSE']._serialized_end=921
+  _globals['_TRANSITIONREQUEST']._serialized_start=924
+  _globals['_TRANSITIONREQUEST']._serialized_end=1083
+  _globals['_APPLYPLANREQUEST']._serialized_start=1085
+  _globals['_APPLYPLANREQUEST']._serialized_end=1170
+  _globals['_PLANPROGRESSREQUEST']._serialized_start=1172
+  _globals['_PLANPROGRESSREQUEST']._serialized_end=1229
+  _globals['_PLANPROGRESS']._serialized_start=1232
+  _globals['_PLANPROGRESS']._serialized_end=1454
+  _globals['_PLANACTION']._serialized_start=1457
+  _globals['_PLANACTION']._serialized_end=1586
+  _globals['_ELASTICCOORDINATOR']._serialized_start=1961
+  _globals['_ELASTICCOORDINATOR']._serialized_end=2385
 # @@protoc_insertion_point(module_scope)

@@ -43,7 +43,7 @@ MEMBER_STATE_OFFLINE: MemberState
 MEMBER_STATE_TRAINING: MemberState
 
 class Member(_message.Message):
-    __slots__ = ("member_id", "role", "state", "generation", "address", "bucket", "gpus", "last_heartbeat", "detail")
+    __slots__ = ("member_id", "role", "state", "generation", "address", "bucket", "gpus", "last_heartbeat", "detail", "plan_generation", "state_since", "history", "displaced", "pid", "step")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,12 @@ class Member(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PLAN_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_SINCE_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    DISPLACED_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     role: Role
     state: MemberState
@@ -62,7 +68,31 @@ class Member(_message.Message):
     gpus: int
     last_heartbeat: float
     detail: str
-    def __init__(self, member_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., state: _Optional[_Union[MemberState, str]] = ..., generation: _Optional[int] = ..., address: _Optional[str] = ..., bucket: _Optional[str] = ..., gpus: _Optional[int] = ..., last_heartbeat: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+    plan_generation: int
+    state_since: float
+    history: _containers.RepeatedCompositeFieldContainer[PhaseRecord]
+    displaced: _containers.RepeatedCompositeFieldContainer[_common_pb2.BucketSpec]
+    pid: int
+    step: int
+    def __init__(self, member_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., state: _Optional[_Union[MemberState, str]] = ..., generation: _Optional[int] = ..., address: _Optional[str] = ..., bucket: _Optional[str] = ..., gpus: _Optional[int] = ..., last_heartbeat: _Optional[float] = ..., detail: _Optional[str] = ..., plan_generation: _Optional[int] = ..., state_since: _Optional[float] = ..., history: _Optional[_Iterable[_Union[PhaseRecord, _Mapping]]] = ..., displaced: _Optional[_Iterable[_Union[_common_pb2.BucketSpec, _Mapping]]] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class PhaseRecord(_message.Message):
+    __slots__ = ("from_state", "to_state", "generation", "at", "seconds_in_previous", "detail", "plan_generation")
+    FROM_STATE_FIELD_NUMBER: _ClassVar[int]
+    TO_STATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_IN_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PLAN_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    from_state: MemberState
+    to_state: MemberState
+    generation: int
+    at: float
+    seconds_in_previous: float
+    detail: str
+    plan_generation: int
+    def __init__(self, from_state: _Optional[_Union[MemberState, str]] = ..., to_state: _Optional[_Union[MemberState, str]] = ..., generation: _Optional[int] = ..., at: _Optional[float] = ..., seconds_in_previous: _Optional[float] = ..., detail: _Optional[str] = ..., plan_generation: _Optional[int] = ...) -> None: ...
 
 class RegisterMemberRequest(_message.Message):
     __slots__ = ("meta", "member")
@@ -127,15 +157,41 @@ class PlanProgressRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PlanProgress(_message.Message):
-    __slots__ = ("generation", "state", "detail", "steps_done", "steps_total")
+    __slots__ = ("generation", "state", "detail", "steps_done", "steps_total", "actions", "replicas", "started_at", "finished_at")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
     STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     generation: int
     state: str
     detail: str
     steps_done: int
     steps_total: int
-    def __init__(self, generation: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., steps_done: _Optional[int] = ..., steps_total: _Optional[int] = ...) -> None: ...
+    actions: _containers.RepeatedCompositeFieldContainer[PlanAction]
+    replicas: _containers.RepeatedCompositeFieldContainer[Member]
+    started_at: float
+    finished_at: float
+    def __init__(self, generation: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., steps_done: _Optional[int] = ..., steps_total: _Optional[int] = ..., actions: _Optional[_Iterable[_Union[PlanAction, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
+
+class PlanAction(_message.Message):
+    __slots__ = ("kind", "target", "state", "detail", "started_at", "finished_at", "phase")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    target: str
+    state: str
+    detail: str
+    started_at: float
+    finished_at: float
+    phase: int
+    def __init__(self, kind: _Optional[str] = ..., target: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., phase: _Optional[int] = ...) -> None: ...

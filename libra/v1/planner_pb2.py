@@ -25,13 +25,17 @@ _sym_db = _symbol_database.Default()
 from libra.v1 import common_pb2 as libra_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16libra/v1/planner.proto\x12\x08libra.v1\x1a\x15libra/v1/common.proto\" \n\x0eGetPlanRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"<\n\x0cLengthSample\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\"\x90\x01\n\x10PreflightRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63luster_yaml\x18\x02 \x01(\t\x12\x12\n\nmodel_yaml\x18\x03 \x01(\t\x12\x0c\n\x04gpus\x18\x04 \x01(\r\x12%\n\x05trace\x18\x05 \x03(\x0b\x32\x16.libra.v1.LengthSample\x12\r\n\x05top_k\x18\x06 \x01(\r\"\x8d\x01\n\tCandidate\x12\x1c\n\x04plan\x18\x01 \x01(\x0b\x32\x0e.libra.v1.Plan\x12\x1f\n\x17predicted_train_seconds\x18\x02 \x01(\x01\x12!\n\x19predicted_rollout_seconds\x18\x03 \x01(\x01\x12\x10\n\x08\x66\x65\x61sible\x18\x04 \x01(\x08\x12\x0c\n\x04note\x18\x05 \x01(\t\"\xd1\x01\n\x0cPlanDecision\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x01 \x01(\x04\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\x1e\n\x06\x63hosen\x18\x03 \x01(\x0b\x32\x0e.libra.v1.Plan\x12\'\n\ncandidates\x18\x04 \x03(\x0b\x32\x13.libra.v1.Candidate\x12\x0f\n\x07\x61pplied\x18\x05 \x01(\x08\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x16\n\x0epredicted_gain\x18\x07 \x01(\x01\x12\x17\n\x0ftransition_cost\x18\x08 \x01(\x01\"f\n\x15ObserveHistoryRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12(\n\x07records\x18\x02 \x03(\x0b\x32\x17.libra.v1.HistoryRecord\"/\n\x0e\x45xplainRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\"<\n\x0f\x45xplainResponse\x12)\n\tdecisions\x18\x01 \x03(\x0b\x32\x16.libra.v1.PlanDecision2\x81\x02\n\x07Planner\x12\x33\n\x07GetPlan\x12\x18.libra.v1.GetPlanRequest\x1a\x0e.libra.v1.Plan\x12?\n\tPreflight\x12\x1a.libra.v1.PreflightRequest\x1a\x16.libra.v1.PlanDecision\x12@\n\x0eObserveHistory\x12\x1f.libra.v1.ObserveHistoryRequest\x1a\r.libra.v1.Ack\x12>\n\x07\x45xplain\x12\x18.libra.v1.ExplainRequest\x1a\x19.libra.v1.ExplainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16libra/v1/planner.proto\x12\x08libra.v1\x1a\x15libra/v1/common.proto\" \n\x0eGetPlanRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"<\n\x0cLengthSample\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\"\x90\x01\n\x10PreflightRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63luster_yaml\x18\x02 \x01(\t\x12\x12\n\nmodel_yaml\x18\x03 \x01(\t\x12\x0c\n\x04gpus\x18\x04 \x01(\r\x12%\n\x05trace\x18\x05 \x03(\x0b\x32\x16.libra.v1.LengthSample\x12\r\n\x05top_k\x18\x06 \x01(\r\"\x8d\x01\n\tCandidate\x12\x1c\n\x04plan\x18\x01 \x01(\x0b\x32\x0e.libra.v1.Plan\x12\x1f\n\x17predicted_train_seconds\x18\x02 \x01(\x01\x12!\n\x19predicted_rollout_seconds\x18\x03 \x01(\x01\x12\x10\n\x08\x66\x65\x61sible\x18\x04 \x01(\x08\x12\x0c\n\x04note\x18\x05 \x01(\t\"\xc1\x03\n\x0cPlanDecision\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x01 \x01(\x04\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\x1e\n\x06\x63hosen\x18\x03 \x01(\x0b\x32\x0e.libra.v1.Plan\x12\'\n\ncandidates\x18\x04 \x03(\x0b\x32\x13.libra.v1.Candidate\x12\x0f\n\x07\x61pplied\x18\x05 \x01(\x08\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x16\n\x0epredicted_gain\x18\x07 \x01(\x01\x12\x17\n\x0ftransition_cost\x18\x08 \x01(\x01\x12\x0f\n\x07trigger\x18\t \x01(\t\x12\x1f\n\x07\x63urrent\x18\n \x01(\x0b\x32\x0e.libra.v1.Plan\x12!\n\x19predicted_current_seconds\x18\x0b \x01(\x01\x12\x1d\n\x15predicted_new_seconds\x18\x0c \x01(\x01\x12\x32\n\x06inputs\x18\r \x03(\x0b\x32\".libra.v1.PlanDecision.InputsEntry\x12\x17\n\x0ftrace_sequences\x18\x0e \x01(\r\x1a-\n\x0bInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"f\n\x15ObserveHistoryRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12(\n\x07records\x18\x02 \x03(\x0b\x32\x17.libra.v1.HistoryRecord\"/\n\x0e\x45xplainRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\"|\n\nEfficiency\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x62\x61se\x18\x02 \x01(\x01\x12\x12\n\ncalibrated\x18\x03 \x01(\x01\x12\x10\n\x08slowdown\x18\x04 \x01(\x01\x12\x0b\n\x03std\x18\x05 \x01(\x01\x12\x0f\n\x07samples\x18\x06 \x01(\x04\x12\x0e\n\x06resets\x18\x07 \x01(\x04\"i\n\x13PredictedVsMeasured\x12\x0c\n\x04what\x18\x01 \x01(\t\x12\x19\n\x11predicted_seconds\x18\x02 \x01(\x01\x12\x18\n\x10measured_seconds\x18\x03 \x01(\x01\x12\x0f\n\x07samples\x18\x04 \x01(\x04\"\x97\x02\n\x11\x43\x61librationReport\x12*\n\x0c\x65\x66\x66iciencies\x18\x01 \x03(\x0b\x32\x14.libra.v1.Efficiency\x12,\n\x05times\x18\x02 \x03(\x0b\x32\x1d.libra.v1.PredictedVsMeasured\x12;\n\x08rejected\x18\x03 \x03(\x0b\x32).libra.v1.CalibrationReport.RejectedEntry\x12\x12\n\nturns_read\x18\x04 \x01(\x04\x12\x12\n\nsteps_read\x18\x05 \x01(\x04\x12\x12\n\nupdated_at\x18\x06 \x01(\x01\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x9a\x01\n\x0f\x45xplainResponse\x12)\n\tdecisions\x18\x01 \x03(\x0b\x32\x16.libra.v1.PlanDecision\x12\x30\n\x0b\x63\x61libration\x18\x02 \x01(\x0b\x32\x1b.libra.v1.CalibrationReport\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x1c\n\x04plan\x18\x04 \x01(\x0b\x32\x0e.libra.v1.Plan2\x81\x02\n\x07Planner\x12\x33\n\x07GetPlan\x12\x18.libra.v1.GetPlanRequest\x1a\x0e.libra.v1.Plan\x12?\n\tPreflight\x12\x1a.libra.v1.PreflightRequest\x1a\x16.libra.v1.PlanDecision\x12@\n\x0eObserveHistory\x12\x1f.libra.v1.ObserveHistoryRequest\x1a\r.libra.v1.Ack\x12>\n\x07\x45xplain\x12\x18.libra.v1.ExplainRequest\x1a\x19.libra.v1.ExplainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'libra.v1.planner_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PLANDECISION_INPUTSENTRY']._loaded_options = None
+  _globals['_PLANDECISION_INPUTSENTRY']._serialized_options = b'8\001'
+  _globals['_CALIBRATIONREPORT_REJECTEDENTRY']._loaded_options = None
+  _globals['_CALIBRATIONREPORT_REJECTEDENTRY']._serialized_options = b'8\001'
   _globals['_GETPLANREQUEST']._serialized_start=59
   _globals['_GETPLANREQUEST']._serialized_end=91
   _globals['_LENGTHSAMPLE']._serialized_start=93
@@ -41,13 +45,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANDIDATE']._serialized_start=303
   _globals['_CANDIDATE']._serialized_end=444
   _globals['_PLANDECISION']._serialized_start=447
-  _globals['_PLANDECISION']._serialized_end=656
-  _globals['_OBSERVEHISTORYREQUEST']._serialized_start=658
-  _globals['_OBSERVEHISTORYREQUEST']._serialized_end=760
-  _globals['_EXPLAINREQUEST']._serialized_start=762
-  _globals['_EXPLAINREQUEST']._serialized_end=809
-  _globals['_EXPLAINRESPONSE']._serialized_start=811
-  _globals['_EXPLAINRESPONSE']._serialized_end=871
-  _globals['_PLANNER']._serialized_start=874
-  _globals['_PLANNER']._serialized_end=1131
+  _globals['_PLANDECISION']._serialized_end=896
+  _globals['_PLANDECISION_INPUTSENTRY']._serialized_start=851
+  _globals['_PLANDECISION_INPUTSENTRY']._serialized_end=896
+  _globals['_OBSERVEHISTORYREQUEST']._serialized_start=898
+  _globals['_OBSERVEHISTORYREQUEST']._serialized_end=1000
+  _globals['_EXPLAINREQUEST']._serialized_start=1002
+  _globals['_EXPLAINREQUEST']._serialized_end=1049
+  _globals['_EFFICIENCY']._serialized_start=1051
+  _globals['_EFFICIENCY']._serialized_end=1175
+  _globals['_PREDICTEDVSMEASURED']._serialized_start=1177
+  _globals['_PREDICTEDVSMEASURED']._serialized_end=1282
+  _globals['_CALIBRATIONREPORT']._serialized_start=1285
+  _globals['_CALIBRATIONREPORT']._serialized_end=1564
+  _globals['_CALIBRATIONREPORT_REJECTEDENTRY']._serialized_start=1517
+  _globals['_CALIBRATIONREPORT_REJECTEDENTRY']._serialized_end=1564
+  _globals['_EXPLAINRESPONSE']._serialized_start=1567
+  _globals['_EXPLAINRESPONSE']._serialized_end=1721
+  _globals['_PLANNER']._serialized_start=1724
+  _globals['_PLANNER']._serialized_end=1981
 # @@protoc_insertion_point(module_scope)

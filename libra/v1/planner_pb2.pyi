@@ -52,7 +52,14 @@ class Candidate(_message.Message):
     def __init__(self, plan: _Optional[_Union[_common_pb2.Plan, _Mapping]] = ..., predicted_train_seconds: _Optional[float] = ..., predicted_rollout_seconds: _Optional[float] = ..., feasible: _Optional[bool] = ..., note: _Optional[str] = ...) -> None: ...
 
 class PlanDecision(_message.Message):
-    __slots__ = ("decision_id", "timestamp", "chosen", "candidates", "applied", "reason", "predicted_gain", "transition_cost")
+    __slots__ = ("decision_id", "timestamp", "chosen", "candidates", "applied", "reason", "predicted_gain", "transition_cost", "trigger", "current", "predicted_current_seconds", "predicted_new_seconds", "inputs", "trace_sequences")
+    class InputsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     CHOSEN_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +68,12 @@ class PlanDecision(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_GAIN_FIELD_NUMBER: _ClassVar[int]
     TRANSITION_COST_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CURRENT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_NEW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     decision_id: int
     timestamp: float
     chosen: _common_pb2.Plan
@@ -69,7 +82,13 @@ class PlanDecision(_message.Message):
     reason: str
     predicted_gain: float
     transition_cost: float
-    def __init__(self, decision_id: _Optional[int] = ..., timestamp: _Optional[float] = ..., chosen: _Optional[_Union[_common_pb2.Plan, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., applied: _Optional[bool] = ..., reason: _Optional[str] = ..., predicted_gain: _Optional[float] = ..., transition_cost: _Optional[float] = ...) -> None: ...
+    trigger: str
+    current: _common_pb2.Plan
+    predicted_current_seconds: float
+    predicted_new_seconds: float
+    inputs: _containers.ScalarMap[str, float]
+    trace_sequences: int
+    def __init__(self, decision_id: _Optional[int] = ..., timestamp: _Optional[float] = ..., chosen: _Optional[_Union[_common_pb2.Plan, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., applied: _Optional[bool] = ..., reason: _Optional[str] = ..., predicted_gain: _Optional[float] = ..., transition_cost: _Optional[float] = ..., trigger: _Optional[str] = ..., current: _Optional[_Union[_common_pb2.Plan, _Mapping]] = ..., predicted_current_seconds: _Optional[float] = ..., predicted_new_seconds: _Optional[float] = ..., inputs: _Optional[_Mapping[str, float]] = ..., trace_sequences: _Optional[int] = ...) -> None: ...
 
 class ObserveHistoryRequest(_message.Message):
     __slots__ = ("meta", "records")
@@ -87,8 +106,67 @@ class ExplainRequest(_message.Message):
     limit: int
     def __init__(self, run_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
+class Efficiency(_message.Message):
+    __slots__ = ("name", "base", "calibrated", "slowdown", "std", "samples", "resets")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATED_FIELD_NUMBER: _ClassVar[int]
+    SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    RESETS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    base: float
+    calibrated: float
+    slowdown: float
+    std: float
+    samples: int
+    resets: int
+    def __init__(self, name: _Optional[str] = ..., base: _Optional[float] = ..., calibrated: _Optional[float] = ..., slowdown: _Optional[float] = ..., std: _Optional[float] = ..., samples: _Optional[int] = ..., resets: _Optional[int] = ...) -> None: ...
+
+class PredictedVsMeasured(_message.Message):
+    __slots__ = ("what", "predicted_seconds", "measured_seconds", "samples")
+    WHAT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    what: str
+    predicted_seconds: float
+    measured_seconds: float
+    samples: int
+    def __init__(self, what: _Optional[str] = ..., predicted_seconds: _Optional[float] = ..., measured_seconds: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class CalibrationReport(_message.Message):
+    __slots__ = ("efficiencies", "times", "rejected", "turns_read", "steps_read", "updated_at")
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    EFFICIENCIES_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    TURNS_READ_FIELD_NUMBER: _ClassVar[int]
+    STEPS_READ_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    efficiencies: _containers.RepeatedCompositeFieldContainer[Efficiency]
+    times: _containers.RepeatedCompositeFieldContainer[PredictedVsMeasured]
+    rejected: _containers.ScalarMap[str, int]
+    turns_read: int
+    steps_read: int
+    updated_at: float
+    def __init__(self, efficiencies: _Optional[_Iterable[_Union[Efficiency, _Mapping]]] = ..., times: _Optional[_Iterable[_Union[PredictedVsMeasured, _Mapping]]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., turns_read: _Optional[int] = ..., steps_read: _Optional[int] = ..., updated_at: _Optional[float] = ...) -> None: ...
+
 class ExplainResponse(_message.Message):
-    __slots__ = ("decisions",)
+    __slots__ = ("decisions", "calibration", "mode", "plan")
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     decisions: _containers.RepeatedCompositeFieldContainer[PlanDecision]
-    def __init__(self, decisions: _Optional[_Iterable[_Union[PlanDecision, _Mapping]]] = ...) -> None: ...
+    calibration: CalibrationReport
+    mode: str
+    plan: _common_pb2.Plan
+    def __init__(self, decisions: _Optional[_Iterable[_Union[PlanDecision, _Mapping]]] = ..., calibration: _Optional[_Union[CalibrationReport, _Mapping]] = ..., mode: _Optional[str] = ..., plan: _Optional[_Union[_common_pb2.Plan, _Mapping]] = ...) -> None: ...

@@ -7,6 +7,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GatewayMessage(_message.Message):
+    __slots__ = ("seq", "route", "turn", "tool_return", "finish")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    TOOL_RETURN_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    route: RouteRequest
+    turn: TurnReport
+    tool_return: ToolReturnReport
+    finish: FinishReport
+    def __init__(self, seq: _Optional[int] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., turn: _Optional[_Union[TurnReport, _Mapping]] = ..., tool_return: _Optional[_Union[ToolReturnReport, _Mapping]] = ..., finish: _Optional[_Union[FinishReport, _Mapping]] = ...) -> None: ...
+
+class SchedulerMessage(_message.Message):
+    __slots__ = ("seq", "processed_seq", "route", "error")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PROCESSED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    processed_seq: int
+    route: RouteDecision
+    error: StreamError
+    def __init__(self, seq: _Optional[int] = ..., processed_seq: _Optional[int] = ..., route: _Optional[_Union[RouteDecision, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class RouteRequest(_message.Message):
     __slots__ = ("meta", "trajectory_id", "prompt_id", "turn", "prompt_tokens", "max_new_tokens", "exclude_workers")
     META_FIELD_NUMBER: _ClassVar[int]

@@ -70,6 +70,11 @@ class SchedulerStub:
                 request_serializer=libra_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=libra_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/libra.v1.Scheduler/Session',
+                request_serializer=libra_dot_v1_dot_scheduler__pb2.GatewayMessage.SerializeToString,
+                response_deserializer=libra_dot_v1_dot_scheduler__pb2.SchedulerMessage.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -123,6 +128,16 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """The gateway's hot path: one long-lived stream per gateway carries every Route and report of
+        every trajectory, in order. Reports are not answered one by one: the scheduler acknowledges
+        them cumulatively (processed_seq); a Route or a failed message is answered with its seq.
+        The unary RPCs above stay for tools (grpcurl) and do the same thing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +175,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=libra_dot_v1_dot_scheduler__pb2.GetStatsRequest.FromString,
                     response_serializer=libra_dot_v1_dot_scheduler__pb2.SchedulerStats.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=libra_dot_v1_dot_scheduler__pb2.GatewayMessage.FromString,
+                    response_serializer=libra_dot_v1_dot_scheduler__pb2.SchedulerMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +371,33 @@ class Scheduler:
             '/libra.v1.Scheduler/GetStats',
             libra_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
             libra_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/libra.v1.Scheduler/Session',
+            libra_dot_v1_dot_scheduler__pb2.GatewayMessage.SerializeToString,
+            libra_dot_v1_dot_scheduler__pb2.SchedulerMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,6 +17,15 @@ class TrainerPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRAINER_PHASE_PAUSED: _ClassVar[TrainerPhase]
     TRAINER_PHASE_DONE: _ClassVar[TrainerPhase]
     TRAINER_PHASE_FAILED: _ClassVar[TrainerPhase]
+
+class HybridState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HYBRID_STATE_UNSPECIFIED: _ClassVar[HybridState]
+    HYBRID_STATE_JOINING: _ClassVar[HybridState]
+    HYBRID_STATE_SNAPSHOT: _ClassVar[HybridState]
+    HYBRID_STATE_ACTIVE: _ClassVar[HybridState]
+    HYBRID_STATE_RELEASED: _ClassVar[HybridState]
+    HYBRID_STATE_FAILED: _ClassVar[HybridState]
 TRAINER_PHASE_UNSPECIFIED: TrainerPhase
 TRAINER_PHASE_WAITING_FOR_PEERS: TrainerPhase
 TRAINER_PHASE_WARMUP: TrainerPhase
@@ -24,6 +33,12 @@ TRAINER_PHASE_TRAINING: TrainerPhase
 TRAINER_PHASE_PAUSED: TrainerPhase
 TRAINER_PHASE_DONE: TrainerPhase
 TRAINER_PHASE_FAILED: TrainerPhase
+HYBRID_STATE_UNSPECIFIED: HybridState
+HYBRID_STATE_JOINING: HybridState
+HYBRID_STATE_SNAPSHOT: HybridState
+HYBRID_STATE_ACTIVE: HybridState
+HYBRID_STATE_RELEASED: HybridState
+HYBRID_STATE_FAILED: HybridState
 
 class TrainerStatusRequest(_message.Message):
     __slots__ = ("run_id",)
@@ -126,16 +141,42 @@ class StepManifestRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class StepManifest(_message.Message):
-    __slots__ = ("step", "membership_epoch", "active_replicas", "acknowledged_by")
+    __slots__ = ("step", "membership_epoch", "active_replicas", "acknowledged_by", "hybrids", "lane_endpoints", "core_replicas")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     ACKNOWLEDGED_BY_FIELD_NUMBER: _ClassVar[int]
+    HYBRIDS_FIELD_NUMBER: _ClassVar[int]
+    LANE_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    CORE_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     step: int
     membership_epoch: int
     active_replicas: _containers.RepeatedScalarFieldContainer[str]
     acknowledged_by: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., active_replicas: _Optional[_Iterable[str]] = ..., acknowledged_by: _Optional[_Iterable[str]] = ...) -> None: ...
+    hybrids: _containers.RepeatedCompositeFieldContainer[HybridReplica]
+    lane_endpoints: _containers.RepeatedScalarFieldContainer[str]
+    core_replicas: int
+    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., active_replicas: _Optional[_Iterable[str]] = ..., acknowledged_by: _Optional[_Iterable[str]] = ..., hybrids: _Optional[_Iterable[_Union[HybridReplica, _Mapping]]] = ..., lane_endpoints: _Optional[_Iterable[str]] = ..., core_replicas: _Optional[int] = ...) -> None: ...
+
+class HybridReplica(_message.Message):
+    __slots__ = ("replica_id", "state", "dp_rank", "endpoint", "generation", "reason", "snapshot_step", "active_from_step")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_STEP_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    state: HybridState
+    dp_rank: int
+    endpoint: str
+    generation: int
+    reason: str
+    snapshot_step: int
+    active_from_step: int
+    def __init__(self, replica_id: _Optional[str] = ..., state: _Optional[_Union[HybridState, str]] = ..., dp_rank: _Optional[int] = ..., endpoint: _Optional[str] = ..., generation: _Optional[int] = ..., reason: _Optional[str] = ..., snapshot_step: _Optional[int] = ..., active_from_step: _Optional[int] = ...) -> None: ...
 
 class HybridRequest(_message.Message):
     __slots__ = ("meta", "replica_id", "generation")

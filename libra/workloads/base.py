@@ -12,6 +12,27 @@ A trajectory, as the runner plays it::
 
 Model turns end on one of `stop_strings`; each of those (and every other string in
 `markup_tokens`) is exactly one token of the policy's tokenizer, so the runner can stop on ids.
+
+One signature for every workload: the runner opens an `Episode` per trajectory with
+``workload.episode(prompt_id, sample_index, seed, budget)`` and plays it::
+
+    episode = workload.episode(prompt_id, sample_index, seed, TurnBudget(max_turns, max_new_tokens, max_total))
+    episode.prompt                                 # the Prompt (raises InvalidArgument for a bad data row)
+    episode.max_new_tokens(turn, context_tokens)   # per-turn token budget (0: stop, budget spent)
+    episode.parse_turn(text) / await episode.call_tool(call, timeout_s) / episode.render_tool_result(result)
+    episode.reward(answer)                         # may use what the episode saw (e.g. malformed turns)
+    await episode.close()                          # always called, also when the trajectory fails
+
+`Episode` is concrete: by default it delegates to the workload's stateless methods above, so a
+workload that needs no per-trajectory state (calculator, math, search) does not subclass it. A
+workload with per-trajectory state (a sandbox directory, a repository checkout) returns its own
+`Episode` subclass from `episode()` and releases the state in `close()`. `seed` is deterministic
+per trajectory (the runner derives it from the run seed and the trajectory id, which names the
+prompt's group and the sample); per-turn sampling seeds stay the runner's `turn_seed`.
+
+Added (backwards compatible): `TurnBudget`, `Episode`, `Workload.episode`, `Workload.prompt_key`,
+`ToolResult.detail` (why a call failed, for logs; never shown to the scheduler), `WORKLOADS`
+(the registry's names) and `register_workload` (for workloads that live outside this package).
 """
 
 from __future__ import annotations
@@ -19,7 +40,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import Any, Iterator
+import importlib
+from typing import Any, Callable, Iterator
 
 
 class ToolStatus(str, enum.Enum):
@@ -69,11 +91,56 @@ class ToolResult:
     tool: str
     status: ToolStatus
     payload: str
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnBudget:
+    """Token and turn limits of one trajectory (the runner's config unless a workload narrows them)."""
+
+    max_turns: int
+    max_new_tokens: int
+    max_total_tokens: int
 
 
 Turn = ToolCall | FinalAnswer | Malformed
 Segment = tuple[str, bool]
 """A piece of a conversation's text and whether the model wrote it (and is trained on it)."""
+
+
+class Episode:
+    """One trajectory's view of a workload: its prompt, budget and seed, and the turn-by-turn calls.
+
+    The default delegates to the workload's stateless methods; subclass it for per-trajectory
+    state and return the subclass from `Workload.episode`.
+    """
+
+    def __init__(self, workload: "Workload", prompt: Prompt, sample_index: int, seed: int, budget: TurnBudget):
+        self.workload, self.prompt, self.sample_index = workload, prompt, sample_index
+        self.seed, self.budget = seed, budget
+        self.malformed_turns = 0
+
+    def max_new_tokens(self, turn: int, context_tokens: int) -> int:
+        """Tokens the model may generate in this turn (0 or less: the budget is spent)."""
+        return min(self.budget.max_new_tokens, self.budget.max_total_tokens - context_tokens)
+
+    def parse_turn(self, text: str) -> Turn:
+        turn = self.workload.parse_turn(text)
+        if isinstance(turn, Malformed):
+            self.malformed_turns += 1
+        return turn
+
+    async def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
+        return await self.workload.call_tool(call, timeout_s)
+
+    def render_tool_result(self, result: ToolResult) -> str:
+        return self.workload.render_tool_result(result)
+
+    def reward(self, answer: FinalAnswer | None) -> float:
+        return self.workload.reward(self.prompt, answer)
+
+    async def close(self) -> None:
+        """Release per-trajectory state; called once, also when the trajectory failed."""
 
 
 class Workload(abc.ABC):
@@ -128,12 +195,40 @@ class Workload(abc.ABC):
     def corpus(self, count: int, seed: int) -> Iterator[str]:
         """Representative text for training a tokenizer."""
 
+    def episode(self, prompt_id: int, sample_index: int, seed: int, budget: TurnBudget) -> Episode:
+        """Open the trajectory of sample `sample_index` of prompt `prompt_id` (one signature for every workload).
+
+        Raises `InvalidArgument` when the prompt cannot be built (e.g. a dataset row with missing
+        fields): the runner records the trajectory as failed and goes on.
+        """
+        return Episode(self, self.prompt(prompt_id), sample_index, seed, budget)
+
+    def prompt_key(self, prompt_id: int) -> str:
+        """A stable key of the prompt's content (the dataset row id where there is one)."""
+        return f"{self.name}:{prompt_id}"
+
+
+WORKLOADS: dict[str, str] = {
+    "calculator": "libra.workloads.calculator:CalculatorWorkload",
+    "gsm8k": "libra.workloads.math_tasks:Gsm8kWorkload",
+    "dapo_math": "libra.workloads.math_tasks:DapoMathWorkload",
+    "search_r1": "libra.workloads.search_r1:SearchR1Workload",
+    "code_agent": "libra.workloads.code_agent:CodeAgentWorkload", "swe": "libra.workloads.swe:SweWorkload",
+}
+"""Workload name -> "module:Class"; the registry imports its entries lazily (no heavy imports at config time)."""
+
+
+def register_workload(name: str, target: str) -> None:
+    """Add a workload ("module:Class", built as Class(config)) to the registry."""
+    WORKLOADS[name] = target
+
 
 def build_workload(config: Any) -> Workload:
     """The workload named by `config.name`, built from its typed config."""
     name = getattr(config, "name", None)
-    if name == "calculator":
-        from libra.workloads.calculator import CalculatorWorkload  # the registry imports its entries lazily
-
-        return CalculatorWorkload(config)
-    raise ValueError(f"unknown workload {name!r}; known workloads: calculator")
+    target = WORKLOADS.get(name)
+    if target is None:
+        raise ValueError(f"unknown workload {name!r}; known workloads: {', '.join(sorted(WORKLOADS))}")
+    module, _, cls = target.partition(":")
+    factory: Callable[[Any], Workload] = getattr(importlib.import_module(module), cls)
+    return factory(config)

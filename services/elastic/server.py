@@ -1,5 +1,14 @@
 """The elastic coordinator: the membership registry of the pool and the plans it executes.
 
+```
+ RegisterMember / Heartbeat / Transition ─▶ member records (CAS on generation)
+ ApplyPlan ─▶ PlanRunner (plans.py) ─▶ ReplicaTasks (replicas.py) ─▶ ReplicaDriver (driver.py)
+                                                                      ├─ trainer: Admit/ReleaseHybrid, manifests
+ run(): every poll_interval_s                                         ├─ rollout: DrainWorker, StartWorkers
+   heartbeats ─▶ OFFLINE;  ReplicaTasks.sweep ─▶ watch ACTIVE,         └─ hybrid processes
+   resume or roll back replicas no task owns (a restart)
+```
+
 Every member is a Redis record with a generation (compare-and-set on every transition); the
 membership epoch changes whenever the set of members or a role changes. A request id makes each
 mutation idempotent: a replay returns the first answer.
@@ -12,11 +21,14 @@ import time
 
 from libra import log as liblog
 from libra.config import RunConfig
-from libra.errors import Conflict, NotFound
-from libra.plans import from_proto
+from libra.errors import Conflict, LibraError, NotFound
+from libra.rpc import channel
 from libra.runtime import Service, serve as run_service
 from libra.service_base import connect_store
 from libra.services.elastic import core
+from libra.services.elastic.driver import GrpcReplicaDriver, HybridProcesses, ReplicaDriver
+from libra.services.elastic.plans import PlanRunner
+from libra.services.elastic.replicas import ReplicaTasks
 from libra.services.elastic.servicer import ElasticServicer
 from libra.v1 import elastic_pb2 as pb, elastic_pb2_grpc
 
@@ -27,10 +39,14 @@ ROLE_NAMES = {pb.ROLE_ROLLOUT: "rollout", pb.ROLE_TRAINING: "training", pb.ROLE_
 class ElasticService(Service):
     name = "elastic"
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, driver: ReplicaDriver | None = None):
         self.config = config
         self.run_id = config.run_id
         self.store = None
+        self.driver = driver
+        self.replicas: ReplicaTasks | None = None
+        self.plans: PlanRunner | None = None
+        self._channels: list = []
 
     def service_names(self) -> list[str]:
         return [pb.DESCRIPTOR.services_by_name["ElasticCoordinator"].full_name]
@@ -40,22 +56,50 @@ class ElasticService(Service):
 
     async def start(self) -> None:
         self.store = await connect_store(self.config.redis.url, self.run_id)
+        if self.driver is None:
+            self._channels = [channel(self.config.address_of(s)) for s in ("trainer", "rollout")]
+            values = {"trainer": self.config.address_of("trainer"), "run_id": self.run_id}
+            processes = HybridProcesses(self.config.elastic.hybrid_command, values,
+                                        self.config.run_path / "logs" / "hybrids")
+            self.driver = GrpcReplicaDriver(*self._channels, self.run_id, processes)
+        self.replicas = ReplicaTasks(self.store, self.driver, self.config.elastic)
+        self.plans = PlanRunner(self.store, self.replicas, self.driver, self.config.elastic)
+        await self.replicas.sweep(None)  # resume or roll back replicas a previous coordinator left mid-phase
+        await self.plans.resume()
 
     async def run(self) -> None:
-        """Mark members whose heartbeats stopped as OFFLINE."""
+        """Mark members whose heartbeats stopped as OFFLINE; watch and recover hybrid replicas."""
         timeout = self.config.elastic.heartbeat_timeout_s
+        every = min(5.0, timeout / 3, self.config.elastic.poll_interval_s)
+        last_heartbeat_check = time.monotonic()
         while True:
-            await asyncio.sleep(min(5.0, timeout / 3))
-            now = time.time()
-            for member in await self._members():
-                stale = member.last_heartbeat and now - member.last_heartbeat > timeout
-                if stale and member.state not in (pb.MEMBER_STATE_OFFLINE, pb.MEMBER_STATE_FAILED):
-                    try:
-                        await self._write(member, pb.MEMBER_STATE_OFFLINE, "missed heartbeats")
-                    except Conflict:
-                        pass  # it changed meanwhile; judge it again next round
+            await asyncio.sleep(every)
+            try:
+                view = await self.driver.view()
+            except LibraError:
+                view = None  # the trainer is not up (yet): processes are still watched
+            await self.replicas.sweep(view)
+            if time.monotonic() - last_heartbeat_check >= min(5.0, timeout / 3):
+                last_heartbeat_check = time.monotonic()
+                await self._mark_offline(timeout)
+
+    async def _mark_offline(self, timeout: float) -> None:
+        now = time.time()
+        for member in await self._members():
+            stale = member.last_heartbeat and now - member.last_heartbeat > timeout
+            if stale and member.state not in (pb.MEMBER_STATE_OFFLINE, pb.MEMBER_STATE_FAILED):
+                try:
+                    await self._write(member, pb.MEMBER_STATE_OFFLINE, "missed heartbeats")
+                except (Conflict, LibraError):
+                    pass  # it changed meanwhile (or may not go OFFLINE now); judge it again next round
 
     async def close(self) -> None:
+        if self.plans is not None:
+            await self.plans.close()
+        if self.replicas is not None:
+            await self.replicas.close()
+        for chan in self._channels:
+            await chan.close()
         if self.store is not None:
             await self.store.close()
 
@@ -73,9 +117,7 @@ class ElasticService(Service):
         return member
 
     async def _write(self, member: pb.Member, state: int, detail: str) -> pb.Member:
-        updated = pb.Member()
-        updated.CopyFrom(member)
-        updated.state, updated.detail = state, detail
+        updated = core.transitioned(member, state, time.time(), detail, self.config.elastic.history_per_replica)
         updated.generation = await self.store.put_member(
             member.member_id, updated.SerializeToString(), member.generation, ROLE_NAMES.get(member.role, ""))
         return updated
@@ -119,7 +161,6 @@ class ElasticService(Service):
         member = self._decode(record)
         if expected and expected != member.generation:
             raise Conflict(f"member {member_id} is at generation {member.generation}, not {expected}")
-        core.check_transition(member.state, target)
         updated = await self._write(member, target, detail)
         await self.store.remember_result("elastic.transition", request_id, updated.SerializeToString())
         _log.info("member transition", member=member_id, state=pb.MemberState.Name(target),
@@ -129,28 +170,12 @@ class ElasticService(Service):
     async def apply_plan(self, request_id: str, plan) -> pb.PlanProgress:
         if (replay := await self._replayed("elastic.apply", request_id, pb.PlanProgress)) is not None:
             return replay
-        current = await self.store.get_plan()
-        if current is not None and plan.generation < current.generation:
-            raise Conflict(f"plan generation {plan.generation} is older than the plan in force "
-                           f"({current.generation}); a newer plan won")
-        await self.store.put_plan(plan)
-        progress = await self.plan_progress(plan.generation)
+        progress = await self.plans.apply(plan)
         await self.store.remember_result("elastic.apply", request_id, progress.SerializeToString())
         return progress
 
     async def plan_progress(self, generation: int) -> pb.PlanProgress:
-        current = await self.store.get_plan()
-        if current is None:
-            raise NotFound("no plan has been applied yet")
-        if generation and generation != current.generation:
-            state = "superseded" if generation < current.generation else "unknown"
-            return pb.PlanProgress(generation=generation, state=state,
-                                   detail=f"the plan in force is generation {current.generation}")
-        plan = from_proto(current)
-        done, total = core.plan_progress({b.name: b.replicas for b in plan.buckets}, await self._members())
-        state = "applied" if done >= total else "applying"
-        return pb.PlanProgress(generation=plan.generation, state=state, steps_done=done, steps_total=total,
-                               detail=f"{done}/{total} rollout replicas serving")
+        return await self.plans.progress(generation)
 
 
 def serve(config: RunConfig, port: int | None = None) -> int:

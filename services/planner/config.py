@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from libra.configbase import Section
+from libra.services.planner.replan import ReplanSettings
 
 
 class TrainingAllocation(Section):
@@ -30,10 +31,27 @@ class BucketAllocation(Section):
     replicas: int = Field(1, ge=0, le=4096, description="worker instances in this bucket")
 
 
-class PlannerConfig(Section):
-    """The planner: for now it serves the configured allocation (`mode: static`)."""
+class ClusterSettings(Section):
+    """What the online planner plans for: the GPU cluster and the model, by their spec names."""
 
-    mode: Literal["static"] = Field("static", description="static: serve `allocation` as the plan")
+    hardware: str = Field("h200-141g", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                          description="configs/hardware/NAME.yaml")
+    model: str = Field("qwen3-4b", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                       description="configs/models/NAME.yaml (the cost model's view of the policy)")
+    gpus: int = Field(16, ge=2, le=1_000_000, description="GPUs shared by training and rollout")
+    tick_s: float = Field(5.0, gt=0, le=3600, description="seconds between reads of the runtime history")
+    apply_retries: int = Field(8, ge=0, le=1000, description="retries of ApplyPlan while the coordinator "
+                                                             "is UNAVAILABLE (then the next tick tries again)")
+
+
+class PlannerConfig(Section):
+    """The planner: serves the configured allocation as generation 1 (`mode: static`), and with
+    `mode: online` also calibrates its cost model from runtime history and replans."""
+
+    mode: Literal["static", "online"] = Field(
+        "static", description="static: serve the configured allocation; online: also replan from runtime history")
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings, description="cluster planned for (online)")
+    replan: ReplanSettings = Field(default_factory=ReplanSettings, description="online replanning policy")
     training: TrainingAllocation = Field(default_factory=TrainingAllocation,
                                          description="training side of the allocation")
     buckets: tuple[BucketAllocation, ...] = Field(
@@ -53,4 +71,12 @@ class PlannerConfig(Section):
             raise ValueError(f"planner.buckets must be sorted by strictly increasing max_tokens, got {limits}")
         if sum(b.replicas for b in self.buckets) == 0:
             raise ValueError("planner.buckets need at least one replica in total")
+        if self.mode == "online":
+            from libra.services.planner.hardware import CONFIG_ROOT
+
+            for kind, name, field in (("hardware", self.cluster.hardware, "hardware"),
+                                      ("models", self.cluster.model, "model")):
+                if not (CONFIG_ROOT / kind / f"{name}.yaml").is_file():
+                    raise ValueError(f"planner.cluster.{field}: no configs/{kind}/{name}.yaml; name one of "
+                                     f"{sorted(p.stem for p in (CONFIG_ROOT / kind).glob('*.yaml'))}")
         return self

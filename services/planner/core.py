@@ -1,10 +1,18 @@
 """Planner decisions as pure functions. `mode: static` turns the configured allocation into plan
-generation 1; the Global Resource Planner's search plugs in here with the same outputs."""
+generation 1; `mode: online` feeds runtime history to the `Replanner` (`HistoryFeeder`) and turns
+its decisions and calibration into the records stored in Redis and shown by Explain."""
 
 from __future__ import annotations
 
+import math
+import time
+from dataclasses import dataclass, field
+
 from libra.plans import Bucket, Plan, Training
 from libra.services.planner.config import PlannerConfig
+from libra.services.planner.preflight import to_plan
+from libra.services.planner.replan import ReplanDecision, Replanner, StepObservation
+from libra.v1 import common_pb2, planner_pb2
 
 
 def static_plan(config: PlannerConfig, now: float) -> Plan:
@@ -25,3 +33,177 @@ def describe(plan: Plan) -> str:
     t = plan.training
     layout = ", ".join(f"{b.name} tp{b.tp}x{b.replicas}" for b in plan.buckets)
     return f"gen {plan.generation}: train {t.gpus} GPU tp{t.tp} pp{t.pp} dp{t.dp} | {layout}"
+
+
+# -- online mode: runtime history in, decisions out (pure conversions) -----------------------------
+
+@dataclass
+class Fed:
+    """What one batch of history did: records taken, and the rejected ones with their reasons."""
+
+    turns: int = 0
+    steps: int = 0
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (kind, reason)
+
+
+@dataclass
+class HistoryFeeder:
+    """Turns `HistoryRecord`s into Replanner calls, in stream order (turns before the step after them).
+
+    Turns calibrate prefill/decode and supply the queue depth and active rollouts of the next step;
+    a step without per-sequence lengths uses the (context, output) of the turns since the last step.
+    """
+
+    pending_queue: list[float] = field(default_factory=list)
+    pending_active: list[float] = field(default_factory=list)
+    pending_lengths: list[tuple[int, int]] = field(default_factory=list)
+
+    def feed(self, replanner: Replanner, turns, steps, plan: common_pb2.Plan | None) -> Fed:
+        fed = Fed()
+        bucket_tp = {b.name: b.tp for b in plan.buckets} if plan is not None else {}
+        for record in turns:
+            tp = record.tp or bucket_tp.get(record.bucket) or 1
+            reason = replanner.observe_turn(tp, record.prompt_tokens, record.output_tokens, record.seconds,
+                                            record.batch or 1)
+            if reason:
+                fed.rejected.append(("turn", reason))
+                continue
+            fed.turns += 1
+            self.pending_queue.append(record.queue_depth)
+            self.pending_active.append(record.active_rollouts)
+            if record.output_tokens:
+                self.pending_lengths.append((record.prompt_tokens, record.output_tokens))
+        for record in steps:
+            reason = self._step(replanner, record)
+            if reason:
+                fed.rejected.append(("step", reason))
+            else:
+                fed.steps += 1
+        return fed
+
+    def _step(self, replanner: Replanner, record) -> str | None:
+        if len(record.prompt_lengths) != len(record.output_lengths):
+            return (f"prompt_lengths ({len(record.prompt_lengths)}) and output_lengths "
+                    f"({len(record.output_lengths)}) differ in length")
+        lengths = list(zip(record.prompt_lengths, record.output_lengths)) or self.pending_lengths
+        obs = StepObservation(
+            step=record.step, time_s=record.seconds, rollout_s=record.rollout_seconds,
+            train_s=record.train_seconds or record.seconds,
+            queue_depth=_mean(self.pending_queue), active_rollouts=_mean(self.pending_active),
+            rejected_rollouts=record.rejected_rollouts, lengths=tuple(lengths), sequences=record.sequences)
+        reason = replanner.observe_step(obs)
+        self.pending_queue, self.pending_active, self.pending_lengths = [], [], []
+        return reason
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def flat_inputs(inputs: dict, prefix: str = "") -> dict[str, float]:
+    """A decision's nested inputs as `map<string, double>` (numbers only; nested keys dotted)."""
+    out: dict[str, float] = {}
+    for key, value in inputs.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_inputs(value, name + "."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out
+
+
+def decision_proto(decision: ReplanDecision, current: common_pb2.Plan | None, chosen: common_pb2.Plan | None,
+                   now: float, decision_id: int) -> planner_pb2.PlanDecision:
+    """A Replanner decision as the record stored in Redis and shown by Explain."""
+    candidates = [planner_pb2.Candidate(plan=to_plan(c, decision.trace, now) if decision.trace else None,
+                                        predicted_train_seconds=c.train_s, predicted_rollout_seconds=c.rollout_s,
+                                        feasible=True, note=c.describe())
+                  for c in decision.candidates]
+    return planner_pb2.PlanDecision(
+        decision_id=decision_id, timestamp=now, chosen=chosen, candidates=candidates, applied=decision.applied,
+        reason=decision.reason, predicted_gain=_finite(decision.gain_s),
+        transition_cost=_finite(decision.transition_cost_s), trigger=decision.trigger, current=current,
+        predicted_current_seconds=_finite(decision.predicted_current_s),
+        predicted_new_seconds=_finite(decision.predicted_new_s),
+        inputs=flat_inputs({k: v for k, v in decision.inputs.items() if k != "calibration"}),
+        trace_sequences=len(decision.trace))
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else 0.0
+
+
+def calibration_report(snapshot: dict, read: dict, now: float) -> planner_pb2.CalibrationReport:
+    """`Calibration.snapshot()` and the history counters as the Explain RPC's report."""
+    report = planner_pb2.CalibrationReport(turns_read=read.get("turn", 0), steps_read=read.get("step", 0),
+                                           updated_at=now)
+    estimators = snapshot.get("estimators", {})
+    names = {"prefill": "prefill_mfu", "decode": "decode_bw", "train": "train_mfu", "rollout": "rollout_step"}
+    for estimator, name in names.items():
+        e = estimators.get(estimator, {})
+        eff = snapshot.get("efficiency", {}).get(name, {})
+        report.efficiencies.append(planner_pb2.Efficiency(
+            name=name, base=eff.get("base", 0.0), calibrated=eff.get("calibrated", 0.0),
+            slowdown=e.get("slowdown", 1.0), std=e.get("std", 0.0), samples=e.get("samples", 0),
+            resets=e.get("resets", 0)))
+    for what, key in (("turn", "turn_time"), ("step", "step_time")):
+        t = snapshot.get(key, {})
+        report.times.append(planner_pb2.PredictedVsMeasured(
+            what=what, predicted_seconds=t.get("predicted_s", 0.0), measured_seconds=t.get("measured_s", 0.0),
+            samples=t.get("samples", 0)))
+    for reason, count in snapshot.get("rejected", {}).items():
+        report.rejected[reason] = count
+    return report
+
+
+def replan_plan(decision: ReplanDecision, generation: int, now: float) -> common_pb2.Plan:
+    """The plan a taken decision installs: the chosen candidate's layout and buckets, `generation`."""
+    plan = to_plan(decision.chosen, decision.trace, now)
+    plan.generation, plan.source, plan.reason = generation, "replan", decision.reason[:400]
+    return plan
+
+
+def render_explain(reply: planner_pb2.ExplainResponse) -> str:
+    """`libra plan explain`: decisions (oldest first), then the calibration, as plain text."""
+    lines = [f"mode: {reply.mode or 'static'}"]
+    if reply.HasField("plan"):
+        lines.append(f"plan in force: {describe(_plan_of(reply.plan))} (source {reply.plan.source})")
+    lines.append(f"decisions ({len(reply.decisions)}):")
+    for d in reply.decisions:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(d.timestamp))
+        verdict = "APPLIED" if d.applied else "not applied"
+        lines.append(f"  #{d.decision_id} {when} trigger={d.trigger or '-'} {verdict}: {d.reason}")
+        if d.HasField("current"):
+            predicted = f"  predicted {d.predicted_current_seconds:.2f}s" if d.predicted_current_seconds else ""
+            lines.append(f"      current: {describe(_plan_of(d.current))}{predicted}")
+        if d.HasField("chosen"):
+            lines.append(f"      chosen:  {describe(_plan_of(d.chosen))}  predicted "
+                         f"{d.predicted_new_seconds or d.chosen.predicted_step_seconds:.2f}s")
+        if d.transition_cost or d.predicted_gain:
+            lines.append(f"      gain {d.predicted_gain:.1f}s over the horizon, "
+                         f"transition cost {d.transition_cost:.1f}s")
+        if d.inputs:
+            shown = ", ".join(f"{k}={v:.3g}" for k, v in sorted(d.inputs.items()) if not k.startswith("rejected"))
+            lines.append(f"      inputs: {shown}")
+    c = reply.calibration
+    if c.efficiencies:
+        lines.append(f"calibration ({c.turns_read} turns, {c.steps_read} steps read):")
+        for e in c.efficiencies:
+            if e.name == "rollout_step":  # no efficiency of its own: stands in for both until turns arrive
+                lines.append(f"  {e.name:<13} slowdown {e.slowdown:.3f} ± {e.std:.3f} ({e.samples} samples, "
+                             f"{e.resets} resets; used only while no turn was measured)")
+                continue
+            lines.append(f"  {e.name:<13} base {e.base:.3f} -> {e.calibrated:.3f}  (slowdown {e.slowdown:.3f} "
+                         f"± {e.std:.3f}, {e.samples} samples, {e.resets} resets)")
+        for t in c.times:
+            lines.append(f"  {t.what} time: predicted {t.predicted_seconds:.3f}s, measured {t.measured_seconds:.3f}s "
+                         f"({t.samples} samples)")
+        for reason, count in sorted(c.rejected.items()):
+            lines.append(f"  ignored: {reason} x{count}")
+    return "\n".join(lines)
+
+
+def _plan_of(message: common_pb2.Plan) -> Plan:
+    from libra.plans import from_proto
+
+    return from_proto(message)

@@ -1,20 +1,60 @@
-"""The planner service: serves the plan in force and records every decision in Redis."""
+"""The planner service: serves the plan in force and records every decision in Redis.
+
+In `mode: online` a background loop also calibrates and replans:
+
+```
+ every cluster.tick_s:
+   Redis history:turn / history:step ──(only entries after the cursor)──▶ HistoryFeeder ─▶ Replanner
+   Replanner.consider(now) (in a thread) ─▶ decision ─▶ plan:decisions   (every decision, with reason)
+        └ applied: put_plan(generation + 1) ─▶ ElasticCoordinator.ApplyPlan (retries on UNAVAILABLE)
+   blob planner.online ◀─ cursor + counters + Replanner state, written after the decision
+```
+The cursor and the Replanner's state are written together, so a restarted planner continues
+where the last one stopped and never counts a history record twice. A plan whose ApplyPlan did
+not get through stays `pending_apply` in that blob and is sent again on the next tick.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
+
+import grpc
+from prometheus_client import Counter, Gauge
 
 from libra import log as liblog
 from libra.config import RunConfig
-from libra.errors import FailedPrecondition, InvalidArgument
+from libra.errors import Conflict, FailedPrecondition, InvalidArgument
 from libra.plans import Plan, from_proto, to_proto
 from libra.runtime import Service, serve as run_service
 from libra.service_base import connect_store
 from libra.services.planner import core
 from libra.services.planner.servicer import PlannerServicer
-from libra.v1 import planner_pb2, planner_pb2_grpc
+from libra.v1 import common_pb2, elastic_pb2, elastic_pb2_grpc, planner_pb2, planner_pb2_grpc
 
 _log = liblog.get("libra.planner")
+ONLINE_BLOB = "planner.online"
+HISTORY_BATCH = 5000
+PREDICTED = Gauge("libra_planner_predicted_step_seconds", "step time the calibrated model predicts (EWMA)")
+MEASURED = Gauge("libra_planner_measured_step_seconds", "measured step time (EWMA)")
+EFFICIENCY = Gauge("libra_planner_efficiency", "calibrated efficiency of the cost model", ["name"])
+DECISIONS = Counter("libra_planner_decisions_total", "replanning decisions by outcome", ["outcome"])
+IGNORED = Counter("libra_planner_history_ignored_total", "history records ignored as invalid", ["kind"])
+
+
+async def read_history_after(store, kind: str, after: str, count: int) -> list[tuple[str, common_pb2.HistoryRecord]]:
+    """Entries of a history stream strictly after stream id `after` ("" = from the start), oldest first.
+
+    Uses the store's client directly: `RecordStore.read_history` returns only the latest records.
+    """
+    redis = await store._ready()
+    rows = await redis.xrange(store.keys.history(kind), min=f"({after}" if after else "-", count=count)
+    out = []
+    for entry, fields in rows:
+        entry = entry.decode() if isinstance(entry, bytes) else entry
+        out.append((entry, common_pb2.HistoryRecord.FromString(fields[b"data"])))
+    return out
 
 
 class PlannerService(Service):
@@ -24,6 +64,11 @@ class PlannerService(Service):
         self.config = config
         self.run_id = config.run_id
         self.store = None
+        self.replanner = None
+        self.feeder = core.HistoryFeeder()
+        self.online: dict = {}  # the planner.online blob: cursor, counters, pending_apply, replanner state
+        self.clock = time.time
+        self._tick_lock = asyncio.Lock()
 
     def service_names(self) -> list[str]:
         return [planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name]
@@ -41,12 +86,155 @@ class PlannerService(Service):
             _log.info("plan", plan=core.describe(plan))
         else:
             _log.info("plan resumed from redis", plan=core.describe(from_proto(existing)))
+        if self.config.planner.mode == "online":
+            await self._start_online()
 
     async def _record_decision(self, plan: Plan, applied: bool, reason: str) -> None:
         decision = planner_pb2.PlanDecision(
-            timestamp=time.time(), chosen=to_proto(plan), applied=applied, reason=reason,
+            timestamp=time.time(), chosen=to_proto(plan), applied=applied, reason=reason, trigger="config",
             candidates=[planner_pb2.Candidate(plan=to_proto(plan), feasible=True, note="configured")])
         await self.store.append_plan_decision(decision.SerializeToString())
+
+    # -- online mode -------------------------------------------------------------------------
+    async def _start_online(self) -> None:
+        from libra.services.planner.hardware import gpu_named, model_named
+        from libra.services.planner.replan import Replanner, candidate_from_plan
+        from libra.services.planner.search import SearchConfig
+
+        cluster, trainer = self.config.planner.cluster, self.config.trainer
+        settings = self.config.planner.replan
+        if not settings.batch_sequences:
+            settings = settings.model_copy(update={"batch_sequences": trainer.groups_per_step * trainer.group_size})
+        search_config = SearchConfig(total_gpus=cluster.gpus, group_size=trainer.group_size)
+        self.replanner = Replanner(model_named(cluster.model), gpu_named(cluster.hardware), cluster.gpus,
+                                   settings, search_config, candidate_from_plan(await self.store.get_plan()))
+        blob = await self.store.load_blob(ONLINE_BLOB)
+        self.online = json.loads(blob) if blob else {"cursor": {"turn": "", "step": ""},
+                                                      "read": {"turn": 0, "step": 0}, "decisions": 0}
+        if "replanner" in self.online:
+            self.replanner.restore(self.online["replanner"])
+        _log.info("online replanning", cluster=cluster.hardware, model=cluster.model, gpus=cluster.gpus,
+                  resumed_reads=self.online["read"])
+
+    async def run(self) -> None:
+        if self.config.planner.mode != "online":
+            await asyncio.Event().wait()
+        while True:
+            await self.tick()
+            await asyncio.sleep(self.config.planner.cluster.tick_s)
+
+    async def tick(self) -> planner_pb2.PlanDecision | None:
+        """Read new history, feed it, consider replanning; returns the decision stored (if any)."""
+        async with self._tick_lock:  # the loop and a test (or a future RPC) never interleave ticks
+            return await self._tick()
+
+    async def _tick(self) -> planner_pb2.PlanDecision | None:
+        plan = await self.store.get_plan()
+        records = {}
+        for kind in ("turn", "step"):
+            rows = await read_history_after(self.store, kind, self.online["cursor"][kind], HISTORY_BATCH)
+            records[kind] = [record for _, record in rows]
+            if rows:
+                self.online["cursor"][kind] = rows[-1][0]
+        fed = self.feeder.feed(self.replanner, records["turn"], records["step"], plan)
+        for kind, reason in fed.rejected:
+            IGNORED.labels(kind).inc()
+            _log.warning("history record ignored", kind=kind, reason=reason)
+        for kind in ("turn", "step"):
+            self.online["read"][kind] += len(records[kind])
+        now = self.clock()
+        decision = await asyncio.to_thread(self.replanner.consider, now)
+        stored = None
+        if decision.trigger:
+            DECISIONS.labels("applied" if decision.applied else "gated" if decision.reason.startswith(
+                "not evaluated") else "rejected").inc()
+        if decision.record and decision.trigger:
+            stored = await self._store_decision(decision, plan, now)
+        self._export_metrics()
+        await self._save_online()
+        if self.online.get("pending_apply"):
+            await self._send_pending()
+        return stored
+
+    async def _store_decision(self, decision, plan, now: float) -> planner_pb2.PlanDecision:
+        chosen = None
+        if decision.applied:
+            chosen = core.replan_plan(decision, (plan.generation if plan else 0) + 1, now)
+            try:
+                await self.store.put_plan(chosen)
+            except Conflict as error:  # another writer took the generation: the decision stands, not applied
+                decision.applied = False
+                decision.reason = f"not applied: {error}; was: {decision.reason}"
+                self.replanner.adopt(decision.current)
+        elif decision.chosen is not None and decision.trace:
+            chosen = core.replan_plan(decision, 0, now)
+        self.online["decisions"] = self.online.get("decisions", 0) + 1
+        record = core.decision_proto(decision, plan, chosen, now, self.online["decisions"])
+        await self.store.append_plan_decision(record.SerializeToString())
+        _log.info("replan decision", trigger=decision.trigger, applied=decision.applied, reason=decision.reason)
+        if decision.applied:
+            self.online["pending_apply"] = chosen.generation
+        return record
+
+    async def _send_pending(self) -> None:
+        """Send the plan in force to the elastic coordinator; UNAVAILABLE is retried with backoff."""
+        plan = await self.store.get_plan()
+        generation = self.online["pending_apply"]
+        if plan is None or plan.generation != generation:
+            self.online.pop("pending_apply", None)  # superseded: a newer plan is in force
+            await self._save_online()
+            return
+        request = elastic_pb2.ApplyPlanRequest(meta=common_pb2.RequestMeta(
+            request_id=f"planner-apply-gen{generation}", run_id=self.run_id), plan=plan)
+        backoff = 0.2
+        for attempt in range(self.config.planner.cluster.apply_retries + 1):
+            try:
+                async with grpc.aio.insecure_channel(self.config.address_of("elastic")) as chan:
+                    progress = await elastic_pb2_grpc.ElasticCoordinatorStub(chan).ApplyPlan(request, timeout=10)
+                _log.info("plan sent to the elastic coordinator", generation=generation, state=progress.state)
+                break
+            except grpc.aio.AioRpcError as error:
+                if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    _log.warning("elastic coordinator unavailable; will retry", generation=generation,
+                                 attempt=attempt + 1, backoff_s=backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                _log.error("elastic coordinator refused the plan", generation=generation,
+                           code=error.code().name, detail=error.details())
+                break
+        else:
+            return  # still pending: the next tick tries again
+        self.online.pop("pending_apply", None)
+        await self._save_online()
+
+    async def _save_online(self) -> None:
+        self.online["replanner"] = self.replanner.state()
+        self.online["calibration"] = {**self.replanner.calibration.snapshot(),
+                                      "rejected": self.replanner.rejected_inputs()}
+        self.online["updated_at"] = self.clock()
+        await self.store.save_blob(ONLINE_BLOB, json.dumps(self.online).encode())
+
+    def _export_metrics(self) -> None:
+        snapshot = self.replanner.calibration.snapshot()
+        PREDICTED.set(snapshot["step_time"]["predicted_s"])
+        MEASURED.set(snapshot["step_time"]["measured_s"])
+        for name, values in snapshot["efficiency"].items():
+            EFFICIENCY.labels(name).set(values["calibrated"])
+
+    async def explain(self, limit: int) -> planner_pb2.ExplainResponse:
+        """Recent decisions, the plan in force and (online) the calibration, from Redis."""
+        response = planner_pb2.ExplainResponse(decisions=await self.decisions(limit),
+                                               mode=self.config.planner.mode)
+        plan = await self.store.get_plan()
+        if plan is not None:
+            response.plan.CopyFrom(plan)
+        blob = await self.store.load_blob(ONLINE_BLOB)
+        if blob:
+            online = json.loads(blob)
+            response.calibration.CopyFrom(core.calibration_report(
+                online.get("calibration", {}), online.get("read", {}), online.get("updated_at", 0.0)))
+        return response
 
     async def current_plan(self) -> Plan:
         message = await self.store.get_plan()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from libra.errors import InvalidArgument
 from libra.plans import to_proto
 from libra.rpc import guard
 from libra.service_base import check_run, request_id
-from libra.v1 import common_pb2, planner_pb2, planner_pb2_grpc
+from libra.v1 import common_pb2, planner_pb2_grpc
 
 
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
@@ -31,5 +32,6 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     @guard
     async def Explain(self, request, context):
         check_run(request.run_id, self.service.run_id)
-        decisions = await self.service.decisions(request.limit or 20)
-        return planner_pb2.ExplainResponse(decisions=decisions)
+        if request.limit > 1000:
+            raise InvalidArgument(f"limit must be <= 1000 (decisions kept), got {request.limit}")
+        return await self.service.explain(request.limit or 20)

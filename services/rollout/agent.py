@@ -9,10 +9,16 @@
 Token ids are kept end to end: generated ids are appended as the engine returned them; tool
 results are tokenized once, as their own segment, and masked out of the loss. Never decode and
 re-tokenize the context. The runner knows nothing about Redis; the caller stores the result.
+
+The workload is driven through one `Episode` per trajectory (`workload.episode(prompt_id,
+sample_index, seed, budget)`), which sets each turn's token budget and is closed in any case.
+A tool call that overruns `tool_timeout_s` (plus a grace second for the tool's own clean-up) is
+recorded as TIMEOUT; a prompt that cannot be built (a bad dataset row) fails the trajectory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -21,7 +27,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from libra.errors import Unavailable
 from libra.services.rollout.config import RolloutConfig
 from libra.v1 import common_pb2
-from libra.workloads.base import FinalAnswer, Malformed, ToolCall, ToolResult, ToolStatus, Workload
+from libra.workloads.base import Episode, FinalAnswer, Malformed, ToolCall, ToolResult, ToolStatus, TurnBudget, Workload
 
 TOOL_STATUS_PB = {ToolStatus.SUCCESS: common_pb2.TOOL_STATUS_SUCCESS, ToolStatus.FAILURE: common_pb2.TOOL_STATUS_FAILURE,
                   ToolStatus.TIMEOUT: common_pb2.TOOL_STATUS_TIMEOUT}
@@ -77,6 +83,15 @@ def turn_seed(seed: int, trajectory_id: str, turn: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
+def episode_seed(seed: int, trajectory_id: str) -> int:
+    """Deterministic per trajectory: a trajectory id names its group (hence its prompt) and sample."""
+    return turn_seed(seed, trajectory_id, -1)
+
+
+TOOL_GRACE_S = 1.0
+"""Time a tool gets past `tool_timeout_s` to report its own TIMEOUT before the runner cuts it off."""
+
+
 GenerateFn = Callable[[Any, list[int], int, int], Awaitable[Any]]
 
 
@@ -92,23 +107,30 @@ class AgentRunner:
 
     async def play(self, trajectory: common_pb2.Trajectory) -> common_pb2.Trajectory:
         """Run the trajectory to an answer, a budget or the turn limit; fill in the result fields."""
-        prompt = self.workload.prompt(int(trajectory.prompt_id))
-        ids = list(self.tokenizer(prompt.text, add_special_tokens=True).input_ids)
-        state = Playback(ids=ids, prompt_length=len(ids))
         trajectory.started_at = time.time()
-        answer, finish = None, "max_turns"
-        for turn in range(self.config.max_turns):
-            budget = min(self.config.max_new_tokens, self.config.max_total_tokens - len(state.ids))
-            if budget <= 0:
-                finish = "budget"
-                break
-            outcome = await self._model_turn(trajectory, state, turn, budget)
-            action = self.workload.parse_turn(self.tokenizer.decode(outcome.token_ids, skip_special_tokens=False))
-            if isinstance(action, FinalAnswer):
-                answer, finish = action, "answer"
-                break
-            await self._tool_turn(trajectory, state, turn, action, outcome.version)
-        reward = self.workload.reward(prompt, answer)
+        limits = TurnBudget(self.config.max_turns, self.config.max_new_tokens, self.config.max_total_tokens)
+        episode = self.workload.episode(int(trajectory.prompt_id), trajectory.sample_index,
+                                        episode_seed(self.seed, trajectory.trajectory_id), limits)
+        try:
+            ids = list(self.tokenizer(episode.prompt.text, add_special_tokens=True).input_ids)
+            state = Playback(ids=ids, prompt_length=len(ids))
+            answer, finish = None, "max_turns"
+            for turn in range(episode.budget.max_turns):
+                budget = episode.max_new_tokens(turn, len(state.ids))
+                if budget <= 0:
+                    finish = "budget"
+                    break
+                outcome = await self._model_turn(trajectory, state, turn, budget)
+                action = episode.parse_turn(self.tokenizer.decode(outcome.token_ids, skip_special_tokens=False))
+                if isinstance(action, FinalAnswer):
+                    answer, finish = action, "answer"
+                    break
+                await self._tool_turn(trajectory, state, turn, action, outcome.version, episode)
+            reward = episode.reward(answer)
+            if asyncio.iscoroutine(reward):  # workloads that score by running code (sandboxed tests)
+                reward = await reward
+        finally:
+            await episode.close()
         return self._fill(trajectory, state, reward, finish)
 
     async def _model_turn(self, trajectory, state: Playback, turn: int, budget: int) -> TurnOutcome:
@@ -140,14 +162,19 @@ class AgentRunner:
             return outcome
         raise Unavailable(f"turn {turn} of {trajectory.trajectory_id} failed on {len(exclude)} workers: {exclude}")
 
-    async def _tool_turn(self, trajectory, state: Playback, turn: int, action, version: int) -> None:
+    async def _tool_turn(self, trajectory, state: Playback, turn: int, action, version: int,
+                         episode: Episode) -> None:
         started = time.monotonic()
         if isinstance(action, ToolCall):
-            result = await self.workload.call_tool(action, self.config.tool_timeout_s)
+            timeout_s = self.config.tool_timeout_s
+            try:
+                result = await asyncio.wait_for(episode.call_tool(action, timeout_s), timeout_s + TOOL_GRACE_S)
+            except asyncio.TimeoutError:
+                result = ToolResult(tool=action.tool, status=ToolStatus.TIMEOUT, payload="timed out")
         else:
             reason = action.reason if isinstance(action, Malformed) else "unrecognised turn"
             result = ToolResult(tool="format", status=ToolStatus.FAILURE, payload=reason)
-        tool_ids = list(self.tokenizer(self.workload.render_tool_result(result), add_special_tokens=False).input_ids)
+        tool_ids = list(self.tokenizer(episode.render_tool_result(result), add_special_tokens=False).input_ids)
         state.append(tool_ids, False, None, version)
         status = TOOL_STATUS_PB[ToolStatus(result.status)]
         state.events.append(common_pb2.ToolEvent(turn=turn, tool=result.tool, status=status,

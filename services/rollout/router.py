@@ -1,22 +1,41 @@
-"""The scheduler as the agent runner sees it: a gRPC client with a request id on every call.
+"""The scheduler as the agent runner sees it.
 
-A call that finds the scheduler unavailable (restarting) is retried with the same request id, so
-the scheduler applies it once however many times it arrives.
+Per-turn traffic (Route and the three reports) goes over one long-lived `Session` stream per
+gateway: a message on an open stream costs a fraction of a unary call in Python gRPC, which is
+what keeps the scheduler's share of a turn under a millisecond with a thousand trajectories in
+flight (benchmarks/scheduler_grpc_latency.py). Only a Route is waited for; a report returns once
+it is queued for sending, in order behind everything sent before it, so the scheduler always
+sees a turn's report before that trajectory's next Route.
+
+Nothing is lost when the scheduler restarts: every message keeps a request id and a seq until the
+scheduler acknowledges it (`processed_seq`); on a broken stream the router reconnects with
+backoff and sends the unacknowledged messages again, in order, with their ids, and the scheduler's
+replay window applies each once. Registration and stats stay unary (rare, and grpcurl-shaped).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import uuid
+from collections import OrderedDict, deque
 
 import grpc
+from prometheus_client import Counter
 
-from libra.errors import Unavailable
+from libra import log as liblog
+from libra.errors import FailedPrecondition, InvalidArgument, LibraError, NotFound, Unavailable
 from libra.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 TIMEOUT_S = 10.0
 RETRY_FOR_S = 60.0
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+SESSION_RETRYABLE = RETRYABLE + (grpc.StatusCode.CANCELLED,)  # a scheduler shutting down cancels its streams
+ERRORS = {"INVALID_ARGUMENT": InvalidArgument, "NOT_FOUND": NotFound, "FAILED_PRECONDITION": FailedPrecondition,
+          "UNAVAILABLE": Unavailable}
+_log = liblog.get("libra.rollout.router")
+REPORT_ERRORS = Counter("libra_gateway_report_errors_total", "scheduler reports rejected on the session", ["code"])
+RECONNECTS = Counter("libra_gateway_session_reconnects_total", "scheduler session streams reopened")
 
 
 class _RetryingStub:
@@ -44,9 +63,171 @@ class _RetryingStub:
         return call
 
 
+class SchedulerSession:
+    """One `Session` stream, reopened when it breaks; messages stay kept until acknowledged.
+
+    Every message is numbered and queued in one deque, so the queue is in seq order; writers take
+    from its head only, under a lock. A Route's caller writes through to its own message and waits
+    for the answer; a report is posted (the caller goes on) and written by a flusher task or by
+    the next Route, whichever comes first. So the stream carries messages in seq order. A background task reads
+    answers and, when the stream breaks, reopens it and resends what the scheduler has not
+    acknowledged.
+    """
+
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub):
+        self._stub = stub
+        self._seq = itertools.count(1)
+        self._unacked: OrderedDict[int, scheduler_pb2.GatewayMessage] = OrderedDict()
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._lock = asyncio.Lock()
+        self._pending: deque[scheduler_pb2.GatewayMessage] = deque()  # numbered, not yet written
+        self._flusher: asyncio.Task | None = None
+        self._call = None          # the open stream, None while (re)connecting
+        self._written = 0          # highest seq written on self._call
+        self._task: asyncio.Task | None = None
+        self._closed = False
+
+    def _keep(self, body: dict, answer: asyncio.Future | None) -> scheduler_pb2.GatewayMessage:
+        """Number a message and queue it for the stream; the queue is in seq order."""
+        if self._closed:
+            raise Unavailable("the scheduler session is closed")
+        seq = next(self._seq)
+        message = scheduler_pb2.GatewayMessage(seq=seq, **body)
+        self._unacked[seq] = message
+        self._pending.append(message)
+        if answer is not None:
+            self._waiters[seq] = answer
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="scheduler-session")
+        return message
+
+    def post(self, **body) -> int:
+        """Queue a report (turn=, tool_return= or finish=) without waiting; returns its seq.
+
+        It goes onto the stream ahead of anything sent after it; the gateway's turn does not wait
+        for the write."""
+        message = self._keep(body, None)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._write_through(None))
+        return message.seq
+
+    async def send(self, answer: asyncio.Future | None = None, **body) -> int:
+        """Send one message now (after everything queued before it); returns its seq.
+
+        Returns once the message is on the stream, or kept for the reconnect to resend; `answer`,
+        if given, receives the scheduler's answer to it."""
+        message = self._keep(body, answer)
+        await self._write_through(message.seq)
+        return message.seq
+
+    async def _write_through(self, seq: int | None) -> None:
+        """Write queued messages from the head, up to `seq` (None: all of them)."""
+        async with self._lock:
+            while self._pending and (seq is None or self._pending[0].seq <= seq):
+                message = self._pending.popleft()
+                call = self._call
+                if call is None or message.seq <= self._written:
+                    continue  # no stream (the reconnect resends it), or the reconnect already did
+                try:
+                    await call.write(message)
+                    self._written = message.seq
+                except Exception:  # noqa: BLE001 - the stream broke; the reader reconnects and resends
+                    self._call = None
+
+    async def request(self, **body) -> scheduler_pb2.SchedulerMessage:
+        """Send a message that the scheduler answers (a Route) and wait for the answer."""
+        future = asyncio.get_running_loop().create_future()
+        seq = await self.send(answer=future, **body)
+        try:
+            return await asyncio.wait_for(future, RETRY_FOR_S)
+        except asyncio.TimeoutError as error:
+            raise Unavailable(f"no answer from the scheduler within {RETRY_FOR_S:.0f}s") from error
+        finally:
+            self._waiters.pop(seq, None)
+
+    async def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until the scheduler has acknowledged everything sent; False on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._unacked and self._task is not None and not self._task.done() and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        return not self._unacked
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in (self._task, self._flusher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._fail_all(Unavailable("the scheduler session was closed"))
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        failing_since, backoff = None, 0.05
+        while True:
+            call = self._stub.Session()
+            try:
+                async with self._lock:
+                    for message in list(self._unacked.values()):  # not confirmed by any stream yet, in order
+                        await call.write(message)
+                        self._written = message.seq
+                    self._pending.clear()  # all of them were just written
+                    self._call = call
+                async for answer in call:
+                    failing_since, backoff = None, 0.05
+                    self._handle(answer)
+                error = None
+            except grpc.aio.AioRpcError as rpc_error:
+                error = rpc_error
+            finally:
+                self._call = None
+                call.cancel()
+            if error is not None and error.code() not in SESSION_RETRYABLE:
+                self._fail_all(LibraError(f"scheduler session failed: {error.code().name}: {error.details()}"))
+                return
+            failing_since = failing_since if failing_since is not None else loop.time()
+            if loop.time() - failing_since > RETRY_FOR_S:
+                self._fail_all(Unavailable(f"scheduler unavailable for {RETRY_FOR_S:.0f}s"))
+                return
+            RECONNECTS.inc()
+            _log.warning("scheduler session broken; reconnecting", unacknowledged=len(self._unacked),
+                         error=error.code().name if error is not None else "stream ended")
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)
+
+    def _handle(self, answer: scheduler_pb2.SchedulerMessage) -> None:
+        while self._unacked and next(iter(self._unacked)) <= answer.processed_seq:
+            self._unacked.popitem(last=False)
+        if not answer.seq:
+            return
+        self._unacked.pop(answer.seq, None)
+        future = self._waiters.get(answer.seq)
+        if answer.WhichOneof("body") == "error":
+            error = ERRORS.get(answer.error.code, LibraError)(answer.error.message)
+            if future is not None and not future.done():
+                future.set_exception(error)
+            elif answer.error.code != "NOT_FOUND":
+                # NOT_FOUND on a report: a restarted scheduler never saw that trajectory; it lost only
+                # a load estimate (its worker registry is in Redis), so that one is expected.
+                REPORT_ERRORS.labels(answer.error.code).inc()
+                _log.warning("scheduler rejected a report", code=answer.error.code, reason=answer.error.message)
+        elif future is not None and not future.done():
+            future.set_result(answer)
+
+    def _fail_all(self, error: Exception) -> None:
+        for future in self._waiters.values():
+            if not future.done():
+                future.set_exception(error)
+        if self._unacked:
+            _log.error("scheduler session gave up", unacknowledged=len(self._unacked), error=str(error))
+        self._unacked.clear()
+        self._pending.clear()
+
+
 class SchedulerRouter:
     def __init__(self, channel, run_id: str):
         self.stub = _RetryingStub(scheduler_pb2_grpc.SchedulerStub(channel))
+        self.session = SchedulerSession(scheduler_pb2_grpc.SchedulerStub(channel))
         self.run_id = run_id
 
     def _meta(self) -> common_pb2.RequestMeta:
@@ -57,30 +238,26 @@ class SchedulerRouter:
         request = scheduler_pb2.RouteRequest(meta=self._meta(), trajectory_id=trajectory_id, prompt_id=prompt_id,
                                              turn=turn, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
                                              exclude_workers=exclude)
-        return await self.stub.Route(request, timeout=TIMEOUT_S)
-
-    async def _report(self, method: str, request) -> None:
-        """Reports about a trajectory a restarted scheduler never saw are moot: it lost only load
-        estimates (its worker registry is in Redis), so NOT_FOUND is ignored here."""
-        try:
-            await getattr(self.stub, method)(request)
-        except grpc.aio.AioRpcError as error:
-            if error.code() != grpc.StatusCode.NOT_FOUND:
-                raise
+        return (await self.session.request(route=request)).route
 
     async def turn_done(self, trajectory_id: str, worker_id: str, output_tokens: int, seconds: float,
                         failed: bool) -> None:
-        await self._report("ReportTurn", scheduler_pb2.TurnReport(
+        if not worker_id:
+            raise InvalidArgument("worker_id is required")
+        self.session.post(turn=scheduler_pb2.TurnReport(
             meta=self._meta(), trajectory_id=trajectory_id, worker_id=worker_id, output_tokens=output_tokens,
             seconds=seconds, failed=failed))
 
     async def tool_returned(self, trajectory_id: str, tool: str, status: int, payload_tokens: int) -> None:
-        await self._report("ReportToolReturn", scheduler_pb2.ToolReturnReport(
+        if status == common_pb2.TOOL_STATUS_UNSPECIFIED or not tool:
+            raise InvalidArgument("a tool return needs the tool's name and its structured status "
+                                  f"(got tool={tool!r}, status={status})")
+        self.session.post(tool_return=scheduler_pb2.ToolReturnReport(
             meta=self._meta(), trajectory_id=trajectory_id, tool=tool, status=status,
             payload_tokens=payload_tokens))
 
     async def finished(self, trajectory_id: str, prompt_id: str, output_tokens: int, status: int) -> None:
-        await self._report("ReportFinish", scheduler_pb2.FinishReport(
+        self.session.post(finish=scheduler_pb2.FinishReport(
             meta=self._meta(), trajectory_id=trajectory_id, prompt_id=prompt_id, output_tokens=output_tokens,
             status=status))
 
@@ -91,3 +268,10 @@ class SchedulerRouter:
     async def deregister(self, worker_id: str) -> None:
         request = scheduler_pb2.DeregisterWorkerRequest(meta=self._meta(), worker_id=worker_id)
         await self.stub.DeregisterWorker(request, timeout=TIMEOUT_S)
+
+    async def close(self, flush_timeout_s: float = 5.0) -> None:
+        """Send what is queued (the last trajectories' reports), then end the session."""
+        if not await self.session.flush(flush_timeout_s):
+            _log.warning("closing the scheduler session with unacknowledged reports",
+                         unacknowledged=len(self.session._unacked))
+        await self.session.close()

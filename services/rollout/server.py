@@ -30,6 +30,7 @@ from libra.services.rollout.membership import Membership
 from libra.services.rollout.router import SchedulerRouter
 from libra.services.rollout.servicer import RolloutServicer
 from libra.services.rollout.workers import WorkerPool
+from libra.trace_record import TraceWriter
 from libra.v1 import common_pb2, planner_pb2, planner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 _log = liblog.get("libra.rollout")
@@ -55,9 +56,11 @@ class RolloutService(Service):
         self.counters = collections.Counter()
         self.rewards: collections.deque[float] = collections.deque(maxlen=256)
         self.runner: AgentRunner | None = None
+        self.trace: TraceWriter | None = None
         self.accepting, self.playing = True, 0
         self.membership: Membership | None = None
         self._channels: list = []
+        self.gateway = None  # the OpenAI-compatible endpoint, when rollout.openai_endpoint.enabled
 
     def service_names(self) -> list[str]:
         return [rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name]
@@ -82,6 +85,8 @@ class RolloutService(Service):
         workload = build_workload(self.config.workload)
         tokenizer = load_tokenizer(path)
         router = SchedulerRouter(self._channel("scheduler"), self.run_id)
+        if self.cfg.record_trace:
+            self.trace = TraceWriter(self.config.run_path / "trace.jsonl")
         self.membership = Membership(self.pool, router, self._channel("elastic"), self.run_id)
         self.runner = AgentRunner(workload, tokenizer, router, self._generate, self.pool.version_of, self.cfg,
                                   stop_token_ids(tokenizer, workload) + [tokenizer.eos_token_id], self.config.seed)
@@ -89,6 +94,10 @@ class RolloutService(Service):
         await self._start_plan(plan, path, version)
         await self.membership.forget_others()
         await self._recover()
+        if self.cfg.openai_endpoint.enabled:  # an external agent harness drives the trajectories
+            from libra.services.rollout.openai_gateway import OpenAIGateway
+
+            self.gateway = await OpenAIGateway(self).start()
 
     async def _wait_for_weights(self) -> tuple[int, str]:
         """The latest published policy version (the trainer publishes the warm-started model first)."""
@@ -174,8 +183,10 @@ class RolloutService(Service):
             output_tokens=len(outcome.token_ids), seconds=outcome.seconds, queue_depth=self.queue.qsize()))
 
     async def run(self) -> None:
-        runners = [asyncio.create_task(self._run_trajectories(), name=f"runner-{i}")
-                   for i in range(self.cfg.max_concurrent_trajectories)]
+        builtin = 0 if self.gateway is not None else self.cfg.max_concurrent_trajectories
+        runners = [asyncio.create_task(self._run_trajectories(), name=f"runner-{i}") for i in range(builtin)]
+        if self.gateway is not None:
+            runners.append(asyncio.create_task(self.gateway.run(), name="openai-gateway"))
         monitor = asyncio.create_task(self._monitor(), name="monitor")
         done, _ = await asyncio.wait([*runners, monitor], return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
@@ -212,6 +223,8 @@ class RolloutService(Service):
             self.counters["failed"] += 1
             _log.warning("trajectory failed", trajectory_id=tid, error=str(error))
         await self.store.complete_trajectory(traj)
+        if self.trace is not None:
+            self.trace.write(traj)
         TRAJECTORIES.labels(T.TrajectoryStatus.Name(traj.status)[18:].lower()).inc()
         if traj.status == T.TRAJECTORY_STATUS_COMPLETED:
             self.counters["completed"] += 1
@@ -256,7 +269,13 @@ class RolloutService(Service):
             mean_reward=sum(self.rewards) / len(self.rewards) if self.rewards else 0.0)
 
     async def close(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.close()
         await self.pool.stop_all()
+        if self.runner is not None:
+            await self.runner.router.close()
+        if self.trace is not None:
+            self.trace.close()
         for chan in self._channels:
             await chan.close()
         if self.store is not None:

@@ -73,10 +73,12 @@ def log_tail(path: Path, lines: int = 40) -> str:
 class VllmWorkerProcess:
     """One vLLM server process (and its children) serving the policy from `model_dir`."""
 
+    engine = "vllm"  # the rollout.worker.engine this launcher runs (workers.HfWorkerProcess: "hf")
+
     def __init__(self, config: WorkerConfig, model_dir: str | Path, index: int, log_dir: str | Path,
                  port: int | None = None, tp: int = 1, policy_version: int = 0):
-        if config.engine != "vllm":
-            raise ValueError(f"VllmWorkerProcess runs engine 'vllm', config says {config.engine!r}")
+        if config.engine != self.engine:
+            raise ValueError(f"{type(self).__name__} runs engine {self.engine!r}, config says {config.engine!r}")
         if index < 0 or tp < 1:
             raise ValueError(f"worker index must be >= 0 and tp >= 1, got index={index}, tp={tp}")
         self.config = config

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,45 @@ from libra.services.rollout.config import WorkerConfig
 from libra.v1 import common_pb2, rollout_pb2
 
 _log = liblog.get("libra.rollout")
+WEIGHT_RETRIES = 1  # a worker that misses a version is retried this many times, then marked unhealthy
+
+
+def _hf_worker_class() -> type:
+    """`HfWorkerProcess`, built lazily on `VllmWorkerProcess` (same start, readiness and stop)."""
+    from libra.services.rollout.vllm_worker import VllmWorkerProcess
+
+    class HfWorkerProcess(VllmWorkerProcess):
+        """One transformers-based engine server (hf_engine.py); TP 1 only."""
+
+        engine = "hf"
+
+        def __init__(self, config: WorkerConfig, model_dir: Any, index: int, log_dir: Any,
+                     port: int | None = None, tp: int = 1, policy_version: int = 0):
+            if tp != 1:
+                raise ValueError(f"rollout.worker.engine hf runs TP 1 only, the plan asks TP {tp}; "
+                                 f"use engine: vllm for TP > 1 buckets")
+            super().__init__(config, model_dir, index, log_dir, port, tp, policy_version)
+
+        def command(self) -> list[str]:
+            c = self.config
+            return [sys.executable, "-m", "libra.services.rollout.hf_engine", "--model", str(self.model_dir),
+                    "--host", c.host, "--port", str(self.port), "--device", c.device, "--dtype", c.dtype,
+                    "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
+                    "--logprobs-mode", c.logprobs_mode, "--policy-version", str(self.policy_version),
+                    "--threads", str(c.cpu_threads), *c.extra_args]
+
+    return HfWorkerProcess
+
+
+def worker_process_class(engine: str) -> type:
+    """The launcher of rollout.worker.engine `engine`."""
+    if engine == "vllm":
+        from libra.services.rollout.vllm_worker import VllmWorkerProcess
+
+        return VllmWorkerProcess
+    if engine == "hf":
+        return _hf_worker_class()
+    raise ValueError(f"rollout.worker.engine must be vllm or hf, got {engine!r}")
 
 
 @dataclass
@@ -40,7 +80,7 @@ class PoolWorker:
     def to_proto(self) -> common_pb2.WorkerInfo:
         return common_pb2.WorkerInfo(worker_id=self.worker_id, bucket=self.bucket, address=self.process.base_url,
                                      tp=self.tp, state=self.state, policy_version=self.version,
-                                     outstanding_requests=self.inflight, engine="vllm")
+                                     outstanding_requests=self.inflight, engine=self.process.engine)
 
 
 class WorkerPool:
@@ -53,15 +93,15 @@ class WorkerPool:
     async def start(self, plan: Plan, model_dir: str, version: int) -> list[PoolWorker]:
         """Launch the plan's workers on `model_dir` (policy `version`) and wait until all serve."""
         from libra.services.rollout.engine_client import EngineClient
-        from libra.services.rollout.vllm_worker import VllmWorkerProcess
 
+        launcher = worker_process_class(self.config.engine)
         started: list[PoolWorker] = []
         for bucket in plan.buckets:
             for _ in range(bucket.replicas):
                 index = self._next_index
                 self._next_index += 1
                 port = self.config.base_port + index if self.config.base_port else free_port()
-                process = VllmWorkerProcess(self.config, model_dir, index=index, log_dir=self.log_dir,
+                process = launcher(self.config, model_dir, index=index, log_dir=self.log_dir,
                                             port=port, tp=bucket.tp, policy_version=version)
                 process.start()
                 worker = PoolWorker(f"{bucket.name}-{index}", bucket.name, bucket.tp, process,
@@ -102,16 +142,79 @@ class WorkerPool:
                 worker.drained.set()
 
     async def update_weights(self, version: int, path: str) -> list[rollout_pb2.WorkerAck]:
-        """Load `path` as `version` on every serving worker, concurrently, without draining."""
+        """Load `path` as `version` on every serving worker, concurrently, without draining.
+
+        A worker that misses the version is retried (WEIGHT_RETRIES times), then marked unhealthy:
+        it never goes on serving older weights than the version the pool says it holds.
+        """
+        from libra.services.rollout.engine_client import WeightSetError
+
+        async def one(worker: PoolWorker) -> rollout_pb2.WorkerAck:
+            started = time.monotonic()
+            for attempt in range(WEIGHT_RETRIES + 1):
+                try:
+                    await worker.client.load_weights(path, version)
+                    break
+                except Exception as error:  # noqa: BLE001 - reported per worker; retried, then unhealthy
+                    if attempt < WEIGHT_RETRIES and not isinstance(error, WeightSetError):
+                        _log.warning("weight update failed; retrying", worker=worker.worker_id, version=version,
+                                     error=str(error))
+                        continue
+                    return self._missed(worker, version, error)
+            worker.version = version
+            return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=version, ok=True,
+                                        seconds=time.monotonic() - started)
+        return list(await asyncio.gather(*(one(w) for w in self.serving())))
+
+    def _missed(self, worker: PoolWorker, version: int, error: BaseException) -> rollout_pb2.WorkerAck:
+        worker.state = common_pb2.WORKER_STATE_UNHEALTHY
+        _log.error("weight update failed; worker marked unhealthy", worker=worker.worker_id, version=version,
+                   error=str(error))
+        return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=worker.version, ok=False,
+                                     error=f"{type(error).__name__}: {error}")
+
+    async def join_weights_group(self, address: str, first_rank: int, world_size: int) -> list[PoolWorker]:
+        """Make every serving worker a rank of the weights group (ranks first_rank, first_rank + 1, ...).
+
+        Called while the trainer (rank 0) creates its side; returns the workers in rank order.
+        """
+        host, port = address.rsplit(":", 1)
+        workers = sorted(self.serving(), key=lambda w: w.worker_id)
+        if first_rank + len(workers) > world_size:
+            raise ValueError(f"{len(workers)} workers from rank {first_rank} do not fit a weights group of "
+                             f"{world_size}")
+        c = self.config
+        await asyncio.gather(*(collective_rpc(w.client, "libra_join_weights_group",
+                                              [host, int(port), first_rank + i, world_size, c.weights_group_backend,
+                                               c.weights_sync_timeout_s, c.weights_bucket_mb],
+                                              timeout=c.weights_sync_timeout_s + 30)
+                               for i, w in enumerate(workers)))
+        return workers
+
+    async def receive_weights(self, version: int, fallback_path: str | None = None) -> list[rollout_pb2.WorkerAck]:
+        """Have every serving worker receive `version` from the weights group (the trainer sends).
+
+        When the group cannot deliver the version to a worker (the sender aborts a version for
+        everyone when one rank is missing), the version is retried over the disk path
+        (`fallback_path`) for that worker; a worker that still misses it is marked unhealthy.
+        """
         async def one(worker: PoolWorker) -> rollout_pb2.WorkerAck:
             started = time.monotonic()
             try:
-                await worker.client.load_weights(path, version)
-            except Exception as error:  # noqa: BLE001 - reported per worker; the worker is marked unhealthy
-                worker.state = common_pb2.WORKER_STATE_UNHEALTHY
-                _log.error("weight update failed", worker=worker.worker_id, version=version, error=str(error))
-                return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=worker.version, ok=False,
-                                            error=f"{type(error).__name__}: {error}")
+                results = await collective_rpc(worker.client, "libra_receive_weights", [version],
+                                               timeout=self.config.weights_sync_timeout_s + 600)
+                errors = [r["error"] for r in results if isinstance(r, dict) and "error" in r]
+                if errors:
+                    raise Unavailable(errors[0])
+            except Exception as error:  # noqa: BLE001 - per worker: retried from disk, else unhealthy
+                if fallback_path is None or not await worker.client.health():
+                    return self._missed(worker, version, error)
+                _log.warning("weights group missed a version; loading it from disk", worker=worker.worker_id,
+                             version=version, error=str(error))
+                try:
+                    await worker.client.load_weights(fallback_path, version)
+                except Exception as disk_error:  # noqa: BLE001
+                    return self._missed(worker, version, disk_error)
             worker.version = version
             return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=version, ok=True,
                                         seconds=time.monotonic() - started)
@@ -146,3 +249,13 @@ class WorkerPool:
         for worker in self.workers.values():
             await worker.client.close()
             worker.state = common_pb2.WORKER_STATE_STOPPED
+
+
+async def collective_rpc(client: Any, method: str, args: list, timeout: float) -> list:
+    """Call `method` on every rank of a worker through its /collective_rpc endpoint (both engines)."""
+    answer = await client._post("/collective_rpc", {"method": method, "args": args, "timeout": timeout},
+                                timeout=timeout + 30)
+    results = answer.get("results") if isinstance(answer, dict) else None
+    if not isinstance(results, list):
+        raise Unavailable(f"{client.base_url} answered {method} with {answer!r}")
+    return results

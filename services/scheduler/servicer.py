@@ -1,12 +1,26 @@
-"""gRPC adapter of the scheduler: convert, call the service, convert back."""
+"""gRPC adapter of the scheduler: convert, call the service, convert back.
+
+Every request kind has one handler (`_route`, `_turn`, `_tool_return`, `_finish`) that validates
+and applies it; the unary RPCs and the gateway's `Session` stream both go through them, so the
+two paths cannot disagree about what a valid request is.
+"""
 
 from __future__ import annotations
 
-from libra.errors import InvalidArgument
+import asyncio
+
+import grpc
+
+from libra import log as liblog
+from libra.errors import InvalidArgument, status_code
 from libra.rpc import guard
 from libra.service_base import check_run, require
 from libra.services.scheduler import convert
-from libra.v1 import common_pb2, scheduler_pb2_grpc
+from libra.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+_log = liblog.get("libra.scheduler")
+ACK_IDLE_S = 0.05
+"""A session with reports but no Route to piggyback on gets a bare acknowledgement this often."""
 
 
 def _ack(applied: bool) -> common_pb2.Ack:
@@ -21,32 +35,45 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         check_run(meta.run_id, self.service.run_id)
         return require(meta.request_id, "meta.request_id")
 
-    @guard
-    async def Route(self, request, context):
+    # --- one handler per request kind --------------------------------------------------------
+    def _route(self, request) -> scheduler_pb2.RouteDecision:
         rid = self._check(request.meta)
         return convert.decision_to_proto(self.service.route(rid, convert.turn_from_proto(request)))
 
-    @guard
-    async def ReportTurn(self, request, context):
+    def _turn(self, request) -> bool:
         rid = self._check(request.meta)
         require(request.worker_id, "worker_id")
-        return _ack(self.service.turn_done(rid, request.trajectory_id, request.worker_id, request.output_tokens))
+        return self.service.turn_done(rid, request.trajectory_id, request.worker_id, request.output_tokens)
 
-    @guard
-    async def ReportToolReturn(self, request, context):
+    def _tool_return(self, request) -> bool:
         rid = self._check(request.meta)
         status = convert.TOOL_STATUS.get(request.status)
         if status is None:
             raise InvalidArgument("status is required: TOOL_STATUS_SUCCESS, _FAILURE or _TIMEOUT "
                                   "(the structured outcome the workload reports)")
         require(request.tool, "tool")
-        return _ack(self.service.tool_returned(rid, request.trajectory_id, request.tool, status,
-                                               request.payload_tokens))
+        return self.service.tool_returned(rid, request.trajectory_id, request.tool, status, request.payload_tokens)
+
+    def _finish(self, request) -> bool:
+        rid = self._check(request.meta)
+        return self.service.finish(rid, request.trajectory_id, request.prompt_id, request.output_tokens)
+
+    # --- unary RPCs (tools, grpcurl) ------------------------------------------------------------
+    @guard
+    async def Route(self, request, context):
+        return self._route(request)
+
+    @guard
+    async def ReportTurn(self, request, context):
+        return _ack(self._turn(request))
+
+    @guard
+    async def ReportToolReturn(self, request, context):
+        return _ack(self._tool_return(request))
 
     @guard
     async def ReportFinish(self, request, context):
-        rid = self._check(request.meta)
-        return _ack(self.service.finish(rid, request.trajectory_id, request.prompt_id, request.output_tokens))
+        return _ack(self._finish(request))
 
     @guard
     async def RegisterWorker(self, request, context):
@@ -63,3 +90,55 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(self, request, context):
         check_run(request.run_id, self.service.run_id)
         return self.service.stats()
+
+    # --- the gateway's stream -------------------------------------------------------------------
+    async def Session(self, request_iterator, context):
+        """Apply messages in arrival order; answer Routes and failures, acknowledge the rest in bulk.
+
+        A message that fails gets a StreamError with its seq and the status code the unary RPC
+        would have returned; the stream stays open. Reports are acknowledged by `processed_seq` on
+        the next answer, or after ACK_IDLE_S when no answer comes, so a reconnecting gateway knows
+        what to send again (and the replay window makes a resent message harmless). Answers are
+        written from the reading task itself: no queue hop on the hot path.
+        """
+        handlers = {"turn": self._turn, "tool_return": self._tool_return, "finish": self._finish}
+        lock = asyncio.Lock()
+        processed = acked = 0
+        acker: asyncio.Task | None = None
+
+        async def write(answer) -> None:
+            nonlocal acked
+            async with lock:
+                answer.processed_seq = acked = processed
+                await context.write(answer)
+
+        async def acknowledge_later() -> None:
+            await asyncio.sleep(ACK_IDLE_S)
+            if processed > acked:
+                await write(scheduler_pb2.SchedulerMessage())
+
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("body")
+                answer = None
+                try:
+                    if kind == "route":
+                        answer = scheduler_pb2.SchedulerMessage(seq=message.seq, route=self._route(message.route))
+                    elif kind in handlers:
+                        handlers[kind](getattr(message, kind))
+                    else:
+                        raise InvalidArgument("GatewayMessage.body is empty: set route, turn, tool_return or finish")
+                except Exception as error:  # noqa: BLE001 - answered on the stream, the session goes on
+                    code = status_code(error)
+                    if code == grpc.StatusCode.INTERNAL:
+                        _log.exception("session message failed", kind=kind)
+                    answer = scheduler_pb2.SchedulerMessage(seq=message.seq, error=scheduler_pb2.StreamError(
+                        code=code.name, message=str(error) or type(error).__name__))
+                processed = message.seq
+                if answer is not None:
+                    await write(answer)
+                elif acker is None or acker.done():
+                    acker = asyncio.get_running_loop().create_task(acknowledge_later())
+        finally:
+            if acker is not None:
+                acker.cancel()

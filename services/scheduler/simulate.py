@@ -259,3 +259,35 @@ def no_signal_trace(n: int, seed: int, n_prompts: int | None = None, prefix: str
     return [TrajectorySpec(spec.trajectory_id, spec.prompt_id, spec.prompt_tokens, spec.outputs,
                            tuple(_tool(rng, rng.choice(RANDOM_TOOLS)) for _ in spec.tools))
             for spec in signal_trace(n, seed, n_prompts, prefix)]
+
+
+def recorded_trace(path: str, n: int, seed: int, prefix: str = "t") -> list[TrajectorySpec]:
+    """`n` trajectories drawn (with replacement, by seed) from a trace a real run recorded.
+
+    The run's prompt ids are kept, so prompt trees learn across draws as they did in the run; the
+    recorded tool latencies and outcomes are replayed as they happened (libra/trace_record.py).
+    """
+    records = _recorded(path)
+    rng = random.Random(seed)
+    trace = []
+    for i in range(n):
+        record = records[rng.randrange(len(records))]
+        tools = tuple(Tool(t["name"], t["status"], t.get("payload_tokens", 0), t.get("latency_s", 0.0))
+                      for t in record["tools"])
+        trace.append(TrajectorySpec(f"{prefix}{i}", f"p{record['prompt_id']}", record["prompt_tokens"],
+                                    tuple(max(1, o) for o in record["outputs"]), tools))
+    return trace
+
+
+_RECORDED: dict[str, list[dict]] = {}
+
+
+def _recorded(path: str) -> list[dict]:
+    if path not in _RECORDED:
+        from libra.trace_record import load
+
+        records = list(load(path))
+        if not records:
+            raise InvalidArgument(f"trace {path} has no completed trajectories")
+        _RECORDED[path] = records
+    return _RECORDED[path]

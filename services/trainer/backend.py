@@ -130,6 +130,60 @@ def unpack(per_token: Tensor, packed: PackedBatch) -> list[Tensor]:
     return [row[mask] for row, mask in zip(per_token, packed.response_mask)]
 
 
+@dataclass(frozen=True)
+class HybridShare:
+    """What the hybrid replicas attached to this core rank contribute to a step (known before it)."""
+
+    loss_tokens: float = 0.0  # loss tokens of the slices handed to them
+    sequences: int = 0
+    replicas: int = 0  # hybrids of this rank in the step's manifest
+
+
+@dataclass(frozen=True)
+class HybridGradients:
+    """What actually arrived before the deadline (a hybrid that missed it is in `missing_*`)."""
+
+    missing_tokens: float = 0.0
+    missing_replicas: int = 0
+    metric_sums: dict[str, float] = field(default_factory=dict)
+
+
+class GradientHook(abc.ABC):
+    """The one hook point of elastic hybrid replicas in a training backend (backend-neutral).
+
+    A backend with `gradient_hook` set calls, on every core rank and in this order, inside one step:
+
+        share()            before the step's token/replica totals are all-reduced (they include it)
+        start(tc, W)       once the totals are known: hand the hybrids their work (token_count tc = N/W)
+        inject(flat)       after local backward, BEFORE the data-parallel all-reduce: add the hybrids'
+                           gradients into the flat float32 gradient in place (waits up to a deadline)
+        deliver(flat, c)   after the all-reduce and normalisation, before clipping: the final
+                           gradient goes back to the hybrids, which clip and step like the core
+
+    The math (libra.services.trainer.elastic.core_hooks): with D core ranks and H hybrids,
+    W = D + H replicas; every replica scales its token-summed loss by W/N (N = loss tokens of the
+    whole widened batch); the core sums everything with one all-reduce over the communicator it
+    created at start and divides by W, so the update is exactly a plain data-parallel step over W
+    replicas. Loss tokens of hybrids that missed the deadline are subtracted from N by rescaling.
+    """
+
+    @abc.abstractmethod
+    def share(self) -> HybridShare:
+        """This rank's hybrids' part of the step (zero when none is active)."""
+
+    @abc.abstractmethod
+    def start(self, token_count: float, replicas: int, config: TrainerConfig) -> None:
+        """Send this step's slices to this rank's hybrids (they compute while the core does)."""
+
+    @abc.abstractmethod
+    def inject(self, flat_grad: Tensor) -> HybridGradients:
+        """Add the arrived hybrid gradients into `flat_grad` (in place) before the all-reduce."""
+
+    @abc.abstractmethod
+    def deliver(self, reduced_grad: Tensor, config: TrainerConfig) -> None:
+        """Give the final (all-reduced, normalised, unclipped) gradient to the contributing hybrids."""
+
+
 class TrainBackend(abc.ABC):
     """What the trainer needs from a training engine. One instance per rank.
 
@@ -137,7 +191,11 @@ class TrainBackend(abc.ABC):
     the step's batch, and the backend makes the update equal to a single-process step over the
     union (token-level mean over all ranks' loss tokens). Save methods are collective: every rank
     calls them, the backend decides who writes.
+
+    `gradient_hook`: when set, elastic hybrid replicas take part in `train_step` (see GradientHook).
     """
+
+    gradient_hook: GradientHook | None = None
 
     @abc.abstractmethod
     def load(self, model_dir: str) -> None:

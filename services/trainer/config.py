@@ -17,10 +17,24 @@ class WarmupConfig(Section):
     lr: float = Field(1.5e-3, gt=0, le=1.0, description="SFT peak learning rate (linear ramp, cosine decay)")
 
 
+class MegatronConfig(Section):
+    """Settings of the Megatron-Core backend (trainer.backend = megatron)."""
+
+    tensor_parallel: int = Field(1, ge=1, le=64, description="tensor-parallel size (must divide attention and KV heads)")
+    pipeline_parallel: int = Field(1, ge=1, le=1, description="pipeline-parallel size (only 1 is implemented)")
+    layer_spec: Literal["sdpa", "local"] = Field(
+        "sdpa", description="layer spec: sdpa (torch fused attention) or local (Megatron's unfused attention)")
+    bf16: bool = Field(True, description="bf16 parameters and activations on GPUs (CPU always runs fp32)")
+    distributed_optimizer: bool = Field(
+        True, description="shard Adam states over data parallelism on GPUs (false for elastic hybrid replicas)")
+
+
 class TrainerConfig(Section):
     """GRPO hyper-parameters, staleness bound, checkpoints."""
 
-    backend: Literal["torch"] = Field("torch", description="training backend (torch: plain PyTorch, CPU or DDP)")
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="training backend (torch: plain PyTorch, CPU or DDP; megatron: Megatron-Core, TP x DP)")
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig, description="Megatron-Core backend settings")
     steps: int = Field(30, ge=1, le=10_000_000, description="GRPO steps to run")
     groups_per_step: int = Field(8, ge=1, le=1_000_000, description="prompt groups per training batch")
     group_size: int = Field(8, ge=2, le=4096, description="samples per prompt (GRPO group)")

@@ -56,6 +56,7 @@ class GrpoLoop:
         self.assembler = BatchAssembler(self.cfg.max_staleness)
         self.position = Position()
         self.rejected_since_step = 0
+        self.elastic = None  # ElasticControl when hybrid replicas may join (set by the service)
 
     # -- feeding rollout -------------------------------------------------------------------------
     async def submit(self) -> None:
@@ -67,6 +68,7 @@ class GrpoLoop:
         """
         cfg, position = self.cfg, self.position
         budget = (cfg.max_staleness + position.step + 1) * cfg.groups_per_step + position.discarded_groups
+        budget += self.elastic.hybrid_groups if self.elastic is not None else 0  # hybrids' widened share
         missing = budget - position.data_position
         if missing <= 0:
             return
@@ -79,17 +81,18 @@ class GrpoLoop:
         self.position.data_position += missing
 
     # -- collecting a batch ----------------------------------------------------------------------
-    async def collect(self) -> list[PendingGroup]:
-        """Block until groups_per_step fresh whole groups are in; drop stale or failed ones."""
+    async def collect(self, count: int | None = None) -> list[PendingGroup]:
+        """Block until `count` (default groups_per_step) fresh whole groups are in; drop stale or failed ones."""
+        count = count or self.cfg.groups_per_step
         admitted: list[PendingGroup] = []
-        while len(admitted) < self.cfg.groups_per_step:
+        while len(admitted) < count:
             await self.submit()
             entries = await self.store.read_completed(CONSUMER, count=256, block_ms=1000)
             if entries:
                 trajs = await self.store.get_trajectories([e.trajectory_id for e in entries])
                 for entry, traj in zip(entries, trajs):
                     self.assembler.add(entry.entry_id, traj, self.cfg.group_size)
-            verdicts = self.assembler.take_ready(self.position.version, self.cfg.groups_per_step - len(admitted))
+            verdicts = self.assembler.take_ready(self.position.version, count - len(admitted))
             admitted.extend(verdicts.admitted)
             await self._discard(verdicts.rejected, common_pb2.TRAJECTORY_STATUS_REJECTED)
             await self._discard(verdicts.failed, common_pb2.TRAJECTORY_STATUS_FAILED)
@@ -108,17 +111,26 @@ class GrpoLoop:
 
     # -- one step --------------------------------------------------------------------------------
     async def step(self) -> trainer_pb2.StepRecord:
+        manifest, count = None, self.cfg.groups_per_step
+        if self.elastic is not None:  # membership frozen for this step; hybrids widen the batch
+            manifest = await self.elastic.begin_step(self.position.step + 1)
+            count = self.elastic.widen(manifest, self.cfg.groups_per_step)
         waited = time.monotonic()
-        groups = await self.collect()
+        groups = await self.collect(count)
         wait_s = time.monotonic() - waited
         batch, stats = build_batch(groups, self.position.version)
         gap, fresh = await self.behaviour_gap(groups)
+        core_batch = self.elastic.hand_out(batch, self.cfg.group_size, manifest) if manifest else batch
         started = time.monotonic()
-        metrics = await asyncio.to_thread(self.model.backend.train_step, batch, self.cfg)
+        metrics = await asyncio.to_thread(self.model.backend.train_step, core_batch, self.cfg)
         train_s = time.monotonic() - started
+        if self.elastic is not None:
+            self.elastic.end_step()
         self.position.step += 1
         publish_s = await self.publish(self.position.version + 1)
         self.position.used_entries.extend(e for g in groups for e in g.entries())
+        self.step_lengths = [(t.prompt_length, len(t.token_ids) - t.prompt_length)  # for the planner's history
+                             for g in groups for t in g.trajectories()]
         record = trainer_pb2.StepRecord(
             step=self.position.step, policy_version=self.position.version, mean_reward=stats.mean_reward,
             loss=metrics.get("loss", 0.0), trajectories=len(batch), rejected_stale=self.rejected_since_step,
@@ -167,9 +179,13 @@ class GrpoLoop:
         """One committed step: train, publish, record, checkpoint when due."""
         record = await self.step()
         await self.store.save_step_record(record.step, record.SerializeToString())
+        lengths = getattr(self, "step_lengths", [])
         await self.store.append_history("step", common_pb2.HistoryRecord(
-            kind="step", timestamp=record.timestamp, step=record.step, seconds=record.train_seconds,
-            output_tokens=record.tokens))
+            kind="step", timestamp=record.timestamp, step=record.step, output_tokens=record.tokens,
+            seconds=record.wait_seconds + record.train_seconds + record.publish_seconds,
+            train_seconds=record.train_seconds, rollout_seconds=record.wait_seconds,
+            rejected_rollouts=record.rejected_stale, sequences=record.trajectories,
+            prompt_lengths=[p for p, _ in lengths], output_lengths=[o for _, o in lengths]))
         if record.step % self.cfg.checkpoint_every == 0 or record.step == self.cfg.steps:
             await self.model.checkpoint(self.position)
         await self.status.add_record(record)

@@ -43,6 +43,7 @@ class TrainerService(Service):
         self._resume = asyncio.Event()
         self._resume.set()
         self._step_lock = asyncio.Lock()
+        self.elastic = None  # ElasticControl: hybrid replicas (rank 0 of the core)
 
     def service_names(self) -> list[str]:
         return [P.DESCRIPTOR.services_by_name["Trainer"].full_name]
@@ -84,6 +85,7 @@ class TrainerService(Service):
         workload = build_workload(self.config.workload)
         self.loop = GrpoLoop(self.config, self.store, rollout, model, self.status, workload.num_prompts)
         self.loop.position = position
+        self.elastic = self.loop.elastic = await self._elastic(model.backend)
         for record in await self.store.step_records(1):
             await self.status.add_record(P.StepRecord.FromString(record))
         # The weights in memory become the next policy version; rollout starts (or reloads) on them.
@@ -96,6 +98,23 @@ class TrainerService(Service):
         await self._register_member()
         await self.loop.publish_to_workers(version)
         await self.set_health(True)
+
+    async def _elastic(self, backend):
+        """The side-channel endpoint of this (single) core rank and the membership kept in Redis."""
+        from libra.services.trainer.elastic.control import ElasticControl
+        from libra.services.trainer.elastic.core_hooks import ElasticCore
+
+        host = self.config.address_of("trainer").rsplit(":", 1)[0] or "127.0.0.1"  # where hybrids reach us
+        core = ElasticCore(backend, snapshot_root=str(self.config.run_path / "snapshots"), host=host)
+        backend.gradient_hook = core
+        control = ElasticControl(core, self.store)
+        await control.restore()
+        return control
+
+    def elastic_control(self):
+        if self.elastic is None:
+            raise FailedPrecondition("the trainer has no model yet (still warming up); retry AdmitHybrid shortly")
+        return self.elastic
 
     async def _register_member(self) -> None:
         stub = self._stub(elastic_pb2_grpc.ElasticCoordinatorStub, "elastic")
@@ -129,10 +148,10 @@ class TrainerService(Service):
         return P.CheckpointInfo(step=self.loop.position.step, policy_version=self.loop.position.version, path=str(path))
 
     async def manifest(self, step: int) -> P.StepManifest:
-        """The membership of a step: a fixed core of one replica until hybrids can join."""
-        if self.loop is None or step > self.loop.position.step + 1:
-            raise FailedPrecondition(f"step {step} has not started")
-        return P.StepManifest(step=step, membership_epoch=0, active_replicas=[MEMBER_ID], acknowledged_by=[MEMBER_ID])
+        """The frozen membership of `step` (0: the latest), with every hybrid's state."""
+        if self.elastic is None:
+            raise FailedPrecondition("the trainer has no model yet (still warming up)")
+        return await self.elastic.manifest_proto(step)
 
     async def drain(self) -> None:
         """Let a step in progress commit, then checkpoint what is not yet (so a restart loses nothing)."""
@@ -143,6 +162,8 @@ class TrainerService(Service):
                 await self.loop.model.checkpoint(self.loop.position)
 
     async def close(self) -> None:
+        if self.elastic is not None:
+            self.elastic.core.close()
         for chan in self._channels:
             await chan.close()
         if self.store is not None:

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from libra.errors import FailedPrecondition
 from libra.rpc import guard
 from libra.service_base import check_run, request_id
 from libra.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-
-ELASTIC_LATER = ("hybrid replicas need the elastic trainer hooks (snapshot join, gradient injection); "
-                 "this trainer runs a fixed core group")
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -59,9 +55,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     @guard
     async def AdmitHybrid(self, request, context):
         check_run(request.meta.run_id, self.service.run_id)
-        raise FailedPrecondition(ELASTIC_LATER)
+        rid = request_id(request.meta)
+        return common_pb2.Ack(applied=await self.service.elastic_control().admit(
+            request.replica_id, request.generation, rid))
 
     @guard
     async def ReleaseHybrid(self, request, context):
         check_run(request.meta.run_id, self.service.run_id)
-        raise FailedPrecondition(ELASTIC_LATER)
+        rid = request_id(request.meta)
+        return common_pb2.Ack(applied=await self.service.elastic_control().release(
+            request.replica_id, request.generation, rid))

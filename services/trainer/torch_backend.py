@@ -17,6 +17,7 @@ same function, and rollout workers sample without dropout too.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -25,7 +26,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
-from libra.services.trainer.backend import TrainBackend, TrainBatch, pack, token_logprobs, unpack
+from libra.services.trainer.backend import HybridShare, TrainBackend, TrainBatch, pack, token_logprobs, unpack
 from libra.services.trainer.grpo import policy_loss
 
 if TYPE_CHECKING:
@@ -73,12 +74,20 @@ class TorchBackend(TrainBackend):
             raise FailedPrecondition("TorchBackend: call load(model_dir) first")
         return self._model
 
+    def to(self, device: str) -> None:
+        """Move the model to `device` (cpu, cuda:N) before the first step; batches follow it."""
+        self.model.to(device)
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     # ---- forward ---------------------------------------------------------------------------
     def _forward(self, sequences: list) -> tuple[Any, torch.Tensor]:
         packed = pack(sequences)
+        device = next(self.model.parameters()).device
+        if device.type != "cpu":
+            packed = dataclasses.replace(packed, **{f.name: getattr(packed, f.name).to(device)
+                                                    for f in dataclasses.fields(packed) if f.name != "response_lengths"})
         logits = self.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
         return packed, token_logprobs(logits, packed.input_ids)
 
@@ -100,22 +109,62 @@ class TorchBackend(TrainBackend):
         import torch
 
         started = time.perf_counter()
-        world = _world_size()
-        total_tokens = _all_reduce_sum(float(batch.loss_tokens))
+        world, hook = _world_size(), self.gradient_hook
+        share = hook.share() if hook is not None else HybridShare()
+        # One all-reduce of the step's totals; hybrids' slices count (W = D + H replicas).
+        total_tokens, replicas, sequences = _all_reduce_sums(
+            [float(batch.loss_tokens) + share.loss_tokens, 1.0 + share.replicas, float(len(batch) + share.sequences)])
         if total_tokens == 0:
             raise ValueError("train_step: the batch has no loss tokens (every loss_mask is 0)")
+        replicas = int(round(replicas))
+        if hook is not None:
+            hook.start(total_tokens / replicas, replicas, config)
+        sums = self.accumulate_gradients(batch, config, token_count=total_tokens / replicas)
+        self._average_gradients(world, replicas, total_tokens, hook, sums, config)
+        grad_norm = self.step_optimizer(config)
+        result = _average_metrics(sums, world, replicas)
+        result.update(grad_norm=float(grad_norm), tokens=total_tokens, lr=config.lr,
+                      sequences=sequences, seconds=time.perf_counter() - started)
+        return result
+
+    def accumulate_gradients(self, batch: TrainBatch, config: TrainerConfig, token_count: float) -> dict[str, float]:
+        """Zeroed .grad, then every micro-batch's gradient of Σ token loss / token_count; metric sums.
+
+        Public for hybrid replicas, which compute their slice exactly as a core rank does.
+        """
         old = self._logprobs(batch, config.micro_batch_size) if config.recompute_logprobs else None
         self._set_hyper_parameters(config)
         self._optimizer.zero_grad(set_to_none=True)
-        sums = self._accumulate(batch, config, old, token_count=total_tokens / world)
-        self._average_gradients(world)
+        return self._accumulate(batch, config, old, token_count=token_count)
+
+    def flat_gradients(self) -> torch.Tensor:
+        """The trainable parameters' gradients as one flat float tensor (zeros where none)."""
+        import torch
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+    def set_flat_gradients(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in (p for p in self.model.parameters() if p.requires_grad):
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def step_optimizer(self, config: TrainerConfig) -> torch.Tensor:
+        """Clip the gradients in .grad and take one optimizer step; returns the pre-clip norm."""
+        import torch
+
+        self._set_hyper_parameters(config)
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
         self._optimizer.step()
-        result = _average_metrics(sums, world)
-        result.update(grad_norm=float(grad_norm), tokens=total_tokens, lr=config.lr,
-                      sequences=_all_reduce_sum(float(len(batch))), seconds=time.perf_counter() - started)
-        return result
+        return grad_norm
+
+    @property
+    def optimizer(self) -> Any:
+        if self._optimizer is None:
+            raise FailedPrecondition("TorchBackend: call load(model_dir) first")
+        return self._optimizer
 
     def _accumulate(
         self, batch: TrainBatch, config: TrainerConfig, old: list | None, token_count: float
@@ -147,20 +196,36 @@ class TorchBackend(TrainBackend):
         for group in self._optimizer.param_groups:
             group["lr"], group["weight_decay"] = config.lr, config.weight_decay
 
-    def _average_gradients(self, world: int) -> None:
+    def _average_gradients(self, world: int, replicas: int, total_tokens: float, hook: Any,
+                           sums: dict[str, float], config: TrainerConfig) -> None:
+        """Sum every replica's gradient (hybrids injected first), ÷ W; rescale if a hybrid missed.
+
+        Two counters ride in the same all-reduce as the gradient: the loss tokens and replicas of
+        hybrids that missed the deadline. The sum is then over the replicas that arrived, so it is
+        rescaled by N / (N − missing tokens) to stay the token mean of what was trained on.
+        """
         import torch
         import torch.distributed as dist
 
-        if world == 1:
+        if world == 1 and hook is None:
             return
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat /= world
-        offset = 0
-        for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        flat = self.flat_gradients()
+        missing = torch.zeros(2, dtype=flat.dtype)
+        if hook is not None:
+            arrived = hook.inject(flat)
+            missing[0], missing[1] = arrived.missing_tokens, arrived.missing_replicas
+            for name, value in arrived.metric_sums.items():
+                sums[name] += value
+        if world > 1:
+            buffer = torch.cat([flat, missing])
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+            flat, missing = buffer[:-2], buffer[-2:]
+        flat /= replicas
+        if float(missing[0]) > 0:
+            flat *= total_tokens / (total_tokens - float(missing[0]))
+        if hook is not None:
+            hook.deliver(flat, config)
+        self.set_flat_gradients(flat)
 
     # ---- files -----------------------------------------------------------------------------
     def save_weights(self, out_dir: str) -> None:
@@ -203,17 +268,17 @@ class TorchBackend(TrainBackend):
         return state["extra"]
 
 
-def _average_metrics(sums: dict[str, float], world: int) -> dict[str, float]:
-    """Metric sums were already divided by (global tokens / world); summing over ranks ÷ W gives means."""
+def _average_metrics(sums: dict[str, float], world: int, replicas: int) -> dict[str, float]:
+    """Metric sums were already divided by (global tokens / W); summing over replicas ÷ W gives means."""
     if world == 1:
-        return dict(sums)
+        return {n: v / replicas for n, v in sums.items()} if replicas > 1 else dict(sums)
     import torch
     import torch.distributed as dist
 
     names = sorted(sums)
     values = torch.tensor([sums[n] for n in names], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return {n: float(v) / world for n, v in zip(names, values)}
+    return {n: float(v) / replicas for n, v in zip(names, values)}
 
 
 def _copy_tokenizer_files(model_dir: str, out_dir: str) -> None:
@@ -275,12 +340,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _all_reduce_sum(value: float) -> float:
+def _all_reduce_sums(values: list[float]) -> list[float]:
     import torch
     import torch.distributed as dist
 
     if not _distributed():
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64)
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return float(tensor)
+    return tensor.tolist()

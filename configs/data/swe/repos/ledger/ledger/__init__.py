@@ -1,0 +1,1 @@
+"""A tiny ledger of amounts in cents."""

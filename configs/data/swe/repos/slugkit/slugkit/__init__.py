@@ -1,0 +1,5 @@
+"""Turn titles into URL slugs."""
+
+from slugkit.core import slugify
+
+__all__ = ["slugify"]

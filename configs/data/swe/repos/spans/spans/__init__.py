@@ -1,0 +1,1 @@
+"""Merging integer intervals."""

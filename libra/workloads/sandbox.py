@@ -1,0 +1,358 @@
+"""Running untrusted programs (model-written code, a repository's tests) in a contained subprocess.
+
+What a run gets: a fresh copy of a source directory as its working directory, a minimal
+environment, CPU / memory / file-size / process / open-file limits, a wall-clock limit, and bounded
+stdout/stderr. What it returns is a structured `SandboxRun` (status ok/error/timeout, exit code,
+signal, captured output), never an exception for anything the program itself does.
+
+Two isolation levels; `SandboxRun.isolation` says which one a run had:
+
+``namespaces`` (root and a working ``unshare``; the default here)::
+
+    rollout process ── unshare --net --mount --pid --fork --kill-child ──▶ launcher (pid 1, root)
+       │ wall clock: SIGKILL the process group                              │ tmpfs of disk_mb as /tmp,
+       │ (the kernel then kills the whole pid namespace)                     │ a copy of the source in /tmp/work,
+       └─ reads stdout/stderr up to output_bytes, drains the rest             │ empty tmpfs on /dev/shm, /var/tmp
+                                                                              └─ fork ▶ rlimits, setuid(unique uid)
+                                                                                        ▶ exec the program
+    No network (an empty network namespace), no other process visible, nothing written outside the
+    tmpfs (which vanishes with the namespace), a fork bomb stops at `max_processes` (RLIMIT_NPROC of
+    a uid no one else uses), disk use stops at `disk_mb`.
+
+``guard`` (not root, or no ``unshare``): rlimits in a new session, a scratch directory deleted
+afterwards, and a ``sitecustomize`` that makes ``socket`` unusable for Python programs. Weaker: a
+program can still write where the user can, and RLIMIT_NPROC counts all the user's processes.
+
+This module knows nothing about workloads, tokens or Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import functools
+import itertools
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+from libra import log as liblog
+
+_log = liblog.get("libra.sandbox")
+UID_BASE = 61_000 + (os.getpid() % 997) * 20  # one uid per concurrent run; see _next_uid
+_uids = itertools.count()
+
+
+class SandboxStatus(str, enum.Enum):
+    OK = "ok"  # exit code 0
+    ERROR = "error"  # non-zero exit, a signal, or a limit other than time
+    TIMEOUT = "timeout"  # wall-clock or CPU-time limit
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits of one run (all enforced by the kernel, the wall clock by the caller)."""
+
+    wall_s: float = 10.0
+    cpu_s: int = 10
+    memory_mb: int = 1024  # address space (RLIMIT_AS)
+    disk_mb: int = 64  # size of the tmpfs the program may write to (namespaces isolation)
+    max_file_mb: int = 16  # largest file the program may write (RLIMIT_FSIZE)
+    max_processes: int = 32  # processes and threads of the program (RLIMIT_NPROC)
+    max_open_files: int = 64  # RLIMIT_NOFILE
+    output_bytes: int = 16_384  # stdout and stderr are each cut to this many bytes
+
+    def __post_init__(self) -> None:
+        for name in ("wall_s", "cpu_s", "memory_mb", "disk_mb", "max_file_mb", "max_processes",
+                     "max_open_files", "output_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"sandbox limit {name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxRun:
+    """What a program did: how it ended and what it printed (each stream cut to output_bytes)."""
+
+    status: SandboxStatus
+    reason: str  # "exit code 1", "killed by SIGXFSZ (file size limit)", "wall-clock limit 2.0s" ...
+    exit_code: int | None
+    signal: str | None
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    seconds: float
+    isolation: str  # "namespaces" or "guard"
+
+
+_SIGNAL_REASONS = {"SIGXCPU": "CPU-time limit", "SIGXFSZ": "file size limit", "SIGKILL": "killed",
+                   "SIGSEGV": "segmentation fault", "SIGABRT": "aborted"}
+
+# Runs as `python -I -c _LAUNCHER PARAMS` inside the new namespaces, as root, and stays pid 1 of
+# the pid namespace: when it exits, the kernel kills whatever the program left running.
+_LAUNCHER = r"""
+import json, os, resource, shutil, subprocess, sys
+p = json.loads(sys.argv[1])
+status = open(p["status"], "w")
+def mount(*args):
+    subprocess.run(["mount", *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+box, uid = p["box"], p["uid"]
+mount("-t", "tmpfs", "-o", "size=%dm,mode=1777" % p["disk_mb"], "tmpfs", box)
+work = os.path.join(box, "work")
+shutil.copytree(p["source"], work, symlinks=True)
+for root, dirs, files in os.walk(work):
+    for name in [root] + [os.path.join(root, n) for n in dirs + files]:
+        os.lchown(name, uid, uid)
+for blocked, child, stash in p["reveal"]:
+    # `blocked` is not traversable by other users (e.g. /root holding the interpreter): show only
+    # `child` through it, on an empty tmpfs, in this namespace only.
+    os.makedirs(stash, exist_ok=True)
+    mount("--bind", child, stash)
+    mount("-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", blocked)
+    os.makedirs(child, exist_ok=True)
+    mount("--move", stash, child)
+mount("--move", box, "/tmp")
+for path in ("/dev/shm", "/var/tmp"):
+    if os.path.isdir(path):
+        mount("-t", "tmpfs", "-o", "size=1m,mode=1777", "tmpfs", path)
+pid = os.fork()
+if pid == 0:
+    try:
+        limits = p["rlimits"]
+        for name, (soft, hard) in limits.items():
+            resource.setrlimit(getattr(resource, name), (soft, hard))
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        os.chdir("/tmp/work")
+        os.execve(p["argv"][0], p["argv"], p["env"])
+    except BaseException as error:
+        sys.stderr.write("sandbox: cannot start the program: %r\n" % (error,))
+    os._exit(127)
+_, code = os.waitpid(pid, 0)
+json.dump({"exit": os.WEXITSTATUS(code) if os.WIFEXITED(code) else None,
+           "signal": os.WTERMSIG(code) if os.WIFSIGNALED(code) else None}, status)
+status.close()
+"""
+
+# The `guard` isolation's network block, for Python programs (PYTHONPATH points at it).
+_GUARD_SITECUSTOMIZE = '''
+import socket as _socket
+def _blocked(*args, **kwargs):
+    raise OSError(101, "network access is disabled in the Libra sandbox")
+class _Socket(_socket.socket):
+    def __init__(self, *args, **kwargs):
+        _blocked()
+_socket.socket = _Socket
+_socket.create_connection = _blocked
+_socket.getaddrinfo = _blocked
+'''
+
+
+@functools.lru_cache(maxsize=1)
+def isolation_available() -> bool:
+    """True when runs get the `namespaces` isolation (root, and unshare works here)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None:
+        return False
+    try:
+        probe = subprocess.run(["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
+                                "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def _next_uid() -> int:
+    return UID_BASE + next(_uids) % 20
+
+
+def _reveal_list(stash_root: pathlib.Path) -> list[list[str]]:
+    """Directories on the interpreter's path that other users cannot traverse, and what to show."""
+    reveal, seen = [], set()
+    for target in {pathlib.Path(sys.base_prefix).resolve(), pathlib.Path(sys.prefix).resolve(),
+                   pathlib.Path(os.path.realpath(sys.executable)).parent}:
+        parts = target.parts
+        for depth in range(1, len(parts) - 1):
+            blocked = pathlib.Path(*parts[:depth + 1])
+            if not os.stat(blocked).st_mode & 0o001:
+                child = pathlib.Path(*parts[:depth + 2])
+                if str(blocked) not in seen:
+                    seen.add(str(blocked))
+                    reveal.append([str(blocked), str(child), str(stash_root / f"reveal{len(reveal)}")])
+                break
+    return reveal
+
+
+def _rlimits(limits: SandboxLimits) -> dict[str, list[int]]:
+    """(soft, hard) per limit; CPU time gets SIGXCPU at the soft limit, SIGKILL a second later."""
+    mib = 1024 * 1024
+    same = {"RLIMIT_AS": limits.memory_mb * mib, "RLIMIT_FSIZE": limits.max_file_mb * mib,
+            "RLIMIT_NPROC": limits.max_processes, "RLIMIT_NOFILE": limits.max_open_files, "RLIMIT_CORE": 0}
+    return {"RLIMIT_CPU": [limits.cpu_s, limits.cpu_s + 1], **{name: [v, v] for name, v in same.items()}}
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
+           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "PYTHONHASHSEED": "0"}
+    env.update(extra or {})
+    return env
+
+
+async def _read_bounded(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, bool]:
+    """The head and the tail of a stream, `limit` bytes in all (the tail holds a traceback's last
+    line); everything in between is read and dropped, so the writer never blocks on a full pipe."""
+    head, tail, seen = bytearray(), bytearray(), 0
+    half = limit // 2
+    while chunk := await stream.read(65536):
+        seen += len(chunk)
+        take = min(len(chunk), limit - half - len(head))
+        head += chunk[:take]
+        tail = (tail + chunk[take:])[-half:] if half else tail
+    if seen <= limit:
+        return bytes(head + tail), False
+    return bytes(head) + b"\n[... output truncated ...]\n" + bytes(tail), True
+
+
+def _decode(data: bytes, truncated: bool) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+async def run_in_sandbox(argv: Sequence[str], source: str | os.PathLike[str] | None = None,
+                         files: dict[str, str] | None = None, limits: SandboxLimits = SandboxLimits(),
+                         env: dict[str, str] | None = None) -> SandboxRun:
+    """Run `argv` (argv[0] an absolute path) in a copy of `source` plus `files` (relative path → text)."""
+    if not argv or not os.path.isabs(argv[0]):
+        raise ValueError(f"argv[0] must be an absolute path of a program, got {list(argv)[:1]}")
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="libra-sandbox-"))
+    try:
+        stage = scratch / "stage"
+        if source is not None:
+            shutil.copytree(source, stage, symlinks=True)
+        stage.mkdir(exist_ok=True)
+        for relative, text in (files or {}).items():
+            path = (stage / relative).resolve()
+            if stage.resolve() not in path.parents:
+                raise ValueError(f"file {relative!r} would be written outside the sandbox directory")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        if isolation_available():
+            return await _run_namespaced(list(argv), scratch, stage, limits, env)
+        return await _run_guarded(list(argv), scratch, stage, limits, env)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, scratch, True)
+
+
+async def _run_namespaced(argv: list[str], scratch: pathlib.Path, stage: pathlib.Path, limits: SandboxLimits,
+                          env: dict[str, str] | None) -> SandboxRun:
+    (scratch / "box").mkdir()
+    params = {"status": str(scratch / "status.json"), "box": str(scratch / "box"), "source": str(stage),
+              "uid": _next_uid(), "disk_mb": limits.disk_mb, "reveal": _reveal_list(scratch),
+              "rlimits": _rlimits(limits), "argv": argv, "env": _env(env)}
+    command = ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
+               sys.executable, "-I", "-c", _LAUNCHER, json.dumps(params)]
+    result = await _supervise(command, None, limits, "namespaces")
+    status_path = scratch / "status.json"
+    try:
+        ended = json.loads(status_path.read_text())
+    except (OSError, ValueError):
+        ended = None  # killed before the program ended: _supervise's verdict stands
+    if ended is None or result.status is SandboxStatus.TIMEOUT:
+        if ended is None and result.status is not SandboxStatus.TIMEOUT:
+            return dataclasses.replace(result, status=SandboxStatus.ERROR,
+                                       reason=f"the sandbox failed to start the program ({result.reason})")
+        return result
+    return _verdict(result, ended["exit"], ended["signal"], limits)
+
+
+async def _run_guarded(argv: list[str], scratch: pathlib.Path, stage: pathlib.Path, limits: SandboxLimits,
+                       env: dict[str, str] | None) -> SandboxRun:
+    guard = scratch / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(_GUARD_SITECUSTOMIZE)
+    rlimits = _rlimits(limits)
+    if os.geteuid() != 0:  # RLIMIT_NPROC counts every process of the user: allow the ones running
+        running = sum(1 for entry in os.listdir("/proc") if entry.isdigit())
+        rlimits["RLIMIT_NPROC"] = [n + running for n in rlimits["RLIMIT_NPROC"]]
+
+    def limit() -> None:
+        import resource
+        for name, (soft, hard) in rlimits.items():
+            resource.setrlimit(getattr(resource, name), (soft, hard))
+
+    result = await _supervise(argv, dict(cwd=str(stage), preexec_fn=limit,
+                                         env=_env({**(env or {}), "PYTHONPATH": str(guard), "TMPDIR": str(stage)})),
+                              limits, "guard")
+    return result
+
+
+async def _supervise(command: list[str], options: dict | None, limits: SandboxLimits, isolation: str) -> SandboxRun:
+    """Start the process in its own session, enforce the wall clock, capture bounded output."""
+    started = time.monotonic()
+    process = await asyncio.create_subprocess_exec(
+        *command, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, start_new_session=True, **(options or {"env": _env()}))
+    readers = asyncio.gather(_read_bounded(process.stdout, limits.output_bytes),
+                             _read_bounded(process.stderr, limits.output_bytes))
+    timed_out = False
+    try:
+        await asyncio.wait_for(process.wait(), limits.wall_s)
+    except asyncio.TimeoutError:
+        timed_out = True
+    finally:
+        if process.returncode is None or timed_out:
+            _kill_group(process.pid)
+            await process.wait()
+    try:  # a grandchild that escaped the group could hold the pipes open: bound the wait
+        (out, out_cut), (err, err_cut) = await asyncio.wait_for(readers, 5.0)
+    except asyncio.TimeoutError:
+        readers.cancel()
+        (out, out_cut), (err, err_cut) = (b"", True), (b"", True)
+    seconds = time.monotonic() - started
+    code = process.returncode
+    base = SandboxRun(SandboxStatus.OK, "exit code 0", code, None, _decode(out, out_cut), _decode(err, err_cut),
+                      out_cut, err_cut, seconds, isolation)
+    if timed_out:
+        return dataclasses.replace(base, status=SandboxStatus.TIMEOUT, reason=f"wall-clock limit {limits.wall_s}s",
+                                   exit_code=None, signal="SIGKILL")
+    if code is not None and code < 0:
+        return _verdict(base, None, -code, limits)
+    return _verdict(base, code, None, limits)
+
+
+def _verdict(base: SandboxRun, exit_code: int | None, signum: int | None, limits: SandboxLimits) -> SandboxRun:
+    if signum is not None:
+        name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+        status = SandboxStatus.TIMEOUT if name == "SIGXCPU" else SandboxStatus.ERROR
+        reason = f"killed by {name} ({_SIGNAL_REASONS.get(name, 'signal')})"
+        return dataclasses.replace(base, status=status, reason=reason, exit_code=None, signal=name)
+    if exit_code == 0:
+        return dataclasses.replace(base, exit_code=0)
+    return dataclasses.replace(base, status=SandboxStatus.ERROR, reason=f"exit code {exit_code}", exit_code=exit_code)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+async def run_python(code: str, limits: SandboxLimits = SandboxLimits(), files: dict[str, str] | None = None,
+                     source: str | os.PathLike[str] | None = None) -> SandboxRun:
+    """Run Python source `code` as ``main.py`` in the sandbox (with `files` beside it)."""
+    return await run_in_sandbox([sys.executable, "-I", "main.py"] if isolation_available()
+                                else [sys.executable, "-s", "main.py"],
+                                source=source, files={**(files or {}), "main.py": code}, limits=limits)
+
+
+def python_argv(*args: str) -> list[str]:
+    """argv running this interpreter with `args` the way the active isolation allows."""
+    return [sys.executable, "-I" if isolation_available() else "-s", *args]

@@ -1,0 +1,323 @@
+"""Calibration: measured turn and step times correct the cost model's efficiencies.
+
+The cost model predicts times from datasheet peaks scaled by efficiencies (`RolloutEfficiency`,
+`TrainEfficiency`). What a deployment really reaches differs (kernels, batching, stragglers), so
+each measured time gives a *slowdown* sample: measured / predicted, where "predicted" is only the
+part of the model that the efficiency scales (fixed costs such as collectives are subtracted
+first). An EWMA of the slowdown divides the configured efficiency:
+
+    calibrated_efficiency = clip(base_efficiency / slowdown, 1e-4, 1)
+
+Four estimators, one per efficiency they correct:
+
+    prefill  (turns whose predicted time is mostly prefill)   -> RolloutEfficiency.prefill_mfu
+    decode   (the other turns)                                -> RolloutEfficiency.decode_bw
+    rollout  (a step's rollout seconds vs the fleet makespan) -> both, only while no turn was seen
+    train    (a step's training seconds vs cost_train)        -> TrainEfficiency.mfu
+
+Change-point rule (`Ewma.update`): once `min_samples` samples are in, a sample further than
+`reset_sigmas` standard deviations from the mean (the deviation has a floor of `relative_floor`
+x mean, so a very steady series does not call every wobble a shift) is held back, not folded in.
+`reset_after` such samples in a row, all on the same side, mean the regime changed (a new
+kernel, a slower node): the estimator restarts from those samples. A sample back inside the band
+drops the held ones (an isolated spike). Before `min_samples`, alpha is max(alpha, 1/n), so the
+first samples are averaged plainly instead of being biased towards the first one.
+
+Bad samples (non-finite, negative, or slowdowns outside [1/max_slowdown, max_slowdown]) are
+rejected with a reason, counted in `Calibration.rejected`, and change nothing.
+Pure: no clock, no network, no randomness.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from pydantic import Field
+
+from libra.configbase import Section
+from libra.services.planner import cost_rollout, cost_train
+from libra.services.planner.cost_rollout import Infeasible, RolloutEfficiency
+from libra.services.planner.cost_train import Layout, TrainEfficiency
+from libra.services.planner.hardware import GpuSpec, ModelSpec
+
+MIN_EFFICIENCY = 1e-4
+
+
+class CalibrationSettings(Section):
+    """How measured times correct the cost model's efficiencies."""
+
+    alpha: float = Field(0.2, gt=0, le=1, description="EWMA weight of a new slowdown sample")
+    min_samples: int = Field(5, ge=1, le=10_000, description="samples before the change-point rule applies")
+    reset_sigmas: float = Field(3.0, gt=0, le=100, description="a sample this many std devs off the mean is a "
+                                                                 "change-point candidate")
+    reset_after: int = Field(3, ge=1, le=1000, description="candidates in a row (same side) that reset the EWMA")
+    relative_floor: float = Field(0.05, ge=0, le=10, description="the std dev used is at least this x the mean")
+    max_slowdown: float = Field(1000.0, gt=1, le=1e9, description="samples whose measured/predicted ratio is "
+                                                                  "outside [1/this, this] are rejected as absurd")
+
+
+class Ewma:
+    """Exponentially weighted mean and variance with the change-point reset of the module docstring."""
+
+    def __init__(self, settings: CalibrationSettings):
+        self.settings = settings
+        self.mean = 0.0
+        self.var = 0.0
+        self.samples = 0
+        self.resets = 0
+        self.pending: list[float] = []
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(max(self.var, 0.0))
+
+    def update(self, x: float) -> str:
+        """Fold in one sample; returns 'folded', 'held' (change-point candidate) or 'reset'."""
+        s = self.settings
+        if self.samples >= s.min_samples:
+            band = s.reset_sigmas * max(self.std, s.relative_floor * abs(self.mean))
+            if abs(x - self.mean) > band:
+                side = x > self.mean
+                if self.pending and (self.pending[-1] > self.mean) != side:
+                    self.pending = []
+                self.pending.append(x)
+                if len(self.pending) < s.reset_after:
+                    return "held"
+                held, self.pending = self.pending, []
+                self.mean = sum(held) / len(held)
+                self.var = sum((v - self.mean) ** 2 for v in held) / len(held)
+                self.samples = len(held)
+                self.resets += 1
+                return "reset"
+        self.pending = []
+        self.samples += 1
+        alpha = max(s.alpha, 1.0 / self.samples)
+        delta = x - self.mean
+        self.mean += alpha * delta
+        self.var = (1.0 - alpha) * (self.var + alpha * delta * delta)
+        return "folded"
+
+    def value(self, default: float = 1.0) -> float:
+        return self.mean if self.samples else default
+
+    def snapshot(self) -> dict:
+        return {"slowdown": round(self.value(), 6), "std": round(self.std, 6), "samples": self.samples,
+                "resets": self.resets, "held": len(self.pending)}
+
+
+@dataclass
+class Comparison:
+    """EWMAs of what was predicted (with the calibration in force before the sample) and measured."""
+
+    predicted_s: float = 0.0
+    measured_s: float = 0.0
+    samples: int = 0
+    alpha: float = 0.2
+
+    def add(self, predicted: float, measured: float) -> None:
+        self.samples += 1
+        a = max(self.alpha, 1.0 / self.samples)
+        self.predicted_s += a * (predicted - self.predicted_s)
+        self.measured_s += a * (measured - self.measured_s)
+
+    def snapshot(self) -> dict:
+        return {"predicted_s": round(self.predicted_s, 6), "measured_s": round(self.measured_s, 6),
+                "samples": self.samples}
+
+
+@dataclass
+class Calibration:
+    """The four estimators, the efficiencies they imply and the predicted-vs-measured record."""
+
+    model: ModelSpec
+    gpu: GpuSpec
+    base_rollout: RolloutEfficiency
+    base_train: TrainEfficiency
+    settings: CalibrationSettings = field(default_factory=CalibrationSettings)
+    rejected: Counter = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self.estimators = {name: Ewma(self.settings) for name in ("prefill", "decode", "rollout", "train")}
+        self.turns = Comparison(alpha=self.settings.alpha)
+        self.steps = Comparison(alpha=self.settings.alpha)
+        self._instances: dict[int, cost_rollout.Instance] = {}
+
+    # -- efficiencies ----------------------------------------------------------------------
+    def rollout_efficiency(self) -> RolloutEfficiency:
+        e = self.estimators
+        turns_seen = e["prefill"].samples or e["decode"].samples
+        prefill = e["prefill"].value() if turns_seen else e["rollout"].value()
+        decode = e["decode"].value() if turns_seen else e["rollout"].value()
+        b = self.base_rollout
+        return b.model_copy(update={"prefill_mfu": _scaled(b.prefill_mfu, prefill),
+                                    "decode_bw": _scaled(b.decode_bw, decode)})
+
+    def train_efficiency(self) -> TrainEfficiency:
+        b = self.base_train
+        return b.model_copy(update={"mfu": _scaled(b.mfu, self.estimators["train"].value())})
+
+    # -- samples ---------------------------------------------------------------------------
+    def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1) -> str | None:
+        """One measured turn on a TP-`tp` instance; returns why it was rejected, or None."""
+        reason = _bad_numbers(seconds=seconds, prompt=prompt, output=output, tp=tp, batch=batch)
+        if reason is None and output + prompt == 0:
+            reason = "a turn with no tokens"
+        inst = None if reason else self._instance(tp)
+        if reason is None and inst is None:
+            reason = f"tp {tp} cannot hold {self.model.name} on {self.gpu.name}"
+        if reason:
+            return self._reject("turn", reason)  # keyed by the reason without its value
+        batch = max(1, batch)
+        context = prompt + output / 2.0
+        prefill = inst.prefill_seconds(prompt) if prompt else 0.0
+        step = inst.decode_step_seconds(batch, batch * context)
+        comm = 2 * self.model.layers * inst.allreduce_seconds(batch)
+        decode_mem, decode_comm = output * (step - comm), output * comm
+        f_prefill = self.estimators["prefill"].value()
+        f_decode = self.estimators["decode"].value()
+        self.turns.add(prefill * f_prefill + decode_mem * f_decode + decode_comm, seconds)
+        if prefill >= decode_mem:  # prefill-dominated: the decode part is taken as calibrated
+            return self._sample("prefill", (seconds - decode_mem * f_decode - decode_comm), prefill, "turn")
+        return self._sample("decode", (seconds - prefill * f_prefill - decode_comm), decode_mem, "turn")
+
+    def observe_train(self, layout: Layout, lengths: Sequence[tuple[int, int]], seconds: float) -> str | None:
+        """One step's measured training seconds on `layout` for a batch of `lengths`."""
+        reason = _bad_numbers(seconds=seconds) or ("a step with no sequences" if not lengths else None)
+        if reason:
+            return self._reject("step", reason)
+        estimate = _train_estimate(self.model, self.gpu, layout, lengths, self.base_train)
+        if estimate is None:
+            return self._reject("step", f"training layout tp{layout.tp} pp{layout.pp} dp{layout.dp} cannot be "
+                                        f"costed for this batch")
+        scale, est = estimate
+        scaled_part = scale * est.compute_s / (1.0 - est.bubble)
+        fixed = scale * (est.seconds - est.compute_s / (1.0 - est.bubble))
+        return self._sample("train", seconds - fixed, scaled_part, "step")
+
+    def observe_rollout(self, fleet: Sequence[tuple[int, int]], lengths: Sequence[tuple[int, int]],
+                        seconds: float) -> str | None:
+        """One step's measured rollout seconds on a TP multiset `fleet` ((tp, instances), ...)."""
+        reason = _bad_numbers(seconds=seconds) or ("a step with no sequences" if not lengths else None)
+        if reason:
+            return self._reject("step", reason)
+        instances = [self._instance(tp) for tp, n in fleet for _ in range(n)]
+        if not instances or any(i is None for i in instances):
+            return self._reject("step", "the rollout fleet cannot be costed")
+        try:
+            predicted = cost_rollout.rollout_time(lengths, instances)
+        except Infeasible as error:
+            return self._reject("step", f"rollout cannot be costed: {error}")
+        return self._sample("rollout", seconds, predicted, "step")
+
+    def record_step(self, predicted_s: float, measured_s: float) -> None:
+        """Predicted (calibrated, before this step) vs measured step time, for the report."""
+        if math.isfinite(predicted_s) and math.isfinite(measured_s) and predicted_s > 0 and measured_s >= 0:
+            self.steps.add(predicted_s, measured_s)
+
+    # -- report ----------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        r, t = self.rollout_efficiency(), self.train_efficiency()
+        return {
+            "estimators": {name: e.snapshot() for name, e in self.estimators.items()},
+            "efficiency": {
+                "prefill_mfu": {"base": self.base_rollout.prefill_mfu, "calibrated": round(r.prefill_mfu, 6)},
+                "decode_bw": {"base": self.base_rollout.decode_bw, "calibrated": round(r.decode_bw, 6)},
+                "train_mfu": {"base": self.base_train.mfu, "calibrated": round(t.mfu, 6)}},
+            "turn_time": self.turns.snapshot(),
+            "step_time": self.steps.snapshot(),
+            "rejected": dict(self.rejected),
+        }
+
+    def state(self) -> dict:
+        """The estimators and comparisons, JSON-safe, for `restore`."""
+        return {"estimators": {name: [e.mean, e.var, e.samples, e.resets, list(e.pending)]
+                               for name, e in self.estimators.items()},
+                "turns": [self.turns.predicted_s, self.turns.measured_s, self.turns.samples],
+                "steps": [self.steps.predicted_s, self.steps.measured_s, self.steps.samples],
+                "rejected": dict(self.rejected)}
+
+    def restore(self, state: dict) -> None:
+        for name, row in state.get("estimators", {}).items():
+            if name in self.estimators:
+                e = self.estimators[name]
+                e.mean, e.var, e.samples, e.resets, e.pending = row[0], row[1], int(row[2]), int(row[3]), list(row[4])
+        for name in ("turns", "steps"):
+            if name in state:
+                c = getattr(self, name)
+                c.predicted_s, c.measured_s, c.samples = state[name][0], state[name][1], int(state[name][2])
+        self.rejected.update(state.get("rejected", {}))
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _instance(self, tp: int) -> cost_rollout.Instance | None:
+        if tp not in self._instances:
+            try:
+                self._instances[tp] = cost_rollout.instance(self.model, self.gpu, tp, self.base_rollout)
+            except Infeasible:
+                return None
+        return self._instances[tp]
+
+    def _sample(self, name: str, measured_part: float, predicted_part: float, kind: str) -> str | None:
+        if predicted_part <= 0:
+            return self._reject(kind, f"{name}: nothing to calibrate (predicted part is 0)")
+        slowdown = measured_part / predicted_part
+        limit = self.settings.max_slowdown
+        if not (1.0 / limit <= slowdown <= limit):
+            return self._reject(kind, f"{name}: measured/predicted {slowdown:.3g} outside [1/{limit:g}, {limit:g}]",
+                                f"{name} slowdown out of range")
+        self.estimators[name].update(slowdown)
+        return None
+
+    def _reject(self, kind: str, reason: str, key: str = "") -> str:
+        self.rejected[f"{kind}: {key or reason.split(' (')[0]}"] += 1
+        return reason
+
+
+def _scaled(base: float, slowdown: float) -> float:
+    return min(1.0, max(MIN_EFFICIENCY, base / slowdown))
+
+
+def _bad_numbers(**values: float) -> str | None:
+    """The first value that is not a finite number in range, as a reason."""
+    for name, value in values.items():
+        if value is None or isinstance(value, bool) or not math.isfinite(value):
+            return f"{name} is not a finite number ({value!r})"
+        if value < 0:
+            return f"{name} is negative ({value!r})"
+        if name == "seconds" and value > 7 * 86_400:
+            return f"seconds is absurd ({value!r} > one week)"
+        if name in ("prompt", "output") and value > 10_000_000:
+            return f"{name} is absurd ({value!r} tokens)"
+        if name == "tp" and not 1 <= value <= 1024:
+            return f"tp must be in 1..1024 ({value!r})"
+    return None
+
+
+def _train_estimate(model: ModelSpec, gpu: GpuSpec, layout: Layout, lengths: Sequence[tuple[int, int]],
+                    eff: TrainEfficiency) -> tuple[float, cost_train.TrainEstimate] | None:
+    """cost_train for a batch of `lengths`, rounded up to a batch the layout divides, and the factor
+    that scales the estimate back to the real batch (`None` when the layout cannot run at all)."""
+    n = len(lengths)
+    unit = layout.dp * layout.micro_batch
+    padded = -(-n // unit) * unit
+    seq_len = max(1, round(sum(p + o for p, o in lengths) / n))
+    try:
+        return n / padded, cost_train.step_time(model, gpu, layout, padded, seq_len, eff)
+    except Infeasible:
+        return None
+
+
+def predicted_times(model: ModelSpec, gpu: GpuSpec, layout: Layout, fleet: Sequence[tuple[int, int]],
+                    lengths: Sequence[tuple[int, int]], rollout: RolloutEfficiency,
+                    train: TrainEfficiency) -> tuple[float, float]:
+    """(train seconds, rollout seconds) of one step of `lengths` on a plan; inf where it cannot run."""
+    estimate = _train_estimate(model, gpu, layout, lengths, train) if lengths else None
+    train_s = estimate[0] * estimate[1].seconds if estimate else math.inf
+    try:
+        instances = [cost_rollout.instance(model, gpu, tp, rollout) for tp, n in fleet for _ in range(n)]
+        rollout_s = cost_rollout.rollout_time(lengths, instances) if instances and lengths else math.inf
+    except Infeasible:
+        rollout_s = math.inf
+    return train_s, rollout_s

@@ -1,0 +1,128 @@
+"""Plan controllers for the cluster simulator: who chooses the allocation, and when it changes.
+
+The simulator calls `initial(trace)` once and `after_step(record)` after every training step; a
+controller answers with a `PlanChange` (the new candidate and its transition cost) or None.
+
+    static    the planner's search on the first step's batch, kept for the whole run
+    tp2       the same search restricted to TP 2 on both sides (a homogeneous layout); pair it
+              with load-balance routing for the usual baseline
+    online    the Global Resource Planner's `Replanner` (services/planner/replan.py), fed every
+              step's measured times and lengths; it applies a plan only when the predicted gain
+              minus the transition cost pays
+    scripted  fixed changes at given steps (tests)
+
+Controllers see only what the real planner would see: finished steps' facts, never the future.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from libra.services.planner.hardware import GpuSpec, ModelSpec
+from libra.services.planner.replan import Replanner, ReplanSettings, StepObservation
+from libra.services.planner.search import Candidate, SearchConfig, search
+from libra.services.planner.traces import Trace
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One finished training step, as the simulator measured it."""
+
+    step: int
+    time_s: float  # simulated clock when the step finished
+    interval_s: float  # since the previous step finished (the step's wall time)
+    rollout_s: float  # batch released -> its last trajectory finished
+    train_s: float
+    sequences: int
+    lengths: Sequence[tuple[int, int]]  # (prompt + tool payloads, output) per sequence of the batch
+    queue_depth: float  # turns waiting in engine queues when the step finished
+    active_rollouts: float  # trajectories in flight when the step finished
+
+
+@dataclass(frozen=True)
+class PlanChange:
+    candidate: Candidate
+    transition_s: float
+    reason: str
+
+
+class Controller(Protocol):
+    name: str
+
+    def initial(self, trace: Trace) -> Candidate: ...
+
+    def after_step(self, record: StepRecord) -> PlanChange | None: ...
+
+
+class SearchOnce:
+    """The search's best plan for the first step's batch, never changed."""
+
+    def __init__(self, name: str, model: ModelSpec, gpu: GpuSpec, config: SearchConfig):
+        self.name, self.model, self.gpu, self.config = name, model, gpu, config
+        self.reason = ""
+
+    def initial(self, trace: Trace) -> Candidate:
+        result = search(self.model, self.gpu, trace.pairs(0), self.config)
+        self.reason = f"searched on step 0's batch: {result.best.describe()}"
+        return result.best
+
+    def after_step(self, record: StepRecord) -> PlanChange | None:
+        return None
+
+
+def static(model: ModelSpec, gpu: GpuSpec, config: SearchConfig) -> SearchOnce:
+    return SearchOnce("static", model, gpu, config)
+
+
+def homogeneous_tp2(model: ModelSpec, gpu: GpuSpec, config: SearchConfig) -> SearchOnce:
+    return SearchOnce("tp2", model, gpu, config.model_copy(update={"tp_choices": (2,)}))
+
+
+class Online(SearchOnce):
+    """Starts like `static`, then lets the `Replanner` decide after every step."""
+
+    def __init__(self, model: ModelSpec, gpu: GpuSpec, config: SearchConfig, settings: ReplanSettings):
+        super().__init__("online", model, gpu, config)
+        self.settings = settings
+        self.replanner: Replanner | None = None
+        self.decisions: list[tuple[int, str]] = []
+
+    def initial(self, trace: Trace) -> Candidate:
+        best = super().initial(trace)
+        settings = self.settings.model_copy(update={"batch_sequences": trace.batch,
+                                                    "trace_window": max(self.settings.trace_window, trace.batch),
+                                                    "min_history_samples": min(trace.batch,
+                                                                               self.settings.min_history_samples)})
+        self.replanner = Replanner(self.model, self.gpu, self.config.total_gpus, settings, self.config, best)
+        return best
+
+    def after_step(self, record: StepRecord) -> PlanChange | None:
+        assert self.replanner is not None, "initial() first"
+        rejected = self.replanner.observe_step(StepObservation(
+            record.step, record.interval_s, record.rollout_s, record.train_s, record.queue_depth,
+            record.active_rollouts, 0, list(record.lengths), record.sequences))
+        if rejected:
+            self.decisions.append((record.step, f"observation rejected: {rejected}"))
+            return None
+        decision = self.replanner.consider(record.time_s)
+        if decision.record:
+            self.decisions.append((record.step, decision.reason))
+        if decision.applied and decision.chosen is not None:
+            return PlanChange(decision.chosen, decision.transition_cost_s, decision.reason)
+        return None
+
+
+class Scripted:
+    """A given first plan and given changes {step: PlanChange} (tests and what-if runs)."""
+
+    name = "scripted"
+
+    def __init__(self, first: Candidate, changes: dict[int, PlanChange]):
+        self.first, self.changes = first, changes
+
+    def initial(self, trace: Trace) -> Candidate:
+        return self.first
+
+    def after_step(self, record: StepRecord) -> PlanChange | None:
+        return self.changes.get(record.step)

@@ -1,0 +1,426 @@
+"""Online replanning: when to search again, and whether a better plan is worth moving to.
+
+A deterministic step function over runtime facts (the planner service and the cluster simulator
+both drive it; neither Redis, RPCs nor a clock are known here: time comes in as `now_s`):
+
+    observe_step(StepObservation) ─┬─▶ window of recent steps (pressure signals)
+    observe_turn(...)              ├─▶ recent (prompt, output) lengths (the trace searched)
+                                   └─▶ Calibration (efficiencies from measured times)
+    consider(now_s) ─▶ trigger? ─▶ gates (warm-up, min history, cooldown, recheck)
+                             └─▶ search(calibrated) ─▶ gain - transition cost > 0 and ratio ok? ─▶ apply
+
+Triggers, checked in this order (the first that fires names the decision):
+  interval   `interval_s` since the last evaluation (or since the first `consider`)
+  queue      mean queue depth over the last `pressure_steps` steps >= `queue_depth_high`
+  active     mean active rollouts over the last `pressure_steps` steps >= `active_rollouts_high`
+  rejected   rejected / (rejected + trained) rollouts over the window >= `rejected_fraction_high`
+  ratio      mean rollout/train seconds over the window outside [1/`time_ratio_high`, `time_ratio_high`]
+A threshold of 0 disables its trigger.
+
+Gates, in order: warm-up (`warmup_steps` steps observed), minimum history (`min_history_samples`
+lengths), cooldown (`cooldown_s` since the last applied plan) and recheck (`recheck_s` since the
+last evaluation that searched). A gated decision is returned with its reason; `record` is False
+when it repeats the previous gated decision (same trigger, same gate), so a persistent signal does
+not flood the decision log.
+
+Acceptance (per step: the predicted step time max(T_train, T_rollout) of the same recent trace
+under the calibrated model, for the plan in force and for the best candidate):
+
+    gain_s = (predicted_current_s - predicted_new_s) * horizon_steps
+    net_s  = gain_s - transition_cost_s
+    apply iff net_s > 0 and net_s / (predicted_current_s * horizon_steps) >= min_gain_ratio
+
+Transition cost (`transition_cost_s`): the side that changes stalls while its GPUs drain, start
+new processes and load state; both sides change in parallel, so the cost is the larger stall.
+  training   layout changed: drain_s + process_start_s + (bf16 weights + fp32 master/Adam shard)
+             per GPU / load_gbps          (a synchronous job: the whole side stalls)
+  rollout    instances removed or added: (drain_s + process_start_s + weights per GPU / load_gbps)
+             x the share of rollout GPUs whose instance changes (the others keep serving)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from pydantic import Field, model_validator
+
+from libra.configbase import Section
+from libra.errors import ConfigError
+from libra.services.planner.calibration import Calibration, CalibrationSettings, predicted_times
+from libra.services.planner.cost_rollout import Infeasible
+from libra.services.planner.cost_train import Layout
+from libra.services.planner.hardware import GpuSpec, ModelSpec
+from libra.services.planner.search import Candidate, SearchConfig, search
+
+TRIGGERS = ("interval", "queue", "active", "rejected", "ratio")
+
+
+class ReplanSettings(Section):
+    """Online replanning: triggers, gates, acceptance and the transition-cost model."""
+
+    interval_s: float = Field(600.0, ge=0, le=1e7, description="re-evaluate at least this often (0: never on time)")
+    pressure_steps: int = Field(3, ge=1, le=10_000, description="recent steps averaged by the pressure triggers")
+    window_steps: int = Field(20, ge=1, le=100_000, description="recent steps kept for signals and calibration")
+    queue_depth_high: float = Field(0.0, ge=0, le=1e9, description="mean queued turns that trigger (0: off)")
+    active_rollouts_high: float = Field(0.0, ge=0, le=1e9, description="mean active rollouts that trigger (0: off)")
+    rejected_fraction_high: float = Field(0.2, ge=0, le=1, description="rejected/(rejected+trained) rollouts over "
+                                                                      "the window that trigger (0: off)")
+    time_ratio_high: float = Field(1.5, ge=0, le=1e6, description="rollout/train time ratio (or its inverse) that "
+                                                                 "triggers (0: off; else > 1)")
+    warmup_steps: int = Field(3, ge=0, le=1_000_000, description="steps observed before any decision")
+    min_history_samples: int = Field(64, ge=1, le=10_000_000, description="finished rollouts needed to search")
+    cooldown_s: float = Field(300.0, ge=0, le=1e7, description="no new plan this long after one was applied")
+    recheck_s: float = Field(60.0, ge=0, le=1e7, description="no new search this long after one that was rejected")
+    horizon_steps: int = Field(50, ge=1, le=10_000_000, description="steps a new plan is expected to run "
+                                                                   "(the gain is counted over them)")
+    min_gain_ratio: float = Field(0.05, ge=0, le=1, description="net gain / predicted time over the horizon "
+                                                               "below which a plan is not applied")
+    trace_window: int = Field(1024, ge=1, le=1_000_000, description="most recent lengths kept for the search")
+    batch_sequences: int = Field(0, ge=0, le=10_000_000, description="sequences per training batch the search "
+                                                                     "plans for (0: the planner service uses "
+                                                                     "trainer groups_per_step x group_size; the "
+                                                                     "bare Replanner the largest multiple of the "
+                                                                     "group size in the trace window)")
+    drain_s: float = Field(30.0, ge=0, le=86_400, description="seconds to drain a GPU that changes role")
+    process_start_s: float = Field(60.0, ge=0, le=86_400, description="seconds to start a new worker or trainer")
+    load_gbps: float = Field(5.0, gt=0, le=10_000, description="GB/s per GPU when loading weights or state")
+    calibration: CalibrationSettings = Field(default_factory=CalibrationSettings,
+                                             description="EWMA calibration of the efficiencies")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ReplanSettings":
+        if 0 < self.time_ratio_high <= 1:
+            raise ValueError(f"time_ratio_high must be 0 (off) or > 1, got {self.time_ratio_high}")
+        if self.pressure_steps > self.window_steps:
+            raise ValueError(f"pressure_steps ({self.pressure_steps}) must be <= window_steps ({self.window_steps})")
+        return self
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """One finished training step's runtime facts.
+
+    `lengths` are the (prompt, output) tokens of rollouts finished since the previous step;
+    `sequences` the rollouts trained on (0: len(lengths)); seconds are wall time of the step, the
+    rollout side (time to produce its batch) and the training side.
+    """
+
+    step: int
+    time_s: float
+    rollout_s: float
+    train_s: float
+    queue_depth: float = 0.0
+    active_rollouts: float = 0.0
+    rejected_rollouts: int = 0
+    lengths: Sequence[tuple[int, int]] = ()
+    sequences: int = 0
+
+
+@dataclass
+class ReplanDecision:
+    applied: bool
+    reason: str
+    trigger: str  # "" when nothing fired
+    current: Candidate | None = None
+    chosen: Candidate | None = None
+    candidates: list[Candidate] = field(default_factory=list)
+    predicted_current_s: float = math.nan
+    predicted_new_s: float = math.nan
+    transition_cost_s: float = 0.0
+    gain_s: float = 0.0
+    inputs: dict = field(default_factory=dict)
+    record: bool = True  # False: a repeat of the previous gated decision (not worth storing again)
+    trace: list[tuple[int, int]] = field(default_factory=list)  # the lengths searched
+
+
+def transition_cost_s(old: Candidate | None, new: Candidate, model: ModelSpec, settings: ReplanSettings) -> float:
+    """Seconds of lost progress when moving from `old` to `new` (see the module docstring)."""
+    if old is None:
+        return 0.0
+    load_bps = settings.load_gbps * 1e9
+    train = 0.0
+    if old.layout != new.layout:
+        l = new.layout
+        state = model.total_params * (model.bytes_per_param + 12.0 / l.dp) / (l.tp * l.pp)
+        train = settings.drain_s + settings.process_start_s + state / load_bps
+    before, after = Counter(dict(old.rollout)), Counter(dict(new.rollout))
+    added, removed = after - before, before - after
+    changed = max(sum(tp * n for tp, n in added.items()), sum(tp * n for tp, n in removed.items()))
+    rollout = 0.0
+    if changed:
+        # the narrowest new instance loads the most weight bytes per GPU (all load in parallel)
+        per_gpu = model.weight_bytes / min(added) if added else 0.0
+        share = min(1.0, changed / max(1, new.rollout_gpus, old.rollout_gpus))
+        rollout = (settings.drain_s + settings.process_start_s + per_gpu / load_bps) * share
+    return max(train, rollout)
+
+
+class Replanner:
+    """Decides when to replan and whether to apply; holds the plan it believes is in force."""
+
+    def __init__(self, model: ModelSpec, gpu: GpuSpec, gpus: int, settings: ReplanSettings,
+                 search_config: SearchConfig, current: Candidate | None = None):
+        if gpus < 2:
+            raise ConfigError(f"gpus must be >= 2 (one to train, one to roll out), got {gpus}")
+        self.model, self.gpu, self.settings = model, gpu, settings
+        self.search_config = search_config.model_copy(update={"total_gpus": gpus})
+        self.calibration = Calibration(model, gpu, search_config.rollout, search_config.train,
+                                       settings.calibration)
+        self._current = current
+        self.window: deque[StepObservation] = deque(maxlen=settings.window_steps)
+        self.lengths: deque[tuple[int, int]] = deque(maxlen=settings.trace_window)
+        self.steps_observed = 0
+        self.rejected: Counter = Counter()
+        self._origin_s: float | None = None
+        self._last_evaluated_s: float | None = None
+        self._last_searched_s: float | None = None
+        self._last_applied_s: float | None = None
+        self._last_gate: tuple[str, str] | None = None
+
+    @property
+    def current(self) -> Candidate | None:
+        return self._current
+
+    # -- inputs ----------------------------------------------------------------------------
+    def observe_step(self, obs: StepObservation) -> str | None:
+        """Take one step's facts; returns why they were rejected (nothing changes then), or None."""
+        reason = _check_step(obs)
+        if reason:
+            self.rejected["step: " + reason.split(" (")[0]] += 1
+            return reason
+        if self._current is not None and obs.lengths:
+            predicted = self.predict(self._current, list(obs.lengths))
+            self.calibration.record_step(predicted[2], obs.time_s)
+            self.calibration.observe_train(self._current.layout, list(obs.lengths), obs.train_s)
+            self.calibration.observe_rollout(self._current.rollout, list(obs.lengths), obs.rollout_s)
+        self.window.append(obs)
+        self.lengths.extend((int(p), int(o)) for p, o in obs.lengths)
+        self.steps_observed += 1
+        return None
+
+    def observe_lengths(self, lengths: Sequence[tuple[int, int]]) -> str | None:
+        """Finished rollouts reported apart from steps (the service reads them from turn history)."""
+        for index, (p, o) in enumerate(lengths):
+            if not (0 <= p <= 10_000_000 and 1 <= o <= 10_000_000):
+                self.rejected["lengths: out of range"] += 1
+                return f"lengths[{index}] = ({p}, {o}) out of range (prompt 0..1e7, output 1..1e7)"
+        self.lengths.extend((int(p), int(o)) for p, o in lengths)
+        return None
+
+    def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1) -> str | None:
+        """One measured turn on a TP-`tp` instance (calibrates prefill/decode efficiency)."""
+        return self.calibration.observe_turn(tp, prompt, output, seconds, batch)  # counts its rejections
+
+    def adopt(self, candidate: Candidate | None) -> None:
+        """The plan in force changed outside `consider` (e.g. a resumed planner)."""
+        self._current = candidate
+
+    def state(self) -> dict:
+        """What a restarted planner needs to continue (JSON-safe): window, lengths, clocks, EWMAs."""
+        return {"window": [[o.step, o.time_s, o.rollout_s, o.train_s, o.queue_depth, o.active_rollouts,
+                            o.rejected_rollouts, o.sequences or len(o.lengths)] for o in self.window],
+                "lengths": [list(pair) for pair in self.lengths], "steps_observed": self.steps_observed,
+                "rejected": dict(self.rejected), "origin_s": self._origin_s,
+                "last_evaluated_s": self._last_evaluated_s, "last_searched_s": self._last_searched_s,
+                "last_applied_s": self._last_applied_s, "calibration": self.calibration.state()}
+
+    def restore(self, state: dict) -> None:
+        """Continue from `state()` of an earlier instance. Nothing is observed again: restored window
+        steps keep their counts but not their lengths (those live on in `lengths`)."""
+        for row in state.get("window", []):
+            step, time_s, rollout_s, train_s, queue, active, rejected, sequences = row
+            self.window.append(StepObservation(int(step), time_s, rollout_s, train_s, queue, active,
+                                               int(rejected), (), int(sequences)))
+        self.lengths.extend((int(p), int(o)) for p, o in state.get("lengths", []))
+        self.steps_observed = int(state.get("steps_observed", 0))
+        self.rejected.update(state.get("rejected", {}))
+        self._origin_s = state.get("origin_s")
+        self._last_evaluated_s = state.get("last_evaluated_s")
+        self._last_searched_s = state.get("last_searched_s")
+        self._last_applied_s = state.get("last_applied_s")
+        self.calibration.restore(state.get("calibration", {}))
+
+    # -- the decision ----------------------------------------------------------------------
+    def consider(self, now_s: float) -> ReplanDecision:
+        """One decision at time `now_s`: trigger, gates, then search and acceptance (see the module
+        docstring). Applying is the caller's job; the returned decision says whether to."""
+        if self._origin_s is None:
+            self._origin_s = now_s
+        inputs = self.signals()
+        trigger = self._trigger(now_s, inputs)
+        if not trigger:
+            return ReplanDecision(False, "no trigger fired", "", self._current, inputs=inputs, record=False)
+        self._last_evaluated_s = now_s
+        gate = self._gate(now_s)
+        if gate:
+            repeat = self._last_gate == (trigger, gate.split(" (")[0])
+            self._last_gate = (trigger, gate.split(" (")[0])
+            return ReplanDecision(False, f"not evaluated: {gate}", trigger, self._current, inputs=inputs,
+                                  record=not repeat)
+        self._last_gate = None
+        self._last_searched_s = now_s
+        decision = self._evaluate(trigger, inputs)
+        if decision.applied:
+            self._current = decision.chosen
+            self._last_applied_s = now_s
+        return decision
+
+    def rejected_inputs(self) -> dict[str, int]:
+        """Every ignored input by reason (steps and lengths here, turns and costing in calibration)."""
+        return dict(self.rejected + self.calibration.rejected)
+
+    def signals(self) -> dict:
+        """The window's pressure signals and the calibration in force (a decision's inputs)."""
+        recent = list(self.window)[-self.settings.pressure_steps:]
+        window = list(self.window)
+        trained = sum(o.sequences or len(o.lengths) for o in window)
+        rejected = sum(o.rejected_rollouts for o in window)
+        train = sum(o.train_s for o in window)
+        return {
+            "steps_observed": self.steps_observed, "window_steps": len(window),
+            "lengths_kept": len(self.lengths),
+            "mean_queue_depth": _mean([o.queue_depth for o in recent]),
+            "mean_active_rollouts": _mean([o.active_rollouts for o in recent]),
+            "rejected_fraction": rejected / (rejected + trained) if rejected + trained else 0.0,
+            "rollout_train_ratio": sum(o.rollout_s for o in window) / train if train > 0 else 0.0,
+            "measured_step_s": _mean([o.time_s for o in window]),
+            "calibration": self.calibration.snapshot(),
+            "rejected_inputs": self.rejected_inputs(),
+        }
+
+    def predict(self, candidate: Candidate, trace: Sequence[tuple[int, int]]) -> tuple[float, float, float]:
+        """(train, rollout, step) seconds of `candidate` on `trace` under the calibrated model."""
+        train_s, rollout_s = predicted_times(self.model, self.gpu, candidate.layout, candidate.rollout, trace,
+                                             self.calibration.rollout_efficiency(),
+                                             self.calibration.train_efficiency())
+        return train_s, rollout_s, max(train_s, rollout_s)
+
+    def _trigger(self, now_s: float, x: dict) -> str:
+        s = self.settings
+        since = self._last_evaluated_s if self._last_evaluated_s is not None else self._origin_s
+        if s.interval_s and now_s - since >= s.interval_s:
+            return "interval"
+        if not self.window:
+            return ""
+        if s.queue_depth_high and x["mean_queue_depth"] >= s.queue_depth_high:
+            return "queue"
+        if s.active_rollouts_high and x["mean_active_rollouts"] >= s.active_rollouts_high:
+            return "active"
+        if s.rejected_fraction_high and x["rejected_fraction"] >= s.rejected_fraction_high:
+            return "rejected"
+        ratio = x["rollout_train_ratio"]
+        if s.time_ratio_high and ratio > 0 and not 1 / s.time_ratio_high <= ratio <= s.time_ratio_high:
+            return "ratio"
+        return ""
+
+    def _gate(self, now_s: float) -> str:
+        s = self.settings
+        if self.steps_observed < s.warmup_steps:
+            return f"warm-up ({self.steps_observed} of {s.warmup_steps} steps observed)"
+        if len(self.lengths) < max(s.min_history_samples, self.search_config.group_size):
+            return f"too little history ({len(self.lengths)} of {s.min_history_samples} rollouts)"
+        if self._last_applied_s is not None and now_s - self._last_applied_s < s.cooldown_s:
+            return f"cooldown ({s.cooldown_s - (now_s - self._last_applied_s):.0f}s left)"
+        if self._last_searched_s is not None and now_s - self._last_searched_s < s.recheck_s:
+            return f"recheck wait ({s.recheck_s - (now_s - self._last_searched_s):.0f}s left)"
+        return ""
+
+    def trace(self) -> list[tuple[int, int]]:
+        """The recent lengths the search plans for: one batch, the most recent ones."""
+        group = self.search_config.group_size
+        size = self.settings.batch_sequences or len(self.lengths) // group * group
+        return list(self.lengths)[-size:] if 0 < size <= len(self.lengths) else []
+
+    def _evaluate(self, trigger: str, inputs: dict) -> ReplanDecision:
+        trace = self.trace()
+        base = ReplanDecision(False, "", trigger, self._current, inputs=inputs, trace=trace)
+        if not trace:
+            base.reason = (f"not evaluated: the trace window holds {len(self.lengths)} rollouts, fewer than one "
+                           f"batch of {self.settings.batch_sequences or self.search_config.group_size}")
+            return base
+        config = self.search_config.model_copy(update={"rollout": self.calibration.rollout_efficiency(),
+                                                       "train": self.calibration.train_efficiency()})
+        try:
+            result = search(self.model, self.gpu, trace, config)
+        except Infeasible as error:
+            base.reason = f"not applied: no feasible plan for the recent trace ({error})"
+            return base
+        best = result.best
+        base.chosen, base.candidates, base.predicted_new_s = best, list(result.alternatives), best.step_s
+        if self._current is None:
+            base.applied, base.reason = True, f"no plan in force: adopting the best ({best.describe()})"
+            return base
+        current = self.predict(self._current, trace)
+        base.current = Candidate(self._current.layout, self._current.rollout, current[0], current[1])
+        base.predicted_current_s = current[2]
+        if _same_plan(self._current, best):
+            base.reason = f"not applied: the plan in force is already the best ({best.step_s:.2f}s per step)"
+            return base
+        cost = transition_cost_s(self._current, best, self.model, self.settings)
+        base.transition_cost_s = cost
+        if not math.isfinite(current[2]):
+            base.applied = True
+            base.reason = f"the plan in force cannot run the recent trace; moving to {best.describe()}"
+            base.gain_s = math.inf
+            return base
+        return _accept(base, current[2], best.step_s, cost, self.settings)
+
+
+def _accept(decision: ReplanDecision, current_s: float, new_s: float, cost: float,
+            settings: ReplanSettings) -> ReplanDecision:
+    horizon = settings.horizon_steps
+    gain = (current_s - new_s) * horizon
+    net = gain - cost
+    ratio = net / (current_s * horizon) if current_s > 0 else 0.0
+    decision.gain_s = gain
+    numbers = (f"predicted {current_s:.2f}s -> {new_s:.2f}s per step; gain {gain:.1f}s over {horizon} steps, "
+               f"transition {cost:.1f}s, net {net:.1f}s ({ratio:.1%})")
+    if net <= 0:
+        decision.reason = f"not applied: gain does not pay for the transition ({numbers})"
+    elif ratio < settings.min_gain_ratio:
+        decision.reason = f"not applied: net gain below min_gain_ratio {settings.min_gain_ratio:.1%} ({numbers})"
+    else:
+        decision.applied, decision.reason = True, f"applied: {numbers}"
+    return decision
+
+
+def _same_plan(a: Candidate, b: Candidate) -> bool:
+    return a.layout == b.layout and tuple(sorted(a.rollout)) == tuple(sorted(b.rollout))
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _check_step(obs: StepObservation) -> str | None:
+    for name in ("time_s", "rollout_s", "train_s", "queue_depth", "active_rollouts", "rejected_rollouts"):
+        value = getattr(obs, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"{name} is not a finite number ({value!r})"
+        if value < 0:
+            return f"{name} is negative ({value!r})"
+    if max(obs.time_s, obs.rollout_s, obs.train_s) > 7 * 86_400:
+        return f"step seconds are absurd (over one week: {obs.time_s}, {obs.rollout_s}, {obs.train_s})"
+    if obs.sequences < 0:
+        return f"sequences is negative ({obs.sequences})"
+    for index, (p, o) in enumerate(obs.lengths):
+        if not (0 <= p <= 10_000_000 and 1 <= o <= 10_000_000):
+            return f"lengths out of range (lengths[{index}] = ({p}, {o}))"
+    return None
+
+
+def candidate_from_plan(plan) -> Candidate | None:
+    """The plan in force (`libra.v1.Plan` or `libra.plans.Plan`) as a search candidate; None for a
+    plan the cost model cannot describe (no training GPUs: CPU training)."""
+    t = plan.training
+    if not t.gpus:
+        return None
+    counts: Counter = Counter()
+    for bucket in plan.buckets:
+        if bucket.replicas:
+            counts[int(bucket.tp or 1)] += int(bucket.replicas)
+    layout = Layout(int(t.tp or 1), int(t.pp or 1), int(t.dp or 1), int(t.micro_batch or 1))
+    return Candidate(layout, tuple(sorted(counts.items())), math.nan, math.nan)

@@ -1,0 +1,178 @@
+"""Rollout instances of the cluster simulator: continuous batching at the cost model's speed.
+
+One `SimInstance` is a vLLM-like engine of TP degree `tp`, or a pool of `replicas` identical ones
+treated as one worker (the simulator's resolution knob at thousands of GPUs; with replicas = 1 it
+is exact). It owns a running batch bounded by `max_seqs` and the KV cache, a FIFO waiting queue,
+and a clock. It knows nothing of policies, trajectories' futures or training.
+
+Decode speed comes from `cost_rollout.Instance.decode_step_seconds`, which is linear in the
+context the batch reads: step(B, C) = a(B) + kv * C. With B sequences the context grows by B per
+step, so between two batch changes n steps take exactly
+
+    T(n) = n (a + kv C) + kv B n^2 / 2        (continuous n; kv per replica: kv_s / replicas)
+
+and the simulator jumps from event to event instead of stepping tokens. Prefill (new prompt,
+tool payload, or the whole context after a move or a preemption) and weight syncs are a stall that
+pauses the whole batch, as a prefill does in an engine without chunked prefill.
+
+KV: a turn is admitted only when the cache can hold every admitted sequence's context at the end
+of its turn (`reserved`), so the context held never exceeds the capacity (`peak_kv` records it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from libra.services.planner.cost_rollout import Instance
+
+
+@dataclass(eq=False)
+class Unit:
+    """A trajectory (or a cohort of `copies` identical ones) in flight."""
+
+    spec: object  # traces.TrajectorySpec
+    copies: int
+    context: float  # tokens per sequence so far (prompt, outputs, tool payloads)
+    turn: int = 0
+    turn_left: float = 0.0  # output tokens of the current turn not yet generated
+    prefill: float = 0.0  # tokens to prefill when admitted
+    worker: str = ""
+    kv_on: str = ""  # the instance holding this trajectory's prefix cache
+    policy: object = None  # the policy object that routed the current turn
+    released_s: float = 0.0
+    seq: int = 0
+
+    @property
+    def final(self) -> float:
+        """Context per sequence at the end of the current turn."""
+        return self.context + self.turn_left
+
+
+@dataclass(eq=False)
+class SimInstance:
+    wid: str
+    tp: int
+    replicas: int
+    engine: Instance
+    up_at: float = 0.0
+    up: bool = False
+    alive: bool = True
+    heap: list = field(default_factory=list)  # (progress at which the turn ends, seq, unit)
+    waiting: deque = field(default_factory=deque)
+    progress: float = 0.0  # decode steps done since start
+    seqs: int = 0
+    context: float = 0.0  # KV tokens held by running sequences
+    reserved: float = 0.0  # KV tokens the running sequences will hold at the end of their turns
+    stall: float = 0.0
+    last: float = 0.0
+    version: int = 0
+    busy_s: float = 0.0
+    peak_kv: float = 0.0  # largest context / capacity seen
+    routed: int = 0
+
+    def __post_init__(self) -> None:
+        e = self.engine
+        bandwidth = e.gpu.hbm_gbps * 1e9 * e.eff.decode_bw
+        self.kv_s = e.kv_bytes_per_token_per_gpu / bandwidth / self.replicas
+        self.seq_capacity = e.kv_capacity_tokens
+        self.capacity = e.kv_capacity_tokens * self.replicas
+        self.max_seqs = e.eff.max_seqs * self.replicas
+        self.prefill_per_token = e.prefill_seconds(1) / self.replicas
+        self.fixed = 0.0
+        self.last = self.up_at
+
+    def fits(self, unit: Unit) -> bool:
+        """Could this instance ever run the unit's turn (one sequence per engine, all copies at once)?"""
+        return (unit.final <= self.seq_capacity and unit.copies <= self.max_seqs
+                and unit.copies * unit.final <= self.capacity)
+
+    def load_tokens(self) -> int:
+        return int(self.reserved + sum(u.copies * u.final for u in self.waiting))
+
+    def advance(self, now: float) -> None:
+        dt = now - self.last
+        if dt <= 0:
+            return
+        self.last = now
+        if self.stall > 0:
+            used = min(self.stall, dt)
+            self.stall -= used
+            dt -= used
+            self.busy_s += used
+        if self.seqs and dt > 0:
+            q = self.kv_s * self.seqs / 2
+            b = self.fixed + self.kv_s * self.context
+            n = 2 * dt / (b + math.sqrt(b * b + 4 * q * dt))
+            self.progress += n
+            self.context += self.seqs * n
+            self.busy_s += dt
+
+    def next_completion(self) -> float | None:
+        if not self.heap:
+            return None
+        n = max(0.0, self.heap[0][0] - self.progress)
+        return self.last + self.stall + n * (self.fixed + self.kv_s * self.context) + self.kv_s * self.seqs * n * n / 2
+
+    def admit(self) -> None:
+        """FIFO admission while the batch and the KV cache have room (vLLM's first-come order)."""
+        while self.waiting:
+            unit = self.waiting[0]
+            k, final = unit.copies, unit.final
+            if self.seqs + k > self.max_seqs or self.reserved + k * final > self.capacity:
+                assert self.seqs, f"{self.wid} cannot admit a unit it was checked to fit"
+                break
+            self.waiting.popleft()
+            self.stall += self.prefill_per_token * unit.prefill * k
+            heapq.heappush(self.heap, (self.progress + unit.turn_left, unit.seq, unit))
+            self.seqs += k
+            self.context += k * unit.context
+            self.reserved += k * final
+        self._refresh()
+
+    def complete(self) -> Unit:
+        """Remove the running turn that ends first (the caller advanced the clock to its end)."""
+        _, _, unit = heapq.heappop(self.heap)
+        self.peak_kv = max(self.peak_kv, self.context / self.capacity)
+        self.seqs -= unit.copies
+        self.context -= unit.copies * unit.final
+        self.reserved -= unit.copies * unit.final
+        if not self.seqs:
+            self.context = self.reserved = 0.0
+        self._refresh()
+        return unit
+
+    def evict(self) -> list[Unit]:
+        """Take every unit off (the instance leaves the plan): progress kept, KV lost."""
+        out = []
+        for target, _, unit in self.heap:
+            left = max(0.0, target - self.progress)
+            unit.context += unit.turn_left - left
+            unit.turn_left = left
+            out.append(unit)
+        out.extend(self.waiting)
+        self.heap, self.waiting = [], deque()
+        self.seqs, self.context, self.reserved = 0, 0.0, 0.0
+        self.alive, self.version = False, self.version + 1
+        for unit in out:
+            unit.kv_on = ""
+        return out
+
+    def _refresh(self) -> None:
+        per_engine = self.seqs / self.replicas
+        self.fixed = self.engine.decode_step_seconds(per_engine, 0.0) if self.seqs else 0.0
+
+
+def pool(rollout: tuple[tuple[int, int], ...], max_workers: int) -> list[tuple[int, int]]:
+    """(tp, replicas) per simulated worker: every engine its own worker when there are at most
+    `max_workers`, else pools of about equal size per TP degree (sizes differ by at most one)."""
+    engines = sum(n for _, n in rollout)
+    per = max(1, math.ceil(engines / max_workers))
+    out = []
+    for tp, n in sorted(rollout):
+        groups = max(1, math.ceil(n / per)) if n else 0
+        for g in range(groups):
+            out.append((tp, n // groups + (1 if g < n % groups else 0)))
+    return out

@@ -1,0 +1,539 @@
+"""A transformers-based rollout engine for machines without vLLM, behind vLLM's HTTP surface.
+
+    HTTP (aiohttp, event loop)                       decode thread (owns the model)
+    ──────────────────────────                       ──────────────────────────────
+    POST /v1/completions ──▶ queue ──────────────▶   between two steps: run control jobs
+    POST /v1/chat/completions                          (weight loads: disk or weights group)
+    POST /collective_rpc ──▶ control job ─────────▶  admit waiting requests: batched prefill,
+    GET  /health /v1/models /metrics                   left-padded, merged into the running batch
+         ◀── future resolved per request ──────────   one batched decode step; finished rows leave
+
+Continuous batching, lite: the running batch keeps one KV cache per layer ([B, heads, L, dim],
+left-padded, with a [B, L] mask and explicit positions); new requests are prefilled together and
+padded into it between steps, finished rows are dropped, and columns no row needs are trimmed.
+Weight loads run in the decode thread between two steps, so running requests keep their KV cache
+and their next tokens come from the new weights: no request is dropped.
+
+The HTTP surface is the subset of vLLM's that `EngineClient` uses: token ids in and out,
+per-token log-probs ("processed": of the distribution sampled from, as vLLM's default), stop on
+token ids or EOS (the stop id is the last id returned), `seed`, and `/collective_rpc` with the
+same method names as `LibraWorkerExtension` (plus the weights-group ones), so the gateway cannot
+tell the engines apart. Tensor parallelism is not supported (TP 1 only).
+
+Start: `python -m libra.services.rollout.hf_engine --model DIR --port P --device cuda|cpu`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+SERVED_MODEL_NAME = "policy"
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+
+
+@dataclass
+class Request:
+    """One completion request as the decode thread sees it."""
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop_ids: frozenset[int]
+    generator: Any  # torch.Generator or None
+    done: Callable[["Request"], None]
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    versions: list[int] = field(default_factory=list)  # policy version at start and at the end
+
+
+class HFEngine:
+    """A causal LM from a HF directory, batched decoding in one thread, weight loads between steps."""
+
+    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32", max_model_len: int = 2048,
+                 max_num_seqs: int = 64, logprobs_mode: str = "processed_logprobs", policy_version: int = 0,
+                 tensor_parallel_size: int = 1):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if tensor_parallel_size != 1:
+            raise ValueError(f"the hf engine runs tensor parallel size 1 only, got {tensor_parallel_size}; "
+                             f"use engine: vllm for TP > 1 (rollout.worker.engine)")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device)
+        self.model.eval()
+        self.eos_id = self.model.config.eos_token_id
+        self.vocab_size = self.model.config.vocab_size
+        self.max_model_len, self.max_num_seqs, self.logprobs_mode = max_model_len, max_num_seqs, logprobs_mode
+        self.version = policy_version
+        self.dirty: str | None = None  # a load that failed half-way: weights are neither old nor new
+        self.weights_group: Any = None
+        self._incoming: queue.Queue[Request] = queue.Queue()
+        self._control: queue.Queue[tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]]] = queue.Queue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._paused = threading.Event()
+        self.running = 0
+        self._rows: list[Request] = []
+        self._kv: list[tuple[Any, Any]] = []
+        self._mask: Any = None
+        self._thread = threading.Thread(target=self._loop, name="hf-engine-decode", daemon=True)
+        self._thread.start()
+
+    # ---- the caller's side (any thread) --------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request: Request) -> None:
+        if len(request.prompt) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(request.prompt)} tokens; this engine's context is "
+                             f"{self.max_model_len} (max_model_len)")
+        if any(not 0 <= t < self.vocab_size for t in request.prompt):
+            raise ValueError(f"prompt token ids must be in 0..{self.vocab_size - 1}")
+        self._incoming.put(request)
+        self._wake.set()
+
+    def control(self, job: Callable[[], Any], done: Callable[[Any, BaseException | None], None]) -> None:
+        """Run `job` in the decode thread between two steps; `done(result, error)` is called there."""
+        self._control.put((job, done))
+        self._wake.set()
+
+    def pause(self, paused: bool) -> None:
+        """Freeze decoding (requests and their KV cache stay); control jobs still run."""
+        (self._paused.set if paused else self._paused.clear)()
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- the decode thread ---------------------------------------------------------------
+    def _loop(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            while not self._stopping.is_set():
+                self._run_control()
+                if self._paused.is_set():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                fresh = self._admit()
+                if fresh:
+                    self._prefill(fresh)
+                elif self._rows:
+                    self._decode()
+                else:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                self.running = len(self._rows)
+
+    def _run_control(self) -> None:
+        while True:
+            try:
+                job, done = self._control.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result, error = job(), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who answers with it
+                result, error = None, exc
+            done(result, error)
+
+    def _admit(self) -> list[Request]:
+        fresh: list[Request] = []
+        while len(self._rows) + len(fresh) < self.max_num_seqs:
+            try:
+                fresh.append(self._incoming.get_nowait())
+            except queue.Empty:
+                break
+        return fresh
+
+    def _prefill(self, fresh: list[Request]) -> None:
+        import torch
+
+        width = max(len(r.prompt) for r in fresh)
+        ids = torch.full((len(fresh), width), 0, dtype=torch.long)
+        mask = torch.zeros((len(fresh), width), dtype=torch.long)
+        for row, request in enumerate(fresh):  # left padding: every row's last token is at -1
+            ids[row, width - len(request.prompt):] = torch.tensor(request.prompt)
+            mask[row, width - len(request.prompt):] = 1
+            request.versions.append(self.version)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=_new_cache(), use_cache=True)
+        self._merge(fresh, _cache_tensors(out.past_key_values), mask)
+        self._sample(out.logits[:, -1, :], offset=len(self._rows) - len(fresh))
+
+    def _merge(self, fresh: list[Request], kv: list[tuple[Any, Any]], mask: Any) -> None:
+        import torch
+
+        if not self._rows:
+            self._rows, self._kv, self._mask = list(fresh), kv, mask
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        self._kv = [(torch.cat([_pad_left(k0, width, 2), _pad_left(k1, width, 2)]),
+                     torch.cat([_pad_left(v0, width, 2), _pad_left(v1, width, 2)]))
+                    for (k0, v0), (k1, v1) in zip(self._kv, kv)]
+        self._mask = torch.cat([_pad_left(self._mask, width, 1), _pad_left(mask, width, 1)])
+        self._rows.extend(fresh)
+
+    def _decode(self) -> None:
+        import torch
+
+        last = torch.tensor([[r.generated[-1]] for r in self._rows], device=self.device)
+        positions = self._mask.sum(1, keepdim=True)
+        mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
+        out = self.model(input_ids=last, attention_mask=mask, position_ids=positions,
+                         past_key_values=_new_cache(self._kv), use_cache=True)
+        self._kv, self._mask = _cache_tensors(out.past_key_values), mask
+        self._sample(out.logits[:, -1, :], offset=0)
+
+    def _sample(self, logits: Any, offset: int) -> None:
+        """Sample one token for rows offset.. (the rows these logits belong to); retire finished rows."""
+        import torch
+
+        logits = logits.float()
+        for index in range(logits.shape[0]):
+            request = self._rows[offset + index]
+            token, logprob = _sample_one(logits[index], request, self.logprobs_mode)
+            request.generated.append(token)
+            request.logprobs.append(logprob)
+            if token in request.stop_ids or token == self.eos_id:
+                request.finish_reason, request.stop_reason = "stop", (token if token in request.stop_ids else None)
+            elif (len(request.generated) >= request.max_tokens
+                  or len(request.prompt) + len(request.generated) >= self.max_model_len):
+                request.finish_reason = "length"
+        keep = [i for i, r in enumerate(self._rows) if r.finish_reason is None]
+        finished = [r for r in self._rows if r.finish_reason is not None]
+        if finished:
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self._rows = [self._rows[i] for i in keep]
+            self._kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self._kv]
+            self._mask = self._mask.index_select(0, index)
+            if self._rows:  # drop the left columns no remaining row attends to
+                first = int((self._mask.sum(0) > 0).nonzero()[0])
+                self._kv = [(k[:, :, first:], v[:, :, first:]) for k, v in self._kv]
+                self._mask = self._mask[:, first:]
+            for request in finished:
+                request.versions.append(self.version)
+                request.done(request)
+
+    # ---- weights (decode thread, between steps) ------------------------------------------
+    def load_from_disk(self, path: str, version: int) -> dict[str, Any]:
+        """Load the safetensors directory `path` as `version`; {"error"} leaves the weights alone."""
+        import torch
+        from safetensors import SafetensorError, safe_open
+
+        from libra.services.rollout.vllm_ext import safetensors_files
+
+        started = time.perf_counter()
+        try:
+            version = _check_version(version)
+            files = safetensors_files(path)
+            state = self.model.state_dict()
+            for file in files:  # check every name and shape before the model is touched
+                with safe_open(str(file), framework="pt") as handle:
+                    for name in handle.keys():
+                        shape = tuple(handle.get_slice(name).get_shape())
+                        if name not in state or tuple(state[name].shape) != shape:
+                            raise ValueError(f"{file.name}: tensor {name} {list(shape)} does not fit this model")
+        except (OSError, ValueError, SafetensorError) as error:
+            return {"error": f"{type(error).__name__}: {error}"}
+        count = 0
+        with torch.no_grad():
+            for file in files:
+                with safe_open(str(file), framework="pt", device=str(self.device)) as handle:
+                    for name in handle.keys():
+                        state[name].copy_(handle.get_tensor(name))
+                        count += 1
+        self.version = version
+        return {"version": version, "seconds": time.perf_counter() - started, "tensors": count}
+
+    def join_weights_group(self, host: str, port: int, rank: int, world_size: int, backend: str,
+                           timeout_s: float, bucket_mb: int) -> dict[str, Any]:
+        """Become rank `rank` of the weights group (blocks until every rank has joined)."""
+        from libra.services.rollout.weight_sync import WeightsGroup
+
+        self.weights_group = WeightsGroup(host, int(port), int(rank), int(world_size), backend,
+                                          device=str(self.device), timeout_s=float(timeout_s),
+                                          bucket_bytes=int(bucket_mb) * 2**20)
+        return {"rank": int(rank), "world_size": int(world_size), "backend": backend}
+
+    def receive_weights(self, version: int) -> dict[str, Any]:
+        """Receive `version` from the weights group straight into the parameters."""
+        import torch
+
+        from libra.services.rollout.weight_sync import WeightSyncError
+
+        if self.weights_group is None:
+            return {"error": "FailedPrecondition: this engine has not joined a weights group"}
+        version = _check_version(version)
+        started = time.perf_counter()
+        params = dict(self.model.named_parameters())
+        count = 0
+        try:
+            with torch.no_grad():
+                for name, tensor in self.weights_group.receive(version, targets=params):
+                    if name not in params:
+                        raise ValueError(f"the trainer sent tensor {name!r}, which this model does not have")
+                    count += 1
+        except WeightSyncError as error:
+            if self.weights_group.broken or count:
+                self.dirty = f"version {version} arrived partly: {error}"
+            return {"error": f"WeightSyncError: {error}"}
+        except Exception as error:  # noqa: BLE001 - half-loaded weights: refuse to serve from now on
+            self.dirty = f"version {version} arrived partly: {type(error).__name__}: {error}"
+            raise
+        self.version = version
+        return {"version": version, "seconds": time.perf_counter() - started, "tensors": count}
+
+
+def _check_version(version: int | str) -> int:
+    value = int(version)
+    if value < 0:
+        raise ValueError(f"policy version must be >= 0, got {value}")
+    return value
+
+
+def _sample_one(logits: Any, request: Request, mode: str) -> tuple[int, float]:
+    """(token, log-prob) for one row: greedy at temperature 0, else temperature and top-p."""
+    import torch
+
+    raw = torch.log_softmax(logits, dim=-1)
+    if request.temperature == 0.0:
+        token = int(torch.argmax(logits))
+        return token, float(raw[token])
+    scaled = logits / request.temperature
+    if request.top_p < 1.0:
+        ordered, order = torch.sort(scaled, descending=True)
+        cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
+        cut = cumulative - torch.softmax(ordered, dim=-1) >= request.top_p  # keep the first token always
+        scaled = scaled.clone()
+        scaled[order[cut]] = float("-inf")
+    processed = torch.log_softmax(scaled, dim=-1)
+    token = int(torch.multinomial(processed.exp(), 1, generator=request.generator))
+    return token, float(processed[token] if mode == "processed_logprobs" else raw[token])
+
+
+def _new_cache(kv: list[tuple[Any, Any]] | None = None) -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
+
+
+def _cache_tensors(cache: Any) -> list[tuple[Any, Any]]:
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
+def _pad_left(tensor: Any, width: int, dim: int) -> Any:
+    import torch
+
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([torch.zeros(shape, dtype=tensor.dtype, device=tensor.device), tensor], dim=dim)
+
+
+# ---- HTTP surface (aiohttp) ---------------------------------------------------------------
+def build_app(engine: HFEngine, tokenizer: Any = None) -> Any:
+    """The aiohttp application serving `engine` with vLLM's endpoints (the subset Libra uses)."""
+    import torch
+    from aiohttp import web
+
+    async def run_in_engine(job: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            loop.call_soon_threadsafe(_settle, future, result, error)
+
+        engine.control(job, done)
+        return await future
+
+    async def generate(prompt: list[int], body: dict[str, Any]) -> Request:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        temperature, top_p = float(body.get("temperature", 1.0)), float(body.get("top_p", 1.0))
+        max_tokens = int(body.get("max_tokens") or 16)
+        if temperature < 0 or not 0 < top_p <= 1 or max_tokens < 1:
+            raise ValueError("temperature must be >= 0, top_p in (0, 1] and max_tokens >= 1")
+        seed = body.get("seed")
+        generator = None
+        if seed is not None and temperature > 0:
+            generator = torch.Generator(device=engine.device)
+            generator.manual_seed(int(seed))
+        request = Request(list(prompt), max_tokens, temperature, top_p,
+                          frozenset(int(t) for t in body.get("stop_token_ids") or []), generator,
+                          lambda r: loop.call_soon_threadsafe(_settle, future, r, None))
+        engine.submit(request)
+        return await future
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else ""
+
+    async def completions(http: web.Request) -> web.Response:
+        body = await http.json()
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                return _error(400, "this engine has no tokenizer; send the prompt as token ids")
+            prompt = tokenizer(prompt).input_ids
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+            return _error(400, "prompt must be a non-empty list of token ids (or a string)")
+        try:
+            done = await generate(prompt, body)
+        except ValueError as error:
+            return _error(400, str(error))
+        choice = {"index": 0, "text": decode(done.generated), "token_ids": done.generated,
+                  "logprobs": {"token_logprobs": done.logprobs, "tokens": [str(t) for t in done.generated]},
+                  "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}
+        return web.json_response({"object": "text_completion", "model": SERVED_MODEL_NAME, "choices": [choice],
+                                  "usage": _usage(done), "libra_policy_versions": done.versions})
+
+    async def chat(http: web.Request) -> web.Response:
+        body = await http.json()
+        if tokenizer is None:
+            return _error(400, "this engine has no tokenizer; chat needs one")
+        try:
+            prompt = tokenizer.apply_chat_template(body.get("messages") or [], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)
+            done = await generate(list(prompt), body)
+        except ValueError as error:
+            return _error(400, str(error))
+        content = [{"token": decode([t]), "logprob": lp} for t, lp in zip(done.generated, done.logprobs)]
+        choice = {"index": 0, "message": {"role": "assistant", "content": decode(done.generated)},
+                  "logprobs": {"content": content}, "token_ids": done.generated,
+                  "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}
+        return web.json_response({"object": "chat.completion", "model": SERVED_MODEL_NAME, "choices": [choice],
+                                  "usage": _usage(done), "libra_policy_versions": done.versions})
+
+    methods: dict[str, Callable[..., Any]] = {
+        "libra_load_weights": lambda path, version: run_in_engine(lambda: engine.load_from_disk(path, version)),
+        "libra_receive_weights": lambda version: run_in_engine(lambda: engine.receive_weights(version)),
+        "libra_policy_version": lambda: _value(engine.version),
+        # joining blocks until every rank is there; it does not touch the model, so not in the decode thread
+        "libra_join_weights_group": lambda *args: asyncio.to_thread(engine.join_weights_group, *args),
+    }
+
+    async def collective_rpc(http: web.Request) -> web.Response:
+        body = await http.json()
+        method = methods.get(body.get("method"))
+        if method is None:
+            return _error(400, f"unknown method {body.get('method')!r}; known: {sorted(methods)}")
+        try:
+            result = await method(*(body.get("args") or []))
+        except (TypeError, ValueError) as error:
+            return _error(400, f"{type(error).__name__}: {error}")
+        return web.json_response({"results": [result]})
+
+    async def health(_: web.Request) -> web.Response:
+        if not engine.alive:
+            return _error(503, "the decode thread died")
+        if engine.dirty:
+            return _error(503, f"weights are inconsistent: {engine.dirty}; restart this worker")
+        return web.Response(text="")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": SERVED_MODEL_NAME, "object": "model"}]})
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=f"libra:num_requests_running {engine.running}\n"
+                                 f"libra:policy_version {engine.version}\n")
+
+    async def pause(http: web.Request) -> web.Response:
+        engine.pause(True)
+        return web.json_response({"paused": True})
+
+    async def resume(_: web.Request) -> web.Response:
+        engine.pause(False)
+        return web.json_response({"paused": False})
+
+    app = web.Application(client_max_size=64 * 2**20)
+    app.add_routes([web.post("/v1/completions", completions), web.post("/v1/chat/completions", chat),
+                    web.post("/collective_rpc", collective_rpc), web.get("/health", health),
+                    web.get("/v1/models", models), web.get("/metrics", metrics),
+                    web.post("/pause", pause), web.post("/resume", resume)])
+    return app
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+async def _value(value: Any) -> Any:
+    return value
+
+
+def _usage(done: Request) -> dict[str, int]:
+    return {"prompt_tokens": len(done.prompt), "completion_tokens": len(done.generated),
+            "total_tokens": len(done.prompt) + len(done.generated)}
+
+
+def _error(status: int, message: str) -> Any:
+    from aiohttp import web
+
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="HF model directory (config, safetensors, tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--logprobs-mode", default="processed_logprobs", choices=LOGPROBS_MODES)
+    parser.add_argument("--policy-version", type=int, default=int(os.environ.get("LIBRA_POLICY_VERSION", "0")))
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    args = parser.parse_args(argv)
+    import torch
+    from aiohttp import web
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    except (OSError, ValueError):
+        pass  # token ids in and out work without one; text and chat do not
+    engine = HFEngine(args.model, args.device, args.dtype, args.max_model_len, args.max_num_seqs,
+                      args.logprobs_mode, args.policy_version, args.tensor_parallel_size)
+    try:
+        web.run_app(build_app(engine, tokenizer), host=args.host, port=args.port, print=None,
+                    access_log=None, handle_signals=True)
+    finally:
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""The data plane of the elastic hybrid pool: hybrid replicas that train next to the core group.
+
+A *hybrid replica* is a whole data-parallel replica borrowed from rollout. It never joins the core
+process group: it talks to the core over a side channel (one TCP endpoint per core rank, i.e. per
+model-parallel lane of each core data-parallel rank), so membership changes never create or
+destroy a process group (ARCHITECTURE.md §7).
+
+Contract for the control plane (services/elastic drives this; nothing here imports it)
+--------------------------------------------------------------------------------------
+RPCs of the trainer (protos/libra/v1/trainer.proto); each returns at once, and what it asks for
+takes effect at the next step boundary. Membership is kept in Redis (blob `trainer.membership`),
+so a restarted trainer knows it.
+
+* ``AdmitHybrid(meta, replica_id, generation)`` → Ack(applied). Registers the replica as JOINING
+  and assigns it to the core data-parallel rank with the fewest hybrids (lowest rank on ties).
+  applied=False on a replay (same request id, or the replica already admitted with this
+  generation). A replica admitted again after FAILED/RELEASED starts a fresh join.
+* ``ReleaseHybrid(meta, replica_id, generation)`` → Ack(applied). The replica leaves at the next
+  step boundary (it is absent from that step's manifest), is told BYE and exits 0. NOT_FOUND for
+  an unknown replica; applied=False if it already left or failed.
+* ``GetStepManifest(run_id, step)`` → StepManifest. ``step=0``: the manifest of the latest
+  frozen step (or, before the first step, the membership as it stands). ``step=N``: the frozen
+  manifest of step N (the last 64 are kept; older → NOT_FOUND). Fields: step, membership_epoch
+  (bumped whenever the active set changes), active_replicas (core ranks "core-<r>" first, then
+  active hybrid ids), acknowledged_by (who acknowledged that step: core ranks, and each hybrid whose
+  gradient arrived), ``hybrids`` (every known hybrid: state, dp_rank, endpoint, reason when
+  FAILED) and ``lane_endpoints`` (index = core data-parallel rank, value HOST:PORT).
+
+States of a hybrid (HybridState): JOINING (admitted, waiting for the process to connect) →
+SNAPSHOT (the core wrote/is writing a snapshot at a step boundary, the hybrid is loading it while
+the core keeps stepping) → ACTIVE (caught up; in every manifest from ``active_from_step``) →
+RELEASED. Any failure — the process never connects within ``join_timeout_s`` (120 s), the snapshot
+write or fetch fails, the hybrid misses a step's gradient deadline (``grad_deadline_s``, 60 s), or
+its connection drops — makes it FAILED with a ``reason``, rolls the whole replica back (snapshot
+files and retained gradients dropped, never again in a manifest) and the core carries on. The
+coordinator may re-admit it with a new generation.
+
+Starting a hybrid process
+-------------------------
+    python -m libra.services.trainer.elastic.hybrid --trainer HOST:PORT --run-id RUN \
+        --replica-id ID [--threads N] [--device cpu|cuda]
+    # or, without the RPC lookup:  --endpoint HOST:PORT (the lane endpoint of its core rank)
+
+Start it after AdmitHybrid (it looks its endpoint up in GetStepManifest(step=0).hybrids, retrying
+for up to 60 s). It needs nothing else: the model directory, the trainer config and the snapshot
+path arrive over the side channel. Exit codes: 0 released; 2 bad arguments; 3 join refused or
+rolled back (not admitted, snapshot fetch failed, catch-up failed); 4 lost the core (connection
+closed, or marked failed after a missed deadline).
+
+Modules: ``manifest`` (pure membership state machine and the frozen per-step manifest),
+``side_channel`` (framed TCP messages, the core's lane endpoint, the hybrid's client),
+``snapshot`` (asynchronous sharded snapshot of model + optimizer), ``core_hooks`` (the gradient
+injector the training backends call between backward and the data-parallel all-reduce),
+``hybrid`` (the hybrid replica process), ``work`` (widened batches: whole groups per replica).
+"""

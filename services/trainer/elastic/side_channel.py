@@ -1,0 +1,239 @@
+"""The side channel between a hybrid replica and the core rank of its lane: framed TCP messages.
+
+Owns: the wire format, the core's lane endpoint (one listening socket per core rank) and the
+hybrid's connection. Must not know: models, optimizers, membership rules.
+
+Why plain TCP and not torch.distributed: a process group has a fixed world; adding a hybrid to one
+means building a new group (and NCCL communicators), which is exactly what membership changes must
+never do. A socket per hybrid is created and dropped with the hybrid, and the core's process
+group (built once at start) is never touched. On GPUs the tensors are staged through host memory
+(`.cpu()` before send, `.to(device)` after receive): a CPU-staged channel, device-agnostic.
+
+Frame: 4-byte big-endian header length, UTF-8 JSON header, 8-byte big-endian payload length, raw
+payload (a contiguous tensor's bytes; dtype and shape are in the header). No pickle: a frame is
+data, never code.
+
+    hybrid                                  core rank r (lane endpoint, accept thread + one reader
+      │ hello{replica_id}            ──▶      thread per connection; frames land in two queues)
+      │ ◀── snapshot{path} | catch_up{step}+grad | step{slice, token_count} | bye | error
+      │ loaded{step} | join_failed{reason}  ──▶ control queue (drained at step boundaries)
+      │ grad{step, metrics}+grad            ──▶ gradient queue (waited on with a deadline)
+      │ ◀── reduced{step}+grad
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+_HEADER = struct.Struct(">I")
+_PAYLOAD = struct.Struct(">Q")
+MAX_HEADER = 64 * 1024 * 1024
+CLOSED = "closed"  # kind of the frame a reader queues when its connection ends
+
+
+@dataclass
+class Frame:
+    kind: str
+    header: dict[str, Any] = field(default_factory=dict)
+    payload: bytes = b""
+
+    def tensor(self) -> Any:
+        """The payload as a CPU tensor of the header's dtype and shape."""
+        import torch
+
+        dtype = getattr(torch, self.header["dtype"])
+        return torch.frombuffer(bytearray(self.payload), dtype=dtype).reshape(self.header["shape"])
+
+
+def _tensor_bytes(tensor: Any) -> tuple[dict[str, Any], bytes]:
+    cpu = tensor.detach().to("cpu").contiguous()  # CPU staging on GPUs; a no-op copy-free view on CPU
+    return {"dtype": str(cpu.dtype).removeprefix("torch."), "shape": list(cpu.shape)}, cpu.numpy().tobytes()
+
+
+def send_frame(sock: socket.socket, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> None:
+    body = dict(header or {}, kind=kind)
+    payload = b""
+    if tensor is not None:
+        meta, payload = _tensor_bytes(tensor)
+        body.update(meta)
+    encoded = json.dumps(body).encode()
+    sock.sendall(_HEADER.pack(len(encoded)) + encoded + _PAYLOAD.pack(len(payload)))
+    if payload:
+        sock.sendall(payload)
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(min(left, 1 << 22))
+        if not chunk:
+            raise ConnectionError("side channel closed by the peer")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv_frame(sock: socket.socket) -> Frame:
+    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if size > MAX_HEADER:
+        raise ConnectionError(f"side channel: header of {size} bytes is not a Libra frame")
+    header = json.loads(_recv_exact(sock, size))
+    (length,) = _PAYLOAD.unpack(_recv_exact(sock, _PAYLOAD.size))
+    return Frame(header.pop("kind"), header, _recv_exact(sock, length) if length else b"")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"endpoint {address!r} must be HOST:PORT")
+    return host, int(port)
+
+
+class _Link:
+    """One hybrid's connection on the core side: a send lock and the two inbound queues."""
+
+    def __init__(self, sock: socket.socket, replica_id: str):
+        self.sock, self.replica_id = sock, replica_id
+        self.lock = threading.Lock()
+        self.grads: queue.Queue[Frame] = queue.Queue()
+        self.open = True
+
+    def send(self, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> bool:
+        """False when the connection is gone (the caller marks the hybrid failed)."""
+        with self.lock:
+            if not self.open:
+                return False
+            try:
+                send_frame(self.sock, kind, header, tensor)
+                return True
+            except OSError:
+                self.open = False
+                return False
+
+    def close(self) -> None:
+        with self.lock:
+            self.open = False
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class LaneEndpoint:
+    """The listening socket of one core rank; hybrids of that rank connect here."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self._server = socket.create_server((host, port))
+        # A wildcard bind is advertised under this host's name (hybrids need an address to dial).
+        advertised = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
+        self.address = f"{advertised}:{self._server.getsockname()[1]}"
+        self._links: dict[str, _Link] = {}
+        self._control: queue.Queue[tuple[str, Frame]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._closing = False
+        threading.Thread(target=self._accept, name=f"lane-accept-{self.address}", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                sock, _ = self._server.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._read, args=(sock,), daemon=True).start()
+
+    def _read(self, sock: socket.socket) -> None:
+        try:
+            hello = recv_frame(sock)
+        except (OSError, ValueError):
+            sock.close()
+            return
+        if hello.kind != "hello" or not hello.header.get("replica_id"):
+            sock.close()
+            return
+        link = _Link(sock, str(hello.header["replica_id"]))
+        with self._lock:
+            old = self._links.get(link.replica_id)
+            self._links[link.replica_id] = link
+        if old is not None:
+            old.close()  # a restarted hybrid process replaces its dead connection
+        self._control.put((link.replica_id, hello))
+        while True:
+            try:
+                frame = recv_frame(sock)
+            except (OSError, ValueError):
+                frame = Frame(CLOSED)
+            if frame.kind in ("grad", CLOSED):
+                link.grads.put(frame)
+            if frame.kind != "grad":
+                self._control.put((link.replica_id, frame))
+            if frame.kind == CLOSED:
+                link.open = False
+                return
+
+    def link(self, replica_id: str) -> _Link | None:
+        with self._lock:
+            return self._links.get(replica_id)
+
+    def send(self, replica_id: str, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> bool:
+        link = self.link(replica_id)
+        return link.send(kind, header, tensor) if link is not None else False
+
+    def control_frames(self) -> list[tuple[str, Frame]]:
+        """Every control frame (hello, loaded, join_failed, closed) since the last call, in order."""
+        out = []
+        while True:
+            try:
+                out.append(self._control.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait_grad(self, replica_id: str, timeout_s: float) -> Frame | None:
+        """The next gradient frame of a hybrid, a CLOSED frame, or None after `timeout_s`."""
+        link = self.link(replica_id)
+        if link is None:
+            return Frame(CLOSED)
+        try:
+            return link.grads.get(timeout=max(0.0, timeout_s))
+        except queue.Empty:
+            return None
+
+    def disconnect(self, replica_id: str) -> None:
+        with self._lock:
+            link = self._links.pop(replica_id, None)
+        if link is not None:
+            link.close()
+
+    def close(self) -> None:
+        self._closing = True
+        self._server.close()
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+
+
+class HybridLink:
+    """The hybrid's end: connect, say hello, then a plain blocking frame exchange."""
+
+    def __init__(self, endpoint: str, replica_id: str, timeout_s: float = 30.0):
+        self.sock = socket.create_connection(parse_address(endpoint), timeout=timeout_s)
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        send_frame(self.sock, "hello", {"replica_id": replica_id})
+
+    def send(self, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> None:
+        send_frame(self.sock, kind, header, tensor)
+
+    def recv(self) -> Frame:
+        return recv_frame(self.sock)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,671 @@
+"""The Megatron-Core training backend: an HF Llama/Qwen2/Qwen3 model as a Megatron GPTModel.
+
+Owns: the process-group layout (TP × DP; PP is refused for now), the GPTModel built from the HF
+config (`megatron_convert`), its optimizer, the GRPO step (the same `policy_loss` as the torch
+backend), HF weight publication, distributed checkpoints, and the elastic gradient hook.
+Must not know: Redis, gRPC, how batches are assembled.
+
+Two execution paths, one model:
+
+    CUDA  bf16 params, Megatron DDP (contiguous grad buffers, fp32 grads) + the distributed
+          optimizer (Adam states sharded over DP); the DP reduce happens in finish_grad_sync().
+    CPU   fp32, no Megatron DDP (its buffers and the distributed optimizer are CUDA-only): one
+          flattened all-reduce over the DP group and torch AdamW — the torch backend's scheme.
+
+Each rank is called with its DP replica's shard of the step's batch; the ranks of one TP group
+must be handed the same shard. Every rank's loss is divided by (global loss tokens N / W), W the
+replicas of the step, and the DP sum of gradients is divided by W, so the update is the
+token-level mean over the whole batch (Megatron DDP runs with calculate_per_token_loss, i.e. it
+sums and leaves the scaling to us).
+
+    backward (all micro-batches) ─▶ gradient_hook.inject(flat local grad) ─▶ ×1/W ─▶ DP reduce
+        ─▶ gradient_hook.deliver(reduced grad) ─▶ clip ─▶ optimizer step
+
+`gradient_hook` is `backend.GradientHook`, the elastic pool's backend-neutral injection point, with
+the torch backend's arithmetic. Delivering the reduced gradient to hybrids needs it whole on each
+core rank, which the distributed optimizer (reduce-scatter) does not give: with a hook set on GPUs,
+`trainer.megatron.distributed_optimizer` must be false. `save_checkpoint` (model + optimizer, the
+Megatron distributed checkpoint format) is the snapshot a joining replica loads.
+
+CPU (tests, tiny runs): Megatron-Core assumes CUDA in a few helpers; `_patch_megatron_for_cpu`
+adapts exactly those, and only when torch has no CUDA.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+from libra.errors import FailedPrecondition
+from libra.services.trainer.backend import HybridShare, TrainBackend, TrainBatch, pack
+from libra.services.trainer.grpo import policy_loss
+
+if TYPE_CHECKING:
+    import torch
+
+    from libra.services.trainer.config import TrainerConfig
+
+CHECKPOINT_FORMAT = 1
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".safetensors.index.json", ".bin.index.json")
+
+
+class MegatronBackend(TrainBackend):
+    """`TrainBackend` on Megatron-Core (GPU by default; CPU for tests and tiny runs)."""
+
+    def __init__(self, config: TrainerConfig, seed: int = 0, layer_spec: str | None = None) -> None:
+        self.config = config
+        self.seed = seed
+        self.layer_spec = layer_spec or config.megatron.layer_spec
+        self.model_dir: str | None = None
+        self.gradient_hook = None  # backend.GradientHook: elastic hybrid replicas' injection point
+        self.shape: Any = None
+        self._hf_config: Any = None
+        self._model: Any = None  # the GPTModel (inside the DDP wrapper on CUDA)
+        self._ddp: Any = None
+        self._optimizer: Any = None
+        self._cuda = False
+
+    # ---- loading -------------------------------------------------------------------------
+    def load(self, model_dir: str) -> None:
+        import torch
+        from transformers import AutoConfig
+
+        from libra.services.trainer import megatron_convert as convert
+
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"MegatronBackend.load: {model_dir!r} is not a model directory")
+        settings = self.config.megatron
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        shape = convert.model_shape(hf_config)
+        convert.check_parallel(shape, settings.tensor_parallel, settings.pipeline_parallel)
+        if settings.pipeline_parallel != 1:
+            raise ValueError("trainer.megatron.pipeline_parallel > 1 is not implemented yet; use 1")
+        self._cuda = torch.cuda.is_available()
+        if not self._cuda:
+            torch.set_num_threads(self.config.torch_threads)
+            _patch_megatron_for_cpu()
+        _init_parallel(settings.tensor_parallel, self._cuda)
+        torch.manual_seed(self.seed)
+        random.seed(self.seed)
+        bf16 = self._cuda and settings.bf16
+        self.shape, self._hf_config, self.model_dir = shape, hf_config, model_dir
+        model = self._build(hf_config, bf16)
+        self._load_hf_weights(model, model_dir)
+        self._model = model
+        self._build_optimizer(bf16)
+
+    def _build(self, hf_config: Any, bf16: bool) -> Any:
+        import torch
+        from megatron.core.models.gpt import GPTModel
+
+        from libra.services.trainer import megatron_convert as convert
+        from libra.services.trainer.megatron_specs import layer_spec
+
+        settings = self.config.megatron
+        tconfig = convert.transformer_config(
+            hf_config, tp=settings.tensor_parallel, bf16=bf16, use_cpu_initialization=True,
+            perform_initialization=False, calculate_per_token_loss=True)
+        model = GPTModel(
+            config=tconfig, transformer_layer_spec=layer_spec(self.layer_spec, self.shape.qk_norm),
+            vocab_size=self.shape.vocab, max_sequence_length=hf_config.max_position_embeddings,
+            pre_process=True, post_process=True, share_embeddings_and_output_weights=self.shape.tied,
+            position_embedding_type="rope", rotary_base=convert.rope_theta(hf_config),
+        )
+        if self._cuda:
+            model = model.to(device=torch.cuda.current_device(), dtype=torch.bfloat16 if bf16 else torch.float32)
+        model.eval()  # no dropout: the policy ratio compares two passes of one function
+        return model
+
+    def _load_hf_weights(self, model: Any, model_dir: str) -> None:
+        from safetensors.torch import load_file
+
+        from libra.services.trainer import megatron_convert as convert
+
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+        if not files:
+            raise ValueError(f"MegatronBackend.load: no *.safetensors weights in {model_dir!r}")
+        hf: dict[str, Any] = {}
+        for name in files:
+            hf.update(load_file(name))
+        tp, rank = self.config.megatron.tensor_parallel, _tp_rank()
+        state = convert.hf_to_megatron(hf, self.shape, tp=tp, rank=rank)
+        _load_state(model, state)
+
+    def _build_optimizer(self, bf16: bool) -> None:
+        import torch
+
+        if not self._cuda:
+            params = [p for p in self._model.parameters() if p.requires_grad]
+            self._optimizer = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
+            return
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        sharded = self.config.megatron.distributed_optimizer
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=sharded)
+        self._ddp = DistributedDataParallel(config=self._model.config, ddp_config=ddp_config, module=self._model)
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=self.config.lr, weight_decay=self.config.weight_decay, bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32, clip_grad=self.config.max_grad_norm,
+            use_distributed_optimizer=sharded)
+        self._optimizer = get_megatron_optimizer(opt_config, [self._ddp])
+
+    @property
+    def model(self) -> Any:
+        if self._model is None:
+            raise FailedPrecondition("MegatronBackend: call load(model_dir) first")
+        return self._model
+
+    def num_parameters(self) -> int:
+        """Parameters of the full model (TP shards summed; replicated norms counted once)."""
+        total = 0
+        for p in self.model.parameters():
+            sharded = getattr(p, "tensor_model_parallel", False)
+            total += p.numel() * (self.config.megatron.tensor_parallel if sharded else 1)
+        return total
+
+    # ---- forward ---------------------------------------------------------------------------
+    def _forward(self, sequences: list) -> tuple[Any, torch.Tensor]:
+        """Packed batch and the (B, T−1) float32 log-probs of each next token (vocab-parallel CE)."""
+        import torch
+
+        packed = pack(sequences)
+        device = torch.cuda.current_device() if self._cuda else "cpu"
+        input_ids = packed.input_ids.to(device)
+        batch, width = input_ids.shape
+        positions = torch.arange(width, device=device).unsqueeze(0).expand(batch, width)
+        labels = torch.zeros_like(input_ids)
+        labels[:, :-1] = input_ids[:, 1:]
+        # SDPA applies the causal mask itself; the local spec takes it as a tensor (True = hidden).
+        mask = None
+        if self.layer_spec == "local":
+            mask = torch.ones((width, width), dtype=torch.bool, device=device).triu(1)[None, None]
+        runner = self._ddp if self._ddp is not None else self.model
+        # With labels, GPTModel returns the per-token cross entropy −log p(label), vocab-parallel in fp32.
+        loss = runner(input_ids=input_ids, position_ids=positions, attention_mask=mask, labels=labels)
+        return packed, -loss[:, :-1].float()
+
+    def compute_logprobs(self, batch: TrainBatch) -> list[torch.Tensor]:
+        return [lp.cpu() for lp in self._logprobs(batch, self.config.micro_batch_size)]
+
+    def _logprobs(self, batch: TrainBatch, micro_batch_size: int) -> list[torch.Tensor]:
+        import torch
+
+        out: list[torch.Tensor] = []
+        with torch.no_grad():
+            for micro in batch.micro_batches(micro_batch_size):
+                packed, logprobs = self._forward(micro)
+                mask = packed.response_mask.to(logprobs.device)
+                out.extend(row[m] for row, m in zip(logprobs, mask))
+        return out
+
+    # ---- the GRPO step ---------------------------------------------------------------------
+    def train_step(self, batch: TrainBatch, config: TrainerConfig) -> dict[str, float]:
+        started = time.perf_counter()
+        hook = self.gradient_hook
+        share = hook.share() if hook is not None else HybridShare()
+        # One all-reduce over DP of the step's totals; hybrids' slices count (W = DP + H replicas).
+        total_tokens, replicas, sequences = _dp_sums(
+            [float(batch.loss_tokens) + share.loss_tokens, 1.0 + share.replicas,
+             float(len(batch) + share.sequences)], self._cuda)
+        if total_tokens == 0:
+            raise ValueError("train_step: the batch has no loss tokens (every loss_mask is 0)")
+        replicas = int(round(replicas))
+        if hook is not None:
+            if self._ddp is not None and self.config.megatron.distributed_optimizer:
+                raise FailedPrecondition("elastic hybrid replicas need the full reduced gradient on every core "
+                                         "rank: set trainer.megatron.distributed_optimizer=false")
+            hook.start(total_tokens / replicas, replicas, config)
+        old = self._logprobs(batch, config.micro_batch_size) if config.recompute_logprobs else None
+        self._set_hyper_parameters(config)
+        self._zero_grad()
+        sums = self._accumulate(batch, config, old, token_count=total_tokens / replicas)
+        grad_norm = self._reduce_and_step(replicas, total_tokens, hook, sums, config)
+        result = _average_metrics(sums, _dp_size(), replicas, self._cuda)
+        result.update(grad_norm=float(grad_norm), tokens=total_tokens, lr=config.lr,
+                      sequences=sequences, seconds=time.perf_counter() - started)
+        return result
+
+    def _reduce_and_step(self, replicas: int, total_tokens: float, hook: Any, sums: dict[str, float],
+                         config: TrainerConfig) -> float:
+        """Hybrid gradients in, sum over DP ÷ W (rescaled if a hybrid missed), out to hybrids, step.
+
+        The same arithmetic as the torch backend: every replica's gradient is of Σ loss · W / N,
+        the DP sum ÷ W is the token mean over all replicas, and N / (N − missing) corrects for the
+        loss tokens of hybrids that did not deliver before the deadline.
+        """
+        import torch
+
+        flat = self.local_gradient()
+        missing = torch.zeros(2, dtype=torch.float64, device=flat.device)
+        if hook is not None:
+            arrived = hook.inject(flat)
+            missing[0], missing[1] = arrived.missing_tokens, arrived.missing_replicas
+            for name, value in arrived.metric_sums.items():
+                sums[name] += value
+            self._set_local_gradient(flat)
+        missing = _dp_sum_tensor(missing)
+        scale = 1.0 / replicas
+        if float(missing[0]) > 0:
+            scale *= total_tokens / (total_tokens - float(missing[0]))
+        if self._ddp is not None:
+            # calculate_per_token_loss=True: Megatron DDP sums over DP without scaling; we scale first.
+            self._ddp.scale_gradients(scale)
+            self._ddp.finish_grad_sync()
+            if hook is not None:
+                hook.deliver(self.local_gradient(), config)
+            ok, grad_norm, _ = self._optimizer.step()
+            if not ok:
+                raise FloatingPointError("train_step: the optimizer skipped the update (non-finite gradients)")
+            return float(grad_norm)
+        flat = self.local_gradient()
+        _dp_sum_tensor(flat)
+        flat *= scale
+        if hook is not None:
+            hook.deliver(flat, config)
+        self._set_local_gradient(flat)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = _clip_tp_aware(params, config.max_grad_norm)
+        self._optimizer.step()
+        return grad_norm
+
+    def local_gradient(self) -> torch.Tensor:
+        """This rank's gradient as one flat tensor (Megatron DDP's grad buffers, else every .grad)."""
+        import torch
+
+        if self._ddp is not None:
+            buffers = [buffer.grad_data for buffer in self._ddp.buffers]
+            return buffers[0] if len(buffers) == 1 else torch.cat([b.reshape(-1) for b in buffers])
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+    def _set_local_gradient(self, flat: torch.Tensor) -> None:
+        if self._ddp is not None:
+            buffers = [buffer.grad_data for buffer in self._ddp.buffers]
+            if len(buffers) > 1 or flat.data_ptr() != buffers[0].data_ptr():
+                offset = 0
+                for b in buffers:
+                    b.copy_(flat[offset: offset + b.numel()].view_as(b))
+                    offset += b.numel()
+            return
+        offset = 0
+        for p in (p for p in self.model.parameters() if p.requires_grad):
+            p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def _zero_grad(self) -> None:
+        if self._ddp is not None:
+            self._ddp.zero_grad_buffer()
+            self._optimizer.zero_grad()
+            return
+        for p in self.model.parameters():
+            p.grad = None
+
+    def _accumulate(self, batch: TrainBatch, config: TrainerConfig, old: list | None,
+                    token_count: float) -> dict[str, float]:
+        import torch
+
+        sums: dict[str, float] = defaultdict(float)
+        done = 0
+        for micro in batch.micro_batches(config.micro_batch_size):
+            packed, new = self._forward(micro)
+            device = new.device
+            behaviour = packed.behaviour_logprobs.to(device)
+            old_grid = behaviour
+            if old is not None:
+                old_grid = torch.zeros_like(new)
+                old_grid[packed.response_mask.to(device)] = torch.cat(old[done: done + len(micro)]).to(device)
+            done += len(micro)
+            loss, metrics = policy_loss(
+                new, old_grid, behaviour, packed.advantages.to(device), packed.loss_mask.to(device),
+                config.clip_low, config.clip_high, config.tis_cap, config.kl_coef, token_count=token_count)
+            loss.backward()
+            sums["loss"] += float(loss.detach())
+            for name, value in metrics.items():
+                sums[name] += float(value)
+        return sums
+
+    def _set_hyper_parameters(self, config: TrainerConfig) -> None:
+        for group in self._optimizer.param_groups:
+            group["lr"], group["weight_decay"] = config.lr, config.weight_decay
+
+    # ---- files -----------------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full HF state dict on DP rank 0 / TP rank 0 (None elsewhere); collective over TP."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from libra.services.trainer import megatron_convert as convert
+
+        local = {k: v.detach() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        tp = self.config.megatron.tensor_parallel
+        shards = [local]
+        if tp > 1:
+            group = ps.get_tensor_model_parallel_group()
+            shards = []
+            for name in sorted(local):
+                gathered = [torch.empty_like(local[name]) for _ in range(tp)]
+                dist.all_gather(gathered, local[name].contiguous(), group=group)
+                shards.append((name, gathered))
+            shards = [{name: g[r] for name, g in shards} for r in range(tp)]
+        if _tp_rank() != 0 or ps.get_data_parallel_rank() != 0:
+            return None
+        return {k: v.cpu() for k, v in convert.megatron_to_hf([{k: v.cpu() for k, v in s.items()} for s in shards],
+                                                              self.shape).items()}
+
+    def save_weights(self, out_dir: str) -> None:
+        from safetensors.torch import save_file
+
+        hf = self.hf_state_dict()
+        if hf is not None:
+            staging = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+            save_file({k: v.contiguous() for k, v in hf.items()}, os.path.join(staging, "model.safetensors"),
+                      metadata={"format": "pt"})
+            _copy_non_weight_files(self.model_dir or "", staging)
+            if os.path.exists(out_dir):
+                shutil.rmtree(out_dir)
+            os.rename(staging, out_dir)
+        _barrier()
+
+    def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
+        """A Megatron distributed checkpoint in `<path>.dcp/`, then the small marker file `path`.
+
+        The marker (format, extra, RNG, the directory's name) is written last and atomically, so a
+        checkpoint exists exactly when its marker does; checkpoint directories whose marker was
+        deleted (the trainer prunes old markers) are removed here.
+        """
+        import torch
+        from megatron.core import dist_checkpointing
+
+        directory = f"{path}.dcp"
+        staging = f"{directory}.partial"
+        if _rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+        _barrier()
+        dist_checkpointing.save(self._sharded_state_dict(), staging)
+        _barrier()
+        if _rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+            os.rename(staging, directory)
+            marker = {"format": CHECKPOINT_FORMAT, "backend": "megatron", "directory": os.path.basename(directory),
+                      "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "extra": dict(extra)}
+            from libra.services.trainer.torch_backend import _atomic_torch_save
+
+            _atomic_torch_save(marker, path)
+            _prune_orphans(os.path.dirname(os.path.abspath(path)))
+        _barrier()
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        import torch
+        from megatron.core import dist_checkpointing
+
+        marker = torch.load(path, map_location="cpu", weights_only=True)
+        if marker.get("format") != CHECKPOINT_FORMAT or marker.get("backend") != "megatron":
+            raise ValueError(f"{path}: not a Megatron-backend checkpoint of format {CHECKPOINT_FORMAT}")
+        directory = os.path.join(os.path.dirname(os.path.abspath(path)), marker["directory"])
+        loaded = dist_checkpointing.load(self._sharded_state_dict(), directory)
+        if self._ddp is None:
+            _load_state(self.model, {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")})
+            self._optimizer.load_state_dict(_torch_optimizer_state(loaded, self._optimizer, self.model))
+        else:
+            _load_state(self.model, loaded["model"])
+            self._optimizer.load_state_dict(loaded["optimizer"])
+        torch.set_rng_state(marker["rng"]["torch"])
+        version, internal, gauss = marker["rng"]["python"]
+        random.setstate((version, tuple(internal), gauss))
+        return marker["extra"]
+
+    def _sharded_state_dict(self) -> dict[str, Any]:
+        """Model (and on CUDA, distributed-optimizer) sharded state; on CPU the AdamW moments per parameter."""
+        import torch
+
+        model_sd = self.model.sharded_state_dict()
+        if self._ddp is not None:
+            return {"model": model_sd, "optimizer": self._optimizer.sharded_state_dict(model_sd)}
+        # Torch AdamW (CPU path): its moments have each parameter's shape and TP sharding, so they
+        # are stored as sharded tensors beside the parameter they belong to.
+        state: dict[str, Any] = {f"model.{k}": v for k, v in _flatten(model_sd).items()}
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        params = [p for group in self._optimizer.param_groups for p in group["params"]]
+        for p in params:
+            name = names[id(p)]
+            template = state.get(f"model.{name}")
+            moments = self._optimizer.state.get(p) or _zero_moments(p)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[f"optim.{name}.{key}"] = _like(template, moments[key], name, key)
+        # AdamW steps every parameter each step: one step count serves them all.
+        steps = [self._optimizer.state[p]["step"] for p in params if p in self._optimizer.state]
+        step = (steps[0] if steps else torch.zeros(())).reshape(1).float()
+        state["optim.step"] = _like(None, step, "optim", "step")
+        return state
+
+
+# ---- helpers: checkpoints ----------------------------------------------------------------------
+
+def _flatten(sd: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _zero_moments(p: Any) -> dict[str, Any]:
+    import torch
+
+    return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p), "step": torch.zeros(())}
+
+
+def _like(template: Any, data: Any, name: str, what: str) -> Any:
+    """A ShardedTensor for an optimizer moment `what` of parameter `name`, sharded as the parameter.
+
+    A plain ShardedTensor template (layers share one key, offset along the layer axis) is copied.
+    Megatron describes some parameters by a factory instead (the fused gate/up fc1 under TP); their
+    moments are stored whole per TP rank under a key of their own, saved by DP rank 0.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    data = data.detach().clone()
+    if template is None or not hasattr(template, "global_shape"):
+        key = f"optim.{name}.{what}.tp{ps.get_tensor_model_parallel_rank()}"
+        return ShardedTensor.from_rank_offsets(key, data, replica_id=ps.get_data_parallel_rank())
+    return ShardedTensor(key=f"optim.{template.key}.{what}", data=data, dtype=data.dtype,
+                         local_shape=template.local_shape, global_shape=template.global_shape,
+                         global_offset=template.global_offset, axis_fragmentations=template.axis_fragmentations,
+                         replica_id=template.replica_id, prepend_axis_num=template.prepend_axis_num)
+
+
+def _torch_optimizer_state(loaded: dict[str, Any], optimizer: Any, model: Any) -> dict[str, Any]:
+    """AdamW's state_dict with the moments read from a loaded checkpoint (params in group order)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = optimizer.state_dict()
+    state["state"] = {index: {"exp_avg": loaded[f"optim.{names[id(p)]}.exp_avg"],
+                              "exp_avg_sq": loaded[f"optim.{names[id(p)]}.exp_avg_sq"],
+                              "step": loaded["optim.step"].reshape(())}
+                      for index, p in enumerate(params)}
+    return state
+
+
+def _prune_orphans(directory: str) -> None:
+    for found in glob.glob(os.path.join(directory, "*.dcp")):
+        if not os.path.exists(found[: -len(".dcp")]):
+            shutil.rmtree(found, ignore_errors=True)
+
+
+def _copy_non_weight_files(model_dir: str, out_dir: str) -> None:
+    """config.json, tokenizer and generation files of the source directory (weights are ours)."""
+    if not os.path.isdir(model_dir):
+        return
+    for name in sorted(os.listdir(model_dir)):
+        source = os.path.join(model_dir, name)
+        if os.path.isfile(source) and not name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(source, os.path.join(out_dir, name))
+
+
+def _load_state(model: Any, state: dict[str, Any]) -> None:
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"Megatron state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+# ---- helpers: process groups and collectives ------------------------------------------------
+
+def _init_parallel(tp: int, cuda: bool) -> None:
+    """Join (or create, for one process) torch.distributed, then Megatron's model-parallel groups."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group("nccl" if cuda else "gloo")
+        else:  # a single process (tests, one-GPU runs): a private file store, no ports
+            store = os.path.join(tempfile.mkdtemp(prefix="libra-megatron-"), "store")
+            dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    world = dist.get_world_size()
+    if world % tp:
+        raise ValueError(f"trainer.megatron.tensor_parallel={tp} does not divide the world size {world}")
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() != tp:
+            raise FailedPrecondition(
+                f"Megatron model parallelism is already initialised with TP={ps.get_tensor_model_parallel_world_size()}, "
+                f"not trainer.megatron.tensor_parallel={tp}; one process holds one layout")
+        return
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    if cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if _distributed() else 0
+
+
+def _tp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank()
+
+
+def _dp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if _distributed():
+        dist.barrier()
+
+
+def _dp_sums(values: list[float], cuda: bool) -> list[float]:
+    import torch
+
+    tensor = torch.tensor(values, dtype=torch.float64, device="cuda" if cuda else "cpu")
+    return [float(v) for v in _dp_sum_tensor(tensor)]
+
+
+def _dp_sum_tensor(tensor: Any) -> Any:
+    """All-reduce SUM over the data-parallel group, in place (a no-op with one replica)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if _dp_size() > 1:
+        dist.all_reduce(tensor, group=ps.get_data_parallel_group())
+    return tensor
+
+
+def _clip_tp_aware(params: list[Any], max_norm: float) -> float:
+    """Clip by the norm of the whole model: TP-sharded grads summed over TP, replicated ones once."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    grads = [p for p in params if p.grad is not None]
+    sharded = sum(float(p.grad.double().pow(2).sum()) for p in grads if getattr(p, "tensor_model_parallel", False))
+    replicated = sum(float(p.grad.double().pow(2).sum()) for p in grads if not getattr(p, "tensor_model_parallel", False))
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        tensor = torch.tensor([sharded], dtype=torch.float64)
+        dist.all_reduce(tensor, group=ps.get_tensor_model_parallel_group())
+        sharded = float(tensor)
+    norm = (sharded + replicated) ** 0.5
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1.0:
+        for p in grads:
+            p.grad.mul_(scale)
+    return norm
+
+
+def _average_metrics(sums: dict[str, float], dp: int, replicas: int, cuda: bool) -> dict[str, float]:
+    """Metric sums were divided by (N / W); summed over DP (hybrids' already added) ÷ W gives means."""
+    import torch
+
+    if dp == 1 and replicas == 1:
+        return dict(sums)
+    names = sorted(sums)
+    values = _dp_sum_tensor(torch.tensor([sums[n] for n in names], dtype=torch.float64,
+                                         device="cuda" if cuda else "cpu"))
+    return {n: float(v) / replicas for n, v in zip(names, values)}
+
+
+# ---- CPU patches ---------------------------------------------------------------------------------
+
+_PATCHED = False
+
+
+def _patch_megatron_for_cpu() -> None:
+    """Make Megatron-Core's CUDA assumptions hold on a CPU-only torch; called only without CUDA.
+
+    Megatron allocates scratch tensors on `torch.cuda.current_device()` (GlobalMemoryBuffer, the
+    RoPE frequencies, the checkpoint writer's status flags), waits on `torch.cuda.synchronize()`
+    before copying checkpoint tensors out, and swaps CUDA RNG states in
+    `CudaRNGStatesTracker.fork`. With no CUDA each of these raises. Here the current device is the
+    CPU, there is no stream to wait for, and the fork is a no-op (the model runs without dropout,
+    so no random stream is drawn inside it). A CUDA build of torch is never patched.
+    """
+    global _PATCHED
+    import contextlib
+
+    import torch
+
+    if _PATCHED or torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None
+
+    @contextlib.contextmanager
+    def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):  # noqa: ANN001 - Megatron's signature
+        yield
+
+    mrandom.CudaRNGStatesTracker.fork = fork
+    _PATCHED = True

@@ -1,0 +1,139 @@
+"""The gateway's Session stream to a real scheduler: order, errors, acknowledgements, reconnects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from libra.errors import FailedPrecondition, InvalidArgument
+from libra.runtime import RunningService
+from libra.services.rollout.router import SchedulerRouter
+from libra.services.scheduler.server import SchedulerService
+from libra.v1 import common_pb2, scheduler_pb2 as spb, scheduler_pb2_grpc
+from tests.service.helpers import run_config, start
+
+
+def _worker(wid: str) -> common_pb2.WorkerInfo:
+    return common_pb2.WorkerInfo(worker_id=wid, bucket="default", address=f"http://127.0.0.1:1/{wid}",
+                                 state=common_pb2.WORKER_STATE_SERVING)
+
+
+def test_session_routes_in_order_and_maps_errors(redis_url, run_id, tmp_path, arun):
+    config = run_config(redis_url, run_id, tmp_path)
+    running, chan = arun(start(SchedulerService(config)))
+    router = SchedulerRouter(chan, run_id)
+    with pytest.raises(FailedPrecondition, match="worker"):  # no workers registered yet
+        arun(router.route("t0", "p0", 0, 10, 20, []))
+    for wid in ("w-a", "w-b"):
+        arun(router.register(_worker(wid)))
+    first = arun(router.route("t1", "p1", 0, 10, 20, []))
+    second = arun(router.route("t2", "p2", 0, 10, 20, []))
+    assert {first.worker_id, second.worker_id} == {"w-a", "w-b"}
+
+    async def turn_then_route():
+        # The report is only queued; the stream keeps it ahead of the next Route, so the scheduler
+        # has released t1's load when it routes t1's next turn (affinity, not a move).
+        await router.turn_done("t1", first.worker_id, 5, 0.1, False)
+        await router.tool_returned("t1", "calculator", common_pb2.TOOL_STATUS_SUCCESS, 3)
+        return await router.route("t1", "p1", 1, 18, 20, [])
+    again = arun(turn_then_route())
+    assert again.worker_id == first.worker_id and again.reason == "affinity"
+    with pytest.raises(InvalidArgument, match="structured status"):
+        arun(router.tool_returned("t1", "calculator", common_pb2.TOOL_STATUS_UNSPECIFIED, 3))
+    arun(router.finished("nope", "p9", 0, common_pb2.TRAJECTORY_STATUS_COMPLETED))  # NOT_FOUND: ignored
+    arun(router.finished("t2", "p2", 5, common_pb2.TRAJECTORY_STATUS_COMPLETED))
+    assert arun(router.session.flush(5.0))
+    stats = arun(scheduler_pb2_grpc.SchedulerStub(chan).GetStats(spb.GetStatsRequest()))
+    assert stats.active_trajectories == 1  # t2 finished over the stream; t1 is still going
+    arun(router.close())
+    arun(running.stop())
+
+
+def test_raw_session_answers_routes_and_acknowledges_reports(redis_url, run_id, tmp_path, arun):
+    config = run_config(redis_url, run_id, tmp_path)
+    running, chan = arun(start(SchedulerService(config)))
+    stub = scheduler_pb2_grpc.SchedulerStub(chan)
+    meta = lambda rid: common_pb2.RequestMeta(request_id=rid, run_id=run_id)
+    arun(stub.RegisterWorker(spb.RegisterWorkerRequest(meta=meta("reg"), worker=_worker("w-a"))))
+
+    async def talk():
+        call = stub.Session()
+        await call.write(spb.GatewayMessage(seq=1, route=spb.RouteRequest(
+            meta=meta("r1"), trajectory_id="t1", prompt_tokens=4, max_new_tokens=8)))
+        route = await call.read()
+        await call.write(spb.GatewayMessage(seq=2, turn=spb.TurnReport(meta=meta("d1"), trajectory_id="t1",
+                                                                      worker_id="w-a", output_tokens=8)))
+        await call.write(spb.GatewayMessage(seq=3))  # no body
+        empty = await call.read()
+        await call.write(spb.GatewayMessage(seq=4, tool_return=spb.ToolReturnReport(meta=meta("x1"),
+                                                                                    trajectory_id="t1", tool="calc")))
+        no_status = await call.read()
+        await call.write(spb.GatewayMessage(seq=5, finish=spb.FinishReport(meta=meta("f1"), trajectory_id="t1")))
+        ack = await asyncio.wait_for(call.read(), 5)  # nothing to answer: a bare acknowledgement follows
+        await call.done_writing()
+        return route, empty, no_status, ack
+    route, empty, no_status, ack = arun(talk())
+    assert route.seq == 1 and route.route.worker_id == "w-a" and route.processed_seq >= 1
+    assert empty.seq == 3 and empty.error.code == "INVALID_ARGUMENT" and "body" in empty.error.message
+    assert no_status.seq == 4 and no_status.error.code == "INVALID_ARGUMENT" and "status" in no_status.error.message
+    assert ack.seq == 0 and ack.processed_seq == 5
+    stats = arun(stub.GetStats(spb.GetStatsRequest()))
+    assert stats.active_trajectories == 0
+    arun(running.stop())
+
+
+def test_session_survives_a_scheduler_restart(redis_url, run_id, tmp_path, arun):
+    config = run_config(redis_url, run_id, tmp_path)
+    running, chan = arun(start(SchedulerService(config)))
+    port = running.port
+    router = SchedulerRouter(chan, run_id)
+    arun(router.register(_worker("w-a")))
+    first = arun(router.route("t1", "p1", 0, 10, 20, []))
+    arun(running.stop())
+
+    async def while_down_then_restart():
+        # Sent while the scheduler is down: kept until a new stream confirms it.
+        await router.turn_done("t1", first.worker_id, 5, 0.1, False)
+        pending = asyncio.ensure_future(router.route("t2", "p2", 0, 10, 20, []))
+        await asyncio.sleep(0.5)
+        assert not pending.done()
+        restarted = await RunningService(SchedulerService(config), port, host="127.0.0.1").start()
+        decision = await asyncio.wait_for(pending, 30)
+        return restarted, decision
+    restarted, decision = arun(while_down_then_restart())
+    assert decision.worker_id == "w-a"  # the registry came back from Redis; the Route was resent
+    assert arun(router.session.flush(5.0))
+    arun(router.close())
+    arun(restarted.stop())
+
+
+def test_session_keeps_order_under_many_concurrent_trajectories(redis_url, run_id, tmp_path, arun):
+    """Routes waiting for the stream while reports are posted: every message arrives once, in order."""
+    config = run_config(redis_url, run_id, tmp_path)
+    running, chan = arun(start(SchedulerService(config)))
+    router = SchedulerRouter(chan, run_id)
+    for wid in ("w-a", "w-b", "w-c"):
+        arun(router.register(_worker(wid)))
+
+    async def trajectory(i: int) -> list[str]:
+        reasons = []
+        for turn in range(3):
+            decision = await router.route(f"t{i}", f"p{i % 7}", turn, 10 + turn, 20, [])
+            reasons.append(decision.reason)
+            await router.turn_done(f"t{i}", decision.worker_id, 5, 0.0, False)
+            if turn < 2:
+                await router.tool_returned(f"t{i}", "calculator", common_pb2.TOOL_STATUS_SUCCESS, 3)
+        await router.finished(f"t{i}", f"p{i % 7}", 15, common_pb2.TRAJECTORY_STATUS_COMPLETED)
+        return reasons
+
+    async def everyone():
+        return await asyncio.wait_for(asyncio.gather(*(trajectory(i) for i in range(200))), 60)
+    reasons = arun(everyone())
+    assert all(r[1:] == ["affinity", "affinity"] for r in reasons)  # each report landed before the next Route
+    assert arun(router.session.flush(10.0))
+    stats = arun(scheduler_pb2_grpc.SchedulerStub(chan).GetStats(spb.GetStatsRequest()))
+    assert stats.active_trajectories == 0
+    assert sum(b.outstanding_requests for b in stats.buckets) == 0  # every turn's load was released once
+    arun(router.close())
+    arun(running.stop())

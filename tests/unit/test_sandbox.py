@@ -1,0 +1,107 @@
+"""The sandbox contains what a program does: time, CPU, forks, disk, memory, network, output, files."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import time
+
+import pytest
+
+from libra.workloads.sandbox import (SandboxLimits, SandboxStatus, isolation_available, python_argv, run_in_sandbox,
+                                     run_python)
+
+LIMITS = SandboxLimits(wall_s=3.0, cpu_s=2, output_bytes=400)
+
+
+def run(code: str, limits: SandboxLimits = LIMITS, **kwargs):
+    return asyncio.run(run_python(code, limits, **kwargs))
+
+
+def test_output_and_exit_status_are_captured():
+    result = run("import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)")
+    assert (result.status, result.exit_code, result.stdout, result.stderr) == (SandboxStatus.ERROR, 3, "out\n", "err\n")
+    ok = run("print(sum(range(10)))")
+    assert ok.status is SandboxStatus.OK and ok.stdout == "45\n" and ok.reason == "exit code 0"
+
+
+def test_an_infinite_loop_hits_the_cpu_limit():
+    result = run("while True:\n    pass")
+    assert result.status is SandboxStatus.TIMEOUT and result.signal in ("SIGXCPU", "SIGKILL")
+
+
+def test_a_sleeping_program_hits_the_wall_clock():
+    started = time.monotonic()
+    result = run("import time\ntime.sleep(60)", SandboxLimits(wall_s=1.0, cpu_s=5))
+    assert result.status is SandboxStatus.TIMEOUT and "wall-clock" in result.reason
+    assert time.monotonic() - started < 10
+
+
+def test_a_fork_bomb_is_contained_and_leaves_nothing_behind():
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    result = run(code, SandboxLimits(wall_s=2.0, cpu_s=2, max_processes=16))
+    assert result.status is SandboxStatus.TIMEOUT
+    time.sleep(0.5)
+    if isolation_available():  # the pid namespace is gone, and every process in it
+        stray = [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) is not None and 61_000 <= _uid(p) < 81_000]
+        assert not stray
+
+
+def _uid(pid: str) -> int | None:
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def test_a_huge_file_fails_and_the_disk_is_bounded():
+    big = run("open('x', 'wb').write(b'0' * (64 * 1024 * 1024))", SandboxLimits(wall_s=5, cpu_s=4, max_file_mb=8))
+    assert big.status is SandboxStatus.ERROR and ("File too large" in big.stderr or big.signal == "SIGXFSZ")
+    many = run("for i in range(64):\n    open(f'f{i}', 'wb').write(b'0' * (4 * 1024 * 1024))",
+               SandboxLimits(wall_s=5, cpu_s=4, max_file_mb=8, disk_mb=32))
+    if isolation_available():
+        assert many.status is SandboxStatus.ERROR and "No space left" in many.stderr
+
+
+def test_memory_is_bounded():
+    result = run("x = bytearray(2 * 1024 ** 3)", SandboxLimits(wall_s=5, cpu_s=4, memory_mb=256))
+    assert result.status is SandboxStatus.ERROR and "MemoryError" in result.stderr
+
+
+def test_the_network_is_unreachable():
+    result = run("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)\nprint('connected')")
+    assert result.status is SandboxStatus.ERROR and "connected" not in result.stdout
+    assert result.isolation == ("namespaces" if isolation_available() else "guard")
+
+
+def test_nothing_is_written_outside_and_the_scratch_directory_goes(tmp_path):
+    target = tmp_path / "escaped"
+    before = set(pathlib.Path("/tmp").glob("libra-sandbox-*"))
+    result = run(f"open({str(target)!r}, 'w').write('x')")
+    assert not target.exists()
+    if isolation_available():
+        assert result.status is SandboxStatus.ERROR
+    assert set(pathlib.Path("/tmp").glob("libra-sandbox-*")) <= before
+
+
+def test_output_is_cut_to_the_bound_keeping_head_and_tail():
+    result = run("print('A' * 5000)\nprint('END')")
+    assert result.stdout_truncated and len(result.stdout) < 600
+    assert result.stdout.startswith("AAAA") and result.stdout.rstrip().endswith("END")
+
+
+def test_files_and_a_source_tree_are_copied_in_and_left_unchanged(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "data.txt").write_text("snapshot")
+    result = asyncio.run(run_in_sandbox(python_argv("main.py"), source=tmp_path, limits=LIMITS, files={
+        "main.py": "print(open('pkg/data.txt').read())\nopen('pkg/data.txt', 'w').write('changed')"}))
+    assert result.status is SandboxStatus.OK and result.stdout == "snapshot\n"
+    assert (tmp_path / "pkg" / "data.txt").read_text() == "snapshot"
+    with pytest.raises(ValueError):
+        asyncio.run(run_in_sandbox(python_argv("main.py"), files={"../out.py": "x"}))
+    with pytest.raises(ValueError):
+        SandboxLimits(wall_s=0)
