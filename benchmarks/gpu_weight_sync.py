@@ -77,6 +77,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     group = WeightsGroup("127.0.0.1", port, rank, 2, args.backend, device=str(device), timeout_s=300,
                          bucket_bytes=args.bucket_mb * 2**20)
     results = []
+    version = [0]  # policy versions only grow, across tensor sets too (the store keys are per version)
     for set_name in args.sets.split(","):
         shapes = llama_shapes(*SETS[set_name])
         generator = torch.Generator(device=device).manual_seed(1) if rank == 0 else None
@@ -102,8 +103,6 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
         def per_tensor():
             for tensor in tensors.values():
                 broadcast(tensor)
-
-        version = [0]
 
         def synced():
             version[0] += 1

@@ -7,6 +7,7 @@
     libra plan --cluster HW.yaml --model M.yaml --trace T --gpus N   # preflight allocation
     libra plan explain --config FILE               # the planner's decisions and calibration
     libra data prepare WORKLOAD --source RAW [--out FILE]   # a dataset -> Libra's prompt JSONL
+    libra sim --cluster HW.yaml --model M.yaml --gpus N --steps S --trace synthetic|FILE   # cluster simulator
 
 Exit codes: 0 success, 1 a failure while running, 2 an invalid config or command line, 130 Ctrl-C.
 """
@@ -122,6 +123,38 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sim(args: argparse.Namespace) -> int:
+    """Discrete-event simulation of the whole loop at cluster scale (services/planner/simulator.py)."""
+    from libra.errors import InvalidArgument
+    from libra.services.planner import sim_run
+    from libra.services.planner.hardware import load_gpu, load_model
+    from libra.services.planner.simulator import SimConfig
+
+    try:
+        model, gpu = load_model(args.model), load_gpu(args.cluster)
+        prompts = args.prompts or max(8, args.gpus)
+        trace = sim_run.build_trace(args.trace, args.steps, prompts, args.group_size, args.seed, args.drift,
+                                    args.max_units)
+        print(f"trace {trace.source}: {args.steps} steps x {trace.batch} trajectories; mean tokens step 0 "
+              f"{trace.mean_tokens(0):,.0f}, last step {trace.mean_tokens(args.steps - 1):,.0f}")
+        every = max(1, args.steps // 10)
+        report = lambda r: print(f"  step {r.step:4d}  t={r.time_s:9,.0f}s  step {r.interval_s:6.1f}s  "  # noqa: E731
+                                 f"rollout {r.rollout_s:6.1f}s  train {r.train_s:6.1f}s") if r.step % every == 0 else None
+        result = sim_run.simulate(model, gpu, args.gpus, trace, args.planner, args.policy,
+                                  SimConfig(staleness=args.staleness, max_workers=args.max_workers),
+                                  progress=report, group_size=args.group_size)
+    except InvalidArgument as error:
+        raise ConfigError(str(error)) from None
+    print("\n".join(sim_run.summary(result)))
+    if args.json:
+        sim_run.write_json(args.json, sim_run.to_json(result, {"planner": args.planner, "policy": args.policy,
+                                                               "gpus": args.gpus, "trace": trace.source}))
+    if args.plot:
+        sim_run.plot({f"{args.planner}/{args.policy}": result}, args.plot,
+                     f"{model.name}, {args.gpus} x {gpu.name}, {trace.source}")
+    return 0
+
+
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from libra.workloads.data_prepare import prepare
 
@@ -178,6 +211,29 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config_path", metavar="FILE")
     _common(check, config_required=False)
     check.set_defaults(func=lambda a: cmd_check(argparse.Namespace(**{**vars(a), "config": a.config_path})))
+    sim = sub.add_parser("sim", help="simulate the whole loop at cluster scale (plans, routing, drift)")
+    sim.add_argument("--cluster", required=True, help="hardware description, e.g. configs/hardware/h200-141g.yaml")
+    sim.add_argument("--model", required=True, help="model description, e.g. configs/models/qwen2.5-7b.yaml")
+    sim.add_argument("--gpus", type=int, required=True, help="GPU budget shared by training and rollout")
+    sim.add_argument("--steps", type=int, default=100, help="training steps to simulate")
+    sim.add_argument("--trace", default="synthetic",
+                     help="'synthetic' (drifting long-tailed agentic) or a trace file: trajectory JSONL, "
+                          "CSV prompt_tokens,output_tokens, or a runtime-history export")
+    sim.add_argument("--policy", default="cmlfq", choices=("cmlfq", "load_balance", "length_aware", "la_mlfq"),
+                     help="scheduler routing policy")
+    sim.add_argument("--planner", default="static", choices=("static", "tp2", "online"),
+                     help="static: best plan for step 0; tp2: homogeneous TP-2; online: the replanner")
+    sim.add_argument("--prompts", type=int, default=0, help="prompts per step (default: max(8, gpus))")
+    sim.add_argument("--group-size", type=int, default=8, help="GRPO samples per prompt")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
+    sim.add_argument("--drift", type=float, default=1.0, help="synthetic lengths grow by 1 + drift over the run")
+    sim.add_argument("--staleness", type=int, default=1, help="batches rollout may run ahead of training")
+    sim.add_argument("--max-units", type=int, default=1024,
+                     help="simulated trajectories per step; above it one stands for several identical ones")
+    sim.add_argument("--max-workers", type=int, default=256, help="engines simulated one by one; above it pooled")
+    sim.add_argument("--json", help="write the result as JSON here")
+    sim.add_argument("--plot", help="write throughput over steps as a PNG here")
+    sim.set_defaults(func=cmd_sim)
     data = sub.add_parser("data", help="dataset tools")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prepare = data_sub.add_parser("prepare", help="convert a public dataset file into Libra's prompt JSONL")

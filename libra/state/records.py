@@ -72,6 +72,15 @@ class RecordStore(StoreBase):
         rows = await redis.xrevrange(self.keys.history(kind), count=count)
         return [common_pb2.HistoryRecord.FromString(fields[b"data"]) for _, fields in reversed(rows)]
 
+    async def read_history_after(self, kind: str, after: str = "", count: int = 1000,
+                                 ) -> list[tuple[str, common_pb2.HistoryRecord]]:
+        """Records of a kind strictly after stream id `after` ("": from the oldest kept), oldest
+        first, with their stream ids: a reader keeps the last id as its cursor."""
+        redis = await self._ready()
+        rows = await redis.xrange(self.keys.history(kind), min=f"({after}" if after else "-", count=count)
+        return [(entry.decode() if isinstance(entry, bytes) else entry, common_pb2.HistoryRecord.FromString(fields[b"data"]))
+                for entry, fields in rows]
+
     async def history_length(self, kind: str) -> int:
         """Records currently kept for a kind (trimming is approximate: may exceed the cap a little)."""
         redis = await self._ready()

@@ -96,14 +96,18 @@ class ElasticCoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ApplyPlan(self, request, context):
-        """Execute a plan from the planner; generations decide races.
+        """Execute a plan from the planner; answers at once with the actions it implies (the work runs in
+        the background). Generations decide races: an older generation than the plan in force is
+        ABORTED ("a newer plan won"), the same generation returns its progress, a newer one cancels
+        the older plan's joins (rolled back) and runs. Releases and drains run before joins and starts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetPlanProgress(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Progress of the plan in force (generation 0) or of a given generation ("superseded" if older).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -47,7 +47,11 @@ from typing import Sequence
 from libra import log as liblog
 
 _log = liblog.get("libra.sandbox")
-UID_BASE = 61_000 + (os.getpid() % 997) * 20  # one uid per concurrent run; see _next_uid
+UIDS_PER_PROCESS = 256
+UID_FIRST = 100_000
+"""Sandboxed programs run as uids UID_FIRST.. (unused by anyone else), one per concurrent run of a
+process (cycling through UIDS_PER_PROCESS), so RLIMIT_NPROC counts only that run's processes."""
+UID_BASE = UID_FIRST + (os.getpid() % 4096) * UIDS_PER_PROCESS
 _uids = itertools.count()
 
 
@@ -171,7 +175,7 @@ def isolation_available() -> bool:
 
 
 def _next_uid() -> int:
-    return UID_BASE + next(_uids) % 20
+    return UID_BASE + next(_uids) % UIDS_PER_PROCESS
 
 
 def _reveal_list(stash_root: pathlib.Path) -> list[list[str]]:
@@ -221,7 +225,7 @@ async def _read_bounded(stream: asyncio.StreamReader, limit: int) -> tuple[bytes
     return bytes(head) + b"\n[... output truncated ...]\n" + bytes(tail), True
 
 
-def _decode(data: bytes, truncated: bool) -> str:
+def _decode(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
 
@@ -317,7 +321,7 @@ async def _supervise(command: list[str], options: dict | None, limits: SandboxLi
         (out, out_cut), (err, err_cut) = (b"", True), (b"", True)
     seconds = time.monotonic() - started
     code = process.returncode
-    base = SandboxRun(SandboxStatus.OK, "exit code 0", code, None, _decode(out, out_cut), _decode(err, err_cut),
+    base = SandboxRun(SandboxStatus.OK, "exit code 0", code, None, _decode(out), _decode(err),
                       out_cut, err_cut, seconds, isolation)
     if timed_out:
         return dataclasses.replace(base, status=SandboxStatus.TIMEOUT, reason=f"wall-clock limit {limits.wall_s}s",
@@ -348,9 +352,8 @@ def _kill_group(pid: int) -> None:
 async def run_python(code: str, limits: SandboxLimits = SandboxLimits(), files: dict[str, str] | None = None,
                      source: str | os.PathLike[str] | None = None) -> SandboxRun:
     """Run Python source `code` as ``main.py`` in the sandbox (with `files` beside it)."""
-    return await run_in_sandbox([sys.executable, "-I", "main.py"] if isolation_available()
-                                else [sys.executable, "-s", "main.py"],
-                                source=source, files={**(files or {}), "main.py": code}, limits=limits)
+    return await run_in_sandbox(python_argv("main.py"), source=source, files={**(files or {}), "main.py": code},
+                                limits=limits)
 
 
 def python_argv(*args: str) -> list[str]:

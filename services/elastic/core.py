@@ -14,8 +14,9 @@ Every phase but ROLLOUT and ACTIVE has a deadline; past it the replica is rolled
 
 Recovery after a coordinator restart (`recovery`): JOINING, FETCHING_STATE and ALIGNED resume when
 the hybrid process is still alive (or was not started yet) and the phase's deadline has not
-passed (admitting is a replay by request id, polling is read-only), else roll back; RELEASING always resumes (a release is idempotent) and FAILED
-always finishes its rollback; ACTIVE is watched like any active replica.
+passed (admitting is a replay by request id, polling is read-only), else roll back; RELEASING
+always resumes (a release is idempotent) and FAILED always finishes its rollback; ACTIVE is
+watched like any active replica.
 
 Plans: `diff_plan` turns a plan and the live members into actions, ordered by the swap rule for a
 cluster with no spare GPUs: every action that frees GPUs (release a hybrid, drain a rollout

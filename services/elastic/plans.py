@@ -35,6 +35,7 @@ _log = liblog.get("libra.elastic")
 S = pb.MemberState
 PROGRESS_BLOB = "elastic.plan_progress"
 FINAL = ("applied", "failed", "superseded")
+STOPPED_EARLY = "its replica task stopped early (another writer, or see the coordinator log)"
 
 
 class PlanRunner:
@@ -95,7 +96,11 @@ class PlanRunner:
             if current is not None and message.generation == current.generation:
                 return current  # the same plan again: its progress
             previous_plan = await self.store.get_plan()
-            await self.store.put_plan(message)  # Conflict when the planner already stored a newer one
+            if previous_plan is not None and previous_plan.generation > message.generation:
+                raise Conflict(f"plan generation {message.generation} is older than the stored plan "
+                               f"(generation {previous_plan.generation}); a newer plan won")
+            if previous_plan is None or previous_plan.generation < message.generation:
+                await self.store.put_plan(message)  # the planner usually stored it already (then: as is)
             plan = from_proto(message)
             actions = await self._diff(plan, previous_plan)
             progress = pb.PlanProgress(generation=plan.generation, state="applying", started_at=self.clock(),
@@ -205,7 +210,7 @@ class PlanRunner:
         result = await asyncio.shield(self.replicas.release(member, plan.generation))
         released = result is not None and result.state == S.MEMBER_STATE_ROLLOUT and result.detail.startswith(
             "released")
-        return released, result.detail if result is not None else "another writer took the replica over"
+        return released, result.detail if result is not None else STOPPED_EARLY
 
     async def _drain(self, plan: Plan, action: core.Action) -> tuple[bool, str]:
         # shielded: a drain half done (deregistered, not stopped) must not be left behind
@@ -227,7 +232,7 @@ class PlanRunner:
         task = self.replicas.join(member, plan.generation, core.displaced_specs(action, plan))
         result = await asyncio.shield(task)
         if result is None:
-            return False, "another writer took the replica over"
+            return False, STOPPED_EARLY
         return result.state == S.MEMBER_STATE_ACTIVE, result.detail
 
     async def _start(self, plan: Plan, progress: pb.PlanProgress, starts: list[tuple[int, core.Action]]) -> None:

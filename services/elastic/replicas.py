@@ -116,6 +116,10 @@ class ReplicaTasks:
             _log.warning("hybrid record changed under this task; leaving it to its writer", replica=replica_id,
                          error=str(error))
             return None
+        except Exception as error:  # noqa: BLE001 - e.g. Redis gone: the record is unchanged, `sweep` retries
+            _log.error("hybrid task failed; the watcher retries it", replica=replica_id, error=repr(error),
+                       exc_info=error)
+            return None
 
     def join(self, member: pb.Member, plan_generation: int,
              displaced: list[common_pb2.BucketSpec] | None = None) -> asyncio.Task:

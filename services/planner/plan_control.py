@@ -86,7 +86,7 @@ class Online(SearchOnce):
         super().__init__("online", model, gpu, config)
         self.settings = settings
         self.replanner: Replanner | None = None
-        self.decisions: list[tuple[int, str]] = []
+        self.decisions: list[tuple[int, bool, str]] = []  # (step, applied, reason)
 
     def initial(self, trace: Trace) -> Candidate:
         best = super().initial(trace)
@@ -103,11 +103,11 @@ class Online(SearchOnce):
             record.step, record.interval_s, record.rollout_s, record.train_s, record.queue_depth,
             record.active_rollouts, 0, list(record.lengths), record.sequences))
         if rejected:
-            self.decisions.append((record.step, f"observation rejected: {rejected}"))
+            self.decisions.append((record.step, False, f"observation rejected: {rejected}"))
             return None
         decision = self.replanner.consider(record.time_s)
-        if decision.record:
-            self.decisions.append((record.step, decision.reason))
+        if decision.record or decision.applied:
+            self.decisions.append((record.step, decision.applied, decision.reason))
         if decision.applied and decision.chosen is not None:
             return PlanChange(decision.chosen, decision.transition_cost_s, decision.reason)
         return None

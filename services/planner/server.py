@@ -43,20 +43,6 @@ DECISIONS = Counter("libra_planner_decisions_total", "replanning decisions by ou
 IGNORED = Counter("libra_planner_history_ignored_total", "history records ignored as invalid", ["kind"])
 
 
-async def read_history_after(store, kind: str, after: str, count: int) -> list[tuple[str, common_pb2.HistoryRecord]]:
-    """Entries of a history stream strictly after stream id `after` ("" = from the start), oldest first.
-
-    Uses the store's client directly: `RecordStore.read_history` returns only the latest records.
-    """
-    redis = await store._ready()
-    rows = await redis.xrange(store.keys.history(kind), min=f"({after}" if after else "-", count=count)
-    out = []
-    for entry, fields in rows:
-        entry = entry.decode() if isinstance(entry, bytes) else entry
-        out.append((entry, common_pb2.HistoryRecord.FromString(fields[b"data"])))
-    return out
-
-
 class PlannerService(Service):
     name = "planner"
 
@@ -132,7 +118,7 @@ class PlannerService(Service):
         plan = await self.store.get_plan()
         records = {}
         for kind in ("turn", "step"):
-            rows = await read_history_after(self.store, kind, self.online["cursor"][kind], HISTORY_BATCH)
+            rows = await self.store.read_history_after(kind, self.online["cursor"][kind], HISTORY_BATCH)
             records[kind] = [record for _, record in rows]
             if rows:
                 self.online["cursor"][kind] = rows[-1][0]

@@ -32,7 +32,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 from pydantic import Field
 
@@ -62,7 +62,7 @@ class SimConfig(Section):
 
     staleness: int = Field(1, ge=0, le=64, description="batches rollout may run ahead of training "
                                                         "(0: synchronous)")
-    policy: str = Field("cmlfq", description="scheduler routing policy: load_balance, cmlfq, length_aware, la_mlfq")
+    policy: Literal["load_balance", "cmlfq", "length_aware", "la_mlfq"] = Field("cmlfq", description="scheduler routing policy: load_balance, cmlfq, length_aware, la_mlfq")
     per_worker_cap_tokens: int = Field(1_000_000_000, ge=1, description="the policy's per-worker cap "
                                                                          "(outstanding tokens)")
     turn_budget_tokens: int = Field(8192, ge=1, le=10_000_000, description="max_new_tokens sent with each turn")
@@ -99,7 +99,8 @@ class SimResult:
     peak_kv: float
     pooled: int  # largest number of engines behind one simulated worker
     copies: int
-    wall_s: float
+    wall_s: float  # seconds this run took on this machine (the initial plan's search included)
+    cpu_s: float  # CPU seconds of this process for the run (less sensitive to a shared machine)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -137,12 +138,14 @@ class Simulator:
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self, progress: Callable[[StepRecord], None] | None = None) -> SimResult:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         self.events: list = []
         self.seq = 0
         self.now = 0.0
         self.instances: dict[str, SimInstance] = {}
         self.policy: Policy | None = None
+        self.serving: list[SimInstance] = []
+        self.floor = (0, 0, 0)
         self.parked: list[Unit] = []
         self.routes, self.reasons = 0, Counter()
         self.steps = len(self.trace.steps)
@@ -179,7 +182,7 @@ class Simulator:
         trajectories = self.trace.batch * self.steps
         return SimResult(self.records, self.now, trajectories, self.tokens, self.changes, self.first_plan,
                          self.candidate.describe(), self.routes, self.reasons, peak, self.pooled, copies,
-                         time.perf_counter() - started, self.notes)
+                         time.perf_counter() - started, time.process_time() - cpu, self.notes)
 
     def _push(self, when: float, kind: int, item, version: int = 0) -> None:
         self.seq += 1
@@ -199,12 +202,15 @@ class Simulator:
         if unit.policy is not None and unit.policy is not policy:
             Policy.finish(unit.policy, spec.trajectory_id, spec.prompt_id, 0)  # forget it there, learn nothing
             unit.policy = None
-        serving = [i for i in self.instances.values() if i.up]
-        if not serving:
+        if not self.serving:
             self.parked.append(unit)
             return
-        exclude = frozenset(i.wid for i in serving if not i.fits(unit))
-        if len(exclude) == len(serving):
+        seq_floor, seqs_floor, kv_floor = self.floor
+        exclude: frozenset[str] = frozenset()
+        if unit.final > seq_floor or unit.copies > seqs_floor or unit.copies * unit.final > kv_floor:
+            # rare: some engine cannot hold this turn, check them one by one
+            exclude = frozenset(i.wid for i in self.serving if not i.fits(unit))
+        if len(exclude) == len(self.serving):
             if any(i.fits(unit) for i in self.instances.values()):
                 self.parked.append(unit)  # an engine that can hold it is starting
                 return
@@ -272,22 +278,26 @@ class Simulator:
         self._push(self.now + self.train_s, TRAIN_DONE, step)
 
     def _train_seconds(self, step: int) -> float:
-        """The layout's step time; when the lengths have grown past its memory, the largest smaller
-        micro-batch that fits (a runtime knob, not a reallocation); an error when none fits."""
+        """The layout's step time. When the lengths have grown past its memory, what a trainer does
+        without new GPUs: a smaller micro-batch, then full activation recompute (activations of
+        the layer inputs only, one more forward pass: 4/3 of the compute); an error when none fits."""
         layout, batch = self.candidate.layout, self.trace.batch
         seq_len = max(1, round(self.trace.mean_tokens(step)))
+        base = self.search_config.train
+        full_recompute = base.model_copy(update={"activation_bytes_per_token_layer": 2.0, "mfu": base.mfu * 0.75})
         error = None
-        for mb in [m for m in range(layout.micro_batch, 0, -1) if (batch // layout.dp) % m == 0]:
-            try:
-                seconds = cost_train.step_time(self.model, self.gpu, Layout(layout.tp, layout.pp, layout.dp, mb),
-                                               batch, seq_len, self.search_config.train).seconds
-            except Infeasible as failure:
-                error = error or failure
-                continue
-            if mb != layout.micro_batch:
-                self.notes.append(f"step {step}: micro_batch {layout.micro_batch} -> {mb} to fit "
-                                  f"{seq_len}-token sequences")
-            return seconds
+        for eff, how in ((base, ""), (full_recompute, "full activation recompute")):
+            for mb in [m for m in range(layout.micro_batch, 0, -1) if (batch // layout.dp) % m == 0]:
+                try:
+                    seconds = cost_train.step_time(self.model, self.gpu, Layout(layout.tp, layout.pp, layout.dp, mb),
+                                                   batch, seq_len, eff).seconds
+                except Infeasible as failure:
+                    error = error or failure
+                    continue
+                if mb != layout.micro_batch or how:
+                    self.notes.append(f"step {step}: micro_batch {mb}{', ' + how if how else ''} to fit "
+                                      f"{seq_len}-token sequences")
+                return seconds
         raise SimulationError(f"step {step}: the training layout cannot run a batch of {batch} sequences of "
                               f"{seq_len} tokens on {self.gpu.name}: {error}")
 
@@ -356,6 +366,7 @@ class Simulator:
             self.instances[instance.wid] = instance
             self._push(ready, UP, instance)
         self.candidate = candidate
+        self._serving_changed()
         self._new_policy(candidate, lengths)
         for instance in keep:
             if instance.up:
@@ -375,6 +386,13 @@ class Simulator:
             if old is not None and hasattr(old, name):
                 setattr(self.policy, name, getattr(old, name))
 
+    def _serving_changed(self) -> None:
+        """Cache the engines that serve and the largest turn every one of them can hold."""
+        self.serving = [i for i in self.instances.values() if i.up]
+        self.floor = (min((i.seq_capacity for i in self.serving), default=0),
+                      min((i.max_seqs for i in self.serving), default=0),
+                      min((i.capacity for i in self.serving), default=0))
+
     def _register(self, instance: SimInstance) -> None:
         self.policy.register(Worker(instance.wid, f"tp{instance.tp}", f"sim://{instance.wid}", instance.tp,
                                     outstanding_tokens=instance.load_tokens(),
@@ -385,6 +403,7 @@ class Simulator:
             return
         instance.up = True
         instance.last = self.now
+        self._serving_changed()
         self._register(instance)
         parked, self.parked = self.parked, []
         for unit in parked:

@@ -20,7 +20,9 @@ same number of trajectories, since the training layout must divide the batch). T
 are read too, as single-turn trajectories cut into batches of `batch` in file order (repeated
 from the start when the file is shorter than steps x batch): CSV `prompt_tokens,output_tokens`
 (like `configs/traces/agentic-longtail.csv`) and a runtime-history export (JSON lines of
-`HistoryRecord`s; only `kind: "turn"` records count, as the rollout service writes them).
+`HistoryRecord`s; only `kind: "turn"` records count, as the rollout service writes them). A
+trace a real run recorded (`RUN_DIR/trace.jsonl`, `libra.trace_record`: `outputs` and `tools` per
+trajectory) keeps its turns and tool outcomes and is cut into batches the same way.
 
 This module must not know about instances, policies or plans. Pure apart from file reading.
 """
@@ -132,8 +134,8 @@ def _check_one(spec: TrajectorySpec, step: int, source: str) -> None:
         raise InvalidArgument(f"{where}: no turns; a trajectory needs at least one model turn")
     for index, turn in enumerate(spec.turns):
         at = f"{where} turn {index}"
-        if not 1 <= turn.output_tokens <= MAX_TOKENS:
-            raise InvalidArgument(f"{at}: output_tokens={turn.output_tokens}, must be in 1..{MAX_TOKENS}")
+        if not 0 <= turn.output_tokens <= MAX_TOKENS:
+            raise InvalidArgument(f"{at}: output_tokens={turn.output_tokens}, must be in 0..{MAX_TOKENS}")
         if index + 1 < len(spec.turns):
             if not turn.tool or turn.status not in STATUSES:
                 raise InvalidArgument(f"{at}: a turn before the last needs a tool name and a status in "
@@ -142,6 +144,8 @@ def _check_one(spec: TrajectorySpec, step: int, source: str) -> None:
                 raise InvalidArgument(f"{at}: payload_tokens={turn.payload_tokens}, must be in 0..{MAX_TOKENS}")
             if not (math.isfinite(turn.latency_s) and 0 <= turn.latency_s <= MAX_LATENCY_S):
                 raise InvalidArgument(f"{at}: latency_s={turn.latency_s}, must be in 0..{MAX_LATENCY_S:.0f}")
+    if spec.output_tokens < 1:
+        raise InvalidArgument(f"{where}: the model generated no tokens in any turn; a trajectory needs >= 1")
     if spec.total_tokens > MAX_TOKENS:
         raise InvalidArgument(f"{where}: {spec.total_tokens} tokens in all (prompt + outputs + tool payloads); "
                               f"at most {MAX_TOKENS}")
@@ -160,8 +164,11 @@ def load(path: str | pathlib.Path, steps: int, batch: int) -> Trace:
     if not lines:
         raise InvalidArgument(f"trace {path} has no entries")
     first = lines[0][1]
-    if first.startswith("{") and "turns" in json.loads(_json(path, *lines[0])):
+    keys = json.loads(_json(path, *lines[0])) if first.startswith("{") else {}
+    if "turns" in keys:
         return _trajectories(path, lines, steps)
+    if "outputs" in keys:
+        return _recorded(path, steps, batch)
     pairs = _history(path, lines) if first.startswith("{") else _csv(path, lines)
     return from_pairs(pairs, steps, batch, str(path))
 
@@ -193,6 +200,30 @@ def _trajectories(path: pathlib.Path, lines: Sequence[tuple[int, str]], steps: i
     if steps > len(by_step):
         raise InvalidArgument(f"{path} holds {len(by_step)} steps; asked to simulate {steps}")
     return check(Trace(tuple(tuple(by_step[s]) for s in range(steps)), str(path)))
+
+
+def _recorded(path: pathlib.Path, steps: int, batch: int) -> Trace:
+    """A trace a real run recorded (`libra.trace_record`), cut into batches in file order."""
+    from libra import trace_record
+
+    records = list(trace_record.load(path))
+    if not records:
+        raise InvalidArgument(f"{path}: no completed trajectories recorded")
+    if steps < 1 or batch < 1:
+        raise InvalidArgument(f"steps ({steps}) and batch ({batch}) must be >= 1")
+    out = []
+    for step in range(steps):
+        specs = []
+        for i in range(batch):
+            record = records[(step * batch + i) % len(records)]
+            tools = record["tools"] + [{}]
+            turns = tuple(TurnSpec(int(o), str(t.get("name", "")), str(t.get("status", "")),
+                                   int(t.get("payload_tokens", 0)), float(t.get("latency_s", 0.0)))
+                          for o, t in zip(record["outputs"], tools))
+            specs.append(TrajectorySpec(f"s{step}-{record['trajectory_id']}-{i}", str(record["prompt_id"]), step,
+                                        max(1, int(record["prompt_tokens"])), turns))
+        out.append(tuple(specs))
+    return check(Trace(tuple(out), str(path)))
 
 
 def _csv(path: pathlib.Path, lines: Sequence[tuple[int, str]]) -> list[tuple[int, int]]:

@@ -124,6 +124,8 @@ class HFEngine:
     def _loop(self) -> None:
         import torch
 
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this thread's kernels and NCCL calls go to the engine's GPU
         with torch.inference_mode():
             while not self._stopping.is_set():
                 self._run_control()
@@ -262,6 +264,7 @@ class HFEngine:
                         state[name].copy_(handle.get_tensor(name))
                         count += 1
         self.version = version
+        self.dirty = None  # a complete weight set: consistent again after a half-received version
         return {"version": version, "seconds": time.perf_counter() - started, "tensors": count}
 
     def join_weights_group(self, host: str, port: int, rank: int, world_size: int, backend: str,

@@ -194,10 +194,15 @@ class OpenAIGateway:
             return None
         traj.status, traj.started_at = T.TRAJECTORY_STATUS_RUNNING, time.time()
         await self.service.store.put_trajectory(traj)
-        self.trajectories[tid] = ExternalTrajectory(traj, time.monotonic())
-        prompt = self.runner.workload.prompt(int(traj.prompt_id))
+        external = self.trajectories[tid] = ExternalTrajectory(traj, time.monotonic())
+        try:
+            prompt = self.runner.workload.prompt(int(traj.prompt_id))
+        except InvalidArgument as error:  # a bad dataset row fails its trajectory; the claim goes on
+            await self._complete(tid, external, 0.0, str(error))
+            return None
+        meta = {k: v for k, v in prompt.meta.items() if isinstance(v, (str, int, float, bool))}
         return {"trajectory_id": tid, "group_id": traj.group_id, "prompt_id": traj.prompt_id,
-                "sample_index": traj.sample_index, "prompt": prompt.text,
+                "sample_index": traj.sample_index, "prompt": prompt.text, "meta": meta,
                 "messages": [{"role": "user", "content": prompt.text}]}
 
     def _external(self, request: web.Request, body: dict[str, Any]) -> tuple[str, ExternalTrajectory]:
@@ -279,8 +284,18 @@ class OpenAIGateway:
         budget = min(asked, cfg.max_new_tokens, cfg.max_total_tokens - total)
         if budget < 1:
             raise bad_request(f"the trajectory would exceed rollout.max_total_tokens ({cfg.max_total_tokens}); finish it")
+        before = (external.state, len(external.state.ids), len(external.state.mask),
+                  len(external.state.events)) if external.state else (None, 0, 0, 0)
         await self._append(external, ids, segments)
-        outcome = await self.runner._model_turn(external.trajectory, external.state, external.turns, budget)
+        try:
+            outcome = await self.runner._model_turn(external.trajectory, external.state, external.turns, budget)
+        except BaseException:  # the turn did not happen: the record stays as it was, the harness may retry
+            state, length, masked, events = before
+            if state is not None:
+                del state.ids[length:], state.mask[masked:], state.logprobs[masked:], state.versions[masked:]
+                del state.events[events:]
+            external.state = state
+            raise
         text = self.runner.tokenizer.decode(outcome.token_ids, skip_special_tokens=True)
         return outcome, text
 

@@ -171,7 +171,8 @@ class SchedulerSession:
                     for message in list(self._unacked.values()):  # not confirmed by any stream yet, in order
                         await call.write(message)
                         self._written = message.seq
-                    self._pending.clear()  # all of them were just written
+                    while self._pending and self._pending[0].seq <= self._written:
+                        self._pending.popleft()  # just resent; anything newer is still to write, in order
                     self._call = call
                 async for answer in call:
                     failing_since, backoff = None, 0.05

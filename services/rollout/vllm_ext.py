@@ -1,4 +1,5 @@
-"""Libra's extension of the vLLM worker: in-place weight reload from a safetensors directory.
+"""Libra's extension of the vLLM worker: in-place weight reload from a safetensors directory or
+from the weights group (NCCL on GPUs, gloo on CPU; see weight_sync.py).
 
 vLLM mixes this class into its worker class when the server is started with
 `--worker-extension-cls libra.services.rollout.vllm_ext.LibraWorkerExtension` (see
@@ -24,6 +25,7 @@ This module must not know about HTTP, Redis or the gateway; it only imports what
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -99,6 +101,50 @@ class LibraWorkerExtension:
         self.libra_version = version
         return {"version": version, "seconds": time.perf_counter() - started,
                 "tensors": len(counted)}
+
+    def libra_join_weights_group(self, host: str, port: int | str, first_rank: int | str, world_size: int | str,
+                                 backend: str, timeout_s: float | str, bucket_mb: int | str) -> dict[str, Any]:
+        """Join the weights group as rank `first_rank` + this worker's TP rank (weight_sync.py).
+
+        Blocks until every rank has joined, so the trainer (rank 0) joins at the same time.
+        """
+        from libra.services.rollout.weight_sync import WeightsGroup
+
+        rank = int(first_rank) + int(getattr(self, "rank", 0))
+        device = str(getattr(self, "device", "cpu"))
+        self.libra_group = WeightsGroup(host, int(port), rank, int(world_size), backend, device=device,
+                                        timeout_s=float(timeout_s), bucket_bytes=int(bucket_mb) * 2**20)
+        return {"rank": rank, "world_size": int(world_size), "backend": backend}
+
+    def libra_receive_weights(self, version: int | str) -> dict[str, Any]:
+        """Receive `version` from the weights group and load it like a weight directory.
+
+        Every TP rank receives the whole set (HF names) and vLLM's layer-wise reload picks its
+        shard. A version the sender aborted (a rank missing) answers {"error"} with the weights
+        untouched; a failure mid-transfer raises (the gateway marks the worker unhealthy).
+        """
+        from libra.services.rollout.weight_sync import WeightSyncError
+
+        group = getattr(self, "libra_group", None)
+        if group is None:
+            return {"error": "FailedPrecondition: this worker has not joined a weights group"}
+        started = time.perf_counter()
+        version = _check_version(version)
+        stream = group.receive(version)
+        try:
+            first = next(stream)
+        except WeightSyncError as error:  # aborted before any byte moved: weights unchanged
+            return {"error": f"WeightSyncError: {error}"}
+        counted: list[str] = []
+
+        def tensors() -> Iterator[tuple[str, Any]]:
+            for name, tensor in itertools.chain([first], stream):
+                counted.append(name)
+                yield name, tensor
+
+        self.reload_weights(weights_iterator=tensors())  # type: ignore[attr-defined]
+        self.libra_version = version
+        return {"version": version, "seconds": time.perf_counter() - started, "tensors": len(counted)}
 
     def libra_policy_version(self) -> int:
         """The policy version of the weights this worker holds now."""

@@ -170,7 +170,10 @@ class WeightsGroup:
         if backend == "nccl":
             torch.cuda.set_device(self.device)
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
+            try:
+                options._timeout = timeout
+            except AttributeError:  # older torch: the options carry no timeout; NCCL's default applies
+                pass
             self.group = dist.ProcessGroupNCCL(pg_store, rank, world_size, options)
         else:
             self.group = dist.ProcessGroupGloo(pg_store, rank, world_size, timeout)

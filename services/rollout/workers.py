@@ -180,15 +180,16 @@ class WorkerPool:
         """
         host, port = address.rsplit(":", 1)
         workers = sorted(self.serving(), key=lambda w: w.worker_id)
-        if first_rank + len(workers) > world_size:
-            raise ValueError(f"{len(workers)} workers from rank {first_rank} do not fit a weights group of "
-                             f"{world_size}")
+        firsts = [first_rank + sum(w.tp for w in workers[:i]) for i in range(len(workers))]  # one rank per TP rank
+        if first_rank + sum(w.tp for w in workers) > world_size:
+            raise ValueError(f"{len(workers)} workers ({sum(w.tp for w in workers)} TP ranks) from rank {first_rank} "
+                             f"do not fit a weights group of {world_size}")
         c = self.config
         await asyncio.gather(*(collective_rpc(w.client, "libra_join_weights_group",
-                                              [host, int(port), first_rank + i, world_size, c.weights_group_backend,
+                                              [host, int(port), first, world_size, c.weights_group_backend,
                                                c.weights_sync_timeout_s, c.weights_bucket_mb],
                                               timeout=c.weights_sync_timeout_s + 30)
-                               for i, w in enumerate(workers)))
+                               for first, w in zip(firsts, workers)))
         return workers
 
     async def receive_weights(self, version: int, fallback_path: str | None = None) -> list[rollout_pb2.WorkerAck]:
@@ -207,7 +208,7 @@ class WorkerPool:
                 if errors:
                     raise Unavailable(errors[0])
             except Exception as error:  # noqa: BLE001 - per worker: retried from disk, else unhealthy
-                if fallback_path is None or not await worker.client.health():
+                if fallback_path is None or not worker.process.alive:
                     return self._missed(worker, version, error)
                 _log.warning("weights group missed a version; loading it from disk", worker=worker.worker_id,
                              version=version, error=str(error))

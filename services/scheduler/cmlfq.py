@@ -10,7 +10,8 @@ done: a trajectory that has already produced more than its bucket's `max_tokens`
 level ("move:work"). Between moves it keeps its worker (KV/prefix cache affinity) unless that
 worker is over the per-worker cap. Finished trajectories teach the tree.
 
-    route(turn) ──▶ new? shortest bucket ── pending move? target bucket ── else affinity
+    route(turn) ──▶ new? shortest bucket (or "fallback:spill" to an idling bucket) ── pending move?
+                    target bucket ── else affinity
                           │                         │
                           └──── least outstanding tokens under the cap in the bucket
                                  └─ none: nearest other bucket with room ("fallback:bucket")
@@ -71,7 +72,7 @@ class CMLFQ(Policy):
     def __init__(self, per_worker_cap_tokens: int, affinity: bool = True,
                  buckets: list[tuple[str, int]] = (("short", 4000),),  # type: ignore[assignment]
                  forest: PrefixForest | None = None, thresholds: SizeThresholds | None = None,
-                 max_moves: int = 4):
+                 max_moves: int = 4, start_spill_factor: float = 2.0):
         super().__init__(per_worker_cap_tokens, affinity)
         ordered = ordered_buckets(list(buckets))
         self.buckets = [name for name, _ in ordered]
@@ -83,6 +84,9 @@ class CMLFQ(Policy):
         if max_moves < 0:
             raise InvalidArgument(f"max_moves must be >= 0, got {max_moves}")
         self.max_moves = max_moves
+        if start_spill_factor and start_spill_factor < 1:
+            raise InvalidArgument(f"start_spill_factor must be 0 (off) or >= 1, got {start_spill_factor}")
+        self.start_spill_factor = start_spill_factor
         self.progress: dict[str, Progress] = {}
         self.signals: Counter = Counter()  # what tool returns concluded: move, stay, disagree, ...
 
@@ -122,8 +126,27 @@ class CMLFQ(Policy):
         for nearest in self.nearest[level]:
             room = [w for w in by_level[nearest] if w.outstanding_tokens < self.cap]
             if room:
-                return self.least_loaded(room), reason if nearest == level else "fallback:bucket"
+                best = self.least_loaded(room)
+                if nearest == level and self.start_spill_factor and reason == "new:shortest":
+                    return self._spill(level, best, by_level) or (best, reason)
+                return best, reason if nearest == level else "fallback:bucket"
         return self.least_loaded(candidates), "fallback:any"
+
+    def _spill(self, level: int, best: Worker, by_level: list[list[Worker]]) -> tuple[Worker, str] | None:
+        """Work conservation at admission: a new trajectory starts in the shortest bucket unless even
+        that bucket's least loaded worker carries more than `start_spill_factor` times the load of
+        another bucket's least loaded worker (that bucket idles while this one queues); then it
+        starts there (nearest bucket first). Only starts spill: once the tree has spoken, a
+        trajectory goes where its prediction says (spilling those would mix long and short again)."""
+        if best.outstanding_tokens == 0:
+            return None
+        for other in self.nearest[level][1:]:
+            room = [w for w in by_level[other] if w.outstanding_tokens < self.cap]
+            if room:
+                candidate = self.least_loaded(room)
+                if candidate.outstanding_tokens * self.start_spill_factor < best.outstanding_tokens:
+                    return candidate, "fallback:spill"
+        return None
 
     def _nearest_levels(self, level: int) -> list[int]:
         """`level`, then the others by distance; on a tie the longer bucket first (it fits)."""

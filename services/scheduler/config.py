@@ -33,6 +33,17 @@ class SchedulerConfig(Section):
                                               "la_mlfq: prompts kept in its history table")
     max_moves: int = Field(4, ge=0, le=1000,
                            description="cmlfq: bucket moves after which a trajectory is pinned (hysteresis)")
+    start_spill_factor: float = Field(2.0, ge=0, le=1000,
+                                      description="cmlfq: a new trajectory starts in a longer bucket when the "
+                                      "shortest bucket's least loaded worker carries more than this many times "
+                                      "the load of that bucket's least loaded worker (0: always start shortest)")
+
+    @model_validator(mode="after")
+    def _spill_factor_is_off_or_at_least_one(self) -> "SchedulerConfig":
+        if 0 < self.start_spill_factor < 1:
+            raise ValueError(f"scheduler.start_spill_factor must be 0 (off) or >= 1, got {self.start_spill_factor}: "
+                             "below 1 a new trajectory would leave the shortest bucket even when it is less loaded")
+        return self
 
     @model_validator(mode="after")
     def _size_thresholds_ordered(self) -> "SchedulerConfig":

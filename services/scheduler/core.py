@@ -181,7 +181,7 @@ def make_policy(config: SchedulerConfig, buckets: list[tuple[str, int]] | None =
         forest = PrefixForest(config.min_visits, config.p90_window, config.max_prompt_trees)
         thresholds = SizeThresholds(config.tool_small_max_tokens, config.tool_medium_max_tokens)
         return cmlfq.CMLFQ(config.per_worker_cap_tokens, config.affinity, buckets, forest, thresholds,
-                           config.max_moves)
+                           config.max_moves, config.start_spill_factor)
     if config.policy in ("length_aware", "la_mlfq", "oracle"):
         from libra.services.scheduler import baselines  # imported here: it builds on this module
 

@@ -101,7 +101,6 @@ class MegatronBackend(TrainBackend):
         self._build_optimizer(bf16)
 
     def _build(self, hf_config: Any, bf16: bool) -> Any:
-        import torch
         from megatron.core.models.gpt import GPTModel
 
         from libra.services.trainer import megatron_convert as convert
@@ -109,16 +108,16 @@ class MegatronBackend(TrainBackend):
 
         settings = self.config.megatron
         tconfig = convert.transformer_config(
-            hf_config, tp=settings.tensor_parallel, bf16=bf16, use_cpu_initialization=True,
-            perform_initialization=False, calculate_per_token_loss=True)
+            hf_config, tp=settings.tensor_parallel, bf16=bf16, use_cpu_initialization=not self._cuda,
+            calculate_per_token_loss=True)
+        # perform_initialization stays on although the HF weights replace the random ones: it is also
+        # what marks each parameter tensor-parallel or replicated, which grad-norm clipping relies on.
         model = GPTModel(
             config=tconfig, transformer_layer_spec=layer_spec(self.layer_spec, self.shape.qk_norm),
             vocab_size=self.shape.vocab, max_sequence_length=hf_config.max_position_embeddings,
             pre_process=True, post_process=True, share_embeddings_and_output_weights=self.shape.tied,
             position_embedding_type="rope", rotary_base=convert.rope_theta(hf_config),
         )
-        if self._cuda:
-            model = model.to(device=torch.cuda.current_device(), dtype=torch.bfloat16 if bf16 else torch.float32)
         model.eval()  # no dropout: the policy ratio compares two passes of one function
         return model
 
@@ -333,8 +332,10 @@ class MegatronBackend(TrainBackend):
         return sums
 
     def _set_hyper_parameters(self, config: TrainerConfig) -> None:
+        # Per step, so a changed config on resume takes effect; Megatron's groups carry wd_mult
+        # (0 for biases and norms), which is kept.
         for group in self._optimizer.param_groups:
-            group["lr"], group["weight_decay"] = config.lr, config.weight_decay
+            group["lr"], group["weight_decay"] = config.lr, config.weight_decay * group.get("wd_mult", 1.0)
 
     # ---- files -----------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -414,7 +415,7 @@ class MegatronBackend(TrainBackend):
         if marker.get("format") != CHECKPOINT_FORMAT or marker.get("backend") != "megatron":
             raise ValueError(f"{path}: not a Megatron-backend checkpoint of format {CHECKPOINT_FORMAT}")
         directory = os.path.join(os.path.dirname(os.path.abspath(path)), marker["directory"])
-        loaded = dist_checkpointing.load(self._sharded_state_dict(), directory)
+        loaded = dist_checkpointing.load(self._sharded_state_dict(loading=True), directory)
         if self._ddp is None:
             _load_state(self.model, {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")})
             self._optimizer.load_state_dict(_torch_optimizer_state(loaded, self._optimizer, self.model))
@@ -426,13 +427,17 @@ class MegatronBackend(TrainBackend):
         random.setstate((version, tuple(internal), gauss))
         return marker["extra"]
 
-    def _sharded_state_dict(self) -> dict[str, Any]:
+    def _sharded_state_dict(self, loading: bool = False) -> dict[str, Any]:
         """Model (and on CUDA, distributed-optimizer) sharded state; on CPU the AdamW moments per parameter."""
         import torch
 
         model_sd = self.model.sharded_state_dict()
         if self._ddp is not None:
-            return {"model": model_sd, "optimizer": self._optimizer.sharded_state_dict(model_sd)}
+            # fully_reshardable: the optimizer state is stored per parameter in model space, so a
+            # checkpoint loads into any DP size (a joining replica's snapshot changes DP).
+            metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+            return {"model": model_sd, "optimizer": self._optimizer.sharded_state_dict(
+                model_sd, is_loading=loading, metadata=metadata)}
         # Torch AdamW (CPU path): its moments have each parameter's shape and TP sharding, so they
         # are stored as sharded tensors beside the parameter they belong to.
         state: dict[str, Any] = {f"model.{k}": v for k, v in _flatten(model_sd).items()}
@@ -496,7 +501,7 @@ def _torch_optimizer_state(loaded: dict[str, Any], optimizer: Any, model: Any) -
     state = optimizer.state_dict()
     state["state"] = {index: {"exp_avg": loaded[f"optim.{names[id(p)]}.exp_avg"],
                               "exp_avg_sq": loaded[f"optim.{names[id(p)]}.exp_avg_sq"],
-                              "step": loaded["optim.step"].reshape(())}
+                              "step": loaded["optim.step"].reshape(()).clone()}  # AdamW bumps each in place
                       for index, p in enumerate(params)}
     return state
 
@@ -533,14 +538,14 @@ def _init_parallel(tp: int, cuda: bool) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
             dist.init_process_group("nccl" if cuda else "gloo")
         else:  # a single process (tests, one-GPU runs): a private file store, no ports
             store = os.path.join(tempfile.mkdtemp(prefix="libra-megatron-"), "store")
             dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     world = dist.get_world_size()
     if world % tp:
         raise ValueError(f"trainer.megatron.tensor_parallel={tp} does not divide the world size {world}")

@@ -11,6 +11,9 @@ have accumulated, one all-reduce averages the flattened gradients. Every rank sc
 
     rank r: Σ micro-batch grads of Σ_tokens loss / (N / W)  ──all-reduce SUM, ÷W──▶  ∇(Σ loss / N)
 
+With a `gradient_hook` (elastic hybrid replicas, backend.GradientHook), W counts the hybrids too,
+N their loss tokens, and their gradients are added on their core rank before the same all-reduce.
+
 The model stays in eval mode (no dropout): the policy ratio compares two forward passes of the
 same function, and rollout workers sample without dropout too.
 """
@@ -210,7 +213,7 @@ class TorchBackend(TrainBackend):
         if world == 1 and hook is None:
             return
         flat = self.flat_gradients()
-        missing = torch.zeros(2, dtype=flat.dtype)
+        missing = torch.zeros(2, dtype=flat.dtype, device=flat.device)
         if hook is not None:
             arrived = hook.inject(flat)
             missing[0], missing[1] = arrived.missing_tokens, arrived.missing_replicas

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 from typing import Any
 
@@ -471,4 +470,102 @@ def test_a_drained_worker_gets_no_new_turns_while_its_in_flight_turn_finishes(re
             await server.stop(0)
             await elastic.stop()
             await scheduler.stop()
+    arun(scenario())
+
+
+@pytest.mark.slow
+def test_end_to_end_a_real_hybrid_process_joins_the_real_trainer_and_is_released(redis_url, run_id, tmp_path,
+                                                                                   arun, store):
+    """The coordinator with its default hybrid command against the trainer's real elastic hooks
+    (services/trainer/elastic: ElasticControl over gRPC, a torch core stepping in the background)
+    and a real `libra.services.trainer.elastic.hybrid` process; rollout stays a double."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from libra.rpc import ServiceHost
+    from libra.services.elastic.config import DEFAULT_HYBRID_COMMAND
+    from libra.services.trainer.elastic.control import ElasticControl
+    from libra.services.trainer.elastic.core_hooks import ElasticCore
+    from libra.services.trainer.server import TrainerService
+    from libra.services.trainer.torch_backend import TorchBackend
+    from tests.unit.test_elastic_math import GROUP, GROUPS, _config, _groups
+
+    torch.manual_seed(0)
+    model_dir = str(tmp_path / "tiny-llama")
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=128)
+                     ).save_pretrained(model_dir)
+    config = run_config(redis_url, run_id, tmp_path, elastic={"poll_interval_s": 0.1})
+
+    async def scenario() -> None:
+        trainer = TrainerService(config)
+        backend = TorchBackend(_config(), seed=0)
+        backend.load(model_dir)
+        core = ElasticCore(backend, snapshot_root=str(tmp_path / "snapshots"), verify_lockstep=True)
+        backend.gradient_hook = core
+        trainer.elastic = ElasticControl(core, store)
+        host = ServiceHost("trainer", trainer.service_names(), 0, "127.0.0.1")
+        trainer.register(host.server)
+        port = await host.start()
+
+        async def train_forever() -> None:
+            step = 0
+            while True:
+                step += 1
+                manifest = await trainer.elastic.begin_step(step)
+                batch = _groups(step, trainer.elastic.widen(manifest, GROUPS))
+                await asyncio.to_thread(backend.train_step, trainer.elastic.hand_out(batch, GROUP, manifest),
+                                        _config())
+                trainer.elastic.end_step()
+                await asyncio.sleep(0.4)  # a step of a real model: the hybrid's process start spans a few
+        stepping = asyncio.create_task(train_forever())
+        rollout_double = RolloutDouble()
+        rollout_server = grpc.aio.server()
+        rollout_pb2_grpc.add_RolloutServicer_to_server(rollout_double, rollout_server)
+        rollout_port = rollout_server.add_insecure_port("127.0.0.1:0")
+        await rollout_server.start()
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in (port, rollout_port)]
+        processes = HybridProcesses(DEFAULT_HYBRID_COMMAND, {"trainer": f"127.0.0.1:{port}", "run_id": run_id},
+                                    tmp_path / "hybrids")
+        coordinator, chan = await start(ElasticService(config, GrpcReplicaDriver(*channels, run_id, processes)))
+        stub = rollout_double.elastic = elastic_pb2_grpc.ElasticCoordinatorStub(chan)
+        try:
+            def plan(generation: int, dp: int) -> epb.ApplyPlanRequest:
+                return epb.ApplyPlanRequest(meta=meta(f"p{generation}"), plan=common_pb2.Plan(
+                    generation=generation, training=common_pb2.TrainingLayout(dp=dp, tp=1, pp=1)))
+
+            async def wait_plan(generation: int) -> epb.PlanProgress:
+                deadline = time.monotonic() + 180
+                while True:
+                    progress = await stub.GetPlanProgress(epb.PlanProgressRequest(generation=generation))
+                    if progress.state in ("applied", "failed"):
+                        return progress
+                    assert time.monotonic() < deadline, f"plan {generation} stuck: {progress}"
+                    await asyncio.sleep(0.2)
+
+            await stub.ApplyPlan(plan(2, dp=2))
+            joined = await wait_plan(2)
+            hybrid = joined.replicas[0]
+            assert joined.state == "applied", joined
+            assert [r.to_state for r in hybrid.history] == [
+                S.MEMBER_STATE_JOINING, S.MEMBER_STATE_FETCHING_STATE, S.MEMBER_STATE_ALIGNED, S.MEMBER_STATE_ACTIVE]
+            view = await GrpcReplicaDriver(*channels, run_id, processes).view()
+            assert hybrid.member_id in view.active and view.hybrids[hybrid.member_id].state == "active"
+            await stub.ApplyPlan(plan(3, dp=1))
+            released = await wait_plan(3)
+            assert released.state == "applied", released
+            back = released.replicas[0]
+            assert back.state == S.MEMBER_STATE_ROLLOUT and back.detail.startswith("released")
+            assert processes.children[hybrid.pid].wait(30) == 0  # told BYE, it exited by itself
+            assert not core.failures
+        finally:
+            stepping.cancel()
+            await asyncio.gather(stepping, return_exceptions=True)
+            await coordinator.stop()
+            for child in processes.children.values():
+                child.kill()
+                child.wait()
+            await rollout_server.stop(0)
+            await host.stop(0)
+            core.close()
     arun(scenario())

@@ -160,3 +160,40 @@ def test_a_bad_weight_set_leaves_the_version(client, weights, arun):
     with pytest.raises(WeightSetError):
         arun(client.load_weights(str(weights["base"] / "missing"), version + 1))
     assert arun(client.policy_version()) == version
+
+
+def test_a_version_arrives_over_the_weights_group(engine, client, weights, arun):
+    """The NCCL/gloo path: the engine joins a weights group as rank 1, this process sends as rank 0."""
+    import threading
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from libra.services.rollout.weight_sync import WeightsGroup
+    from libra.services.rollout.workers import collective_rpc
+
+    port = free_port()
+    sharp = AutoModelForCausalLM.from_pretrained(str(weights["sharp"]), dtype=torch.float32)
+    side: dict = {}
+
+    def trainer() -> None:
+        try:
+            group = WeightsGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=60, bucket_bytes=2**20)
+            side["report"] = group.send(sharp.named_parameters(), 40)
+        except Exception as error:  # noqa: BLE001 - inspected below
+            side["error"] = error
+
+    async def scenario() -> list:
+        thread = threading.Thread(target=trainer)
+        thread.start()
+        await collective_rpc(client, "libra_join_weights_group", ["127.0.0.1", port, 1, 2, "gloo", 60, 1], timeout=90)
+        results = await collective_rpc(client, "libra_receive_weights", [40], timeout=90)
+        await asyncio.to_thread(thread.join, 60)
+        return results
+
+    results = arun(scenario())
+    assert "error" not in side and all(r.get("version") == 40 for r in results), (side, results)
+    assert side["report"].receivers[1]["bytes"] == side["report"].bytes
+    assert arun(client.policy_version()) == 40
+    turn = arun(client.generate(PROMPT, 8, temperature=0.0))
+    assert turn.logprobs == pytest.approx(trainer_logprobs(weights["sharp"], PROMPT, turn.token_ids), abs=2e-4)

@@ -10,10 +10,12 @@ step on exactly those trajectories, token for token. The fast tests cover the re
 from __future__ import annotations
 
 import asyncio
+import collections
 import pathlib
 import subprocess
 import sys
 import time
+import types
 
 import httpx
 import pytest
@@ -38,6 +40,104 @@ def test_a_request_must_repeat_the_record_and_add_to_it():
                  {"messages": [{"role": "tool", "content": "x", "libra_tool_status": "great"}]}):
         with pytest.raises(HttpError):
             check_messages(body)
+
+
+class _Router:
+    """The scheduler seen by the runner, recording what it is told (routing is not under test here)."""
+
+    def __init__(self):
+        self.events = []
+
+    async def route(self, trajectory_id, prompt_id, turn, prompt_tokens, max_new_tokens, exclude):
+        return types.SimpleNamespace(worker_id="w0", bucket="short")
+
+    async def turn_done(self, trajectory_id, worker_id, output_tokens, seconds, failed):
+        self.events.append(("turn", failed))
+
+    async def tool_returned(self, trajectory_id, tool, status, payload_tokens):
+        self.events.append(("tool", tool, status))
+
+    async def finished(self, trajectory_id, prompt_id, output_tokens, status):
+        self.events.append(("finish", status))
+
+
+def test_the_endpoint_records_turns_token_exact_and_completes_into_redis(store, arun):
+    """Real endpoint, real Redis, real agent runner and tokenizer; a scripted engine instead of vLLM."""
+    from libra.errors import Unavailable
+    from libra.services.rollout.agent import AgentRunner
+    from libra.services.rollout.config import RolloutConfig
+    from libra.services.rollout.openai_gateway import OpenAIGateway
+    from libra.tiny_model import stop_token_ids, train_tokenizer, wrap_tokenizer
+    from libra.v1 import common_pb2 as pb
+    from libra.workloads.calculator import CalculatorWorkload
+    from libra.workloads.config import CalculatorConfig
+
+    workload = CalculatorWorkload(CalculatorConfig(num_prompts=50, max_operations=1))
+    tokenizer = wrap_tokenizer(train_tokenizer(workload, 400, 0), 512)
+    script = ["<calc>1+2</calc>", None, "<answer>3</answer>"]  # None: every worker fails that turn
+
+    async def generate(decision, ids, budget, seed):
+        text = script.pop(0)
+        if text is None:
+            raise Unavailable("worker down")
+        out = tokenizer(text, add_special_tokens=False).input_ids
+        return types.SimpleNamespace(token_ids=out, logprobs=[-0.25] * len(out), finish_reason="stop")
+
+    config = RolloutConfig(turn_retries=0, openai_endpoint={"enabled": True, "port": 0})
+    router = _Router()
+    runner = AgentRunner(workload, tokenizer, router, generate, lambda worker: 1, config,
+                         stop_token_ids(tokenizer, workload), seed=0)
+    service = types.SimpleNamespace(cfg=config, queue=asyncio.Queue(), queued=set(), store=store, runner=runner,
+                                    counters=collections.Counter(), rewards=collections.deque())
+
+    async def scenario():
+        await store.register_group("g0", "4", 1, 1)
+        await store.put_trajectory(pb.Trajectory(trajectory_id="g0-s0", prompt_id="4", group_id="g0",
+                                                 status=pb.TRAJECTORY_STATUS_QUEUED))
+        service.queue.put_nowait("g0-s0")
+        gateway = await OpenAIGateway(service).start()
+        base = f"http://127.0.0.1:{gateway.port}/v1"
+        try:
+            async with httpx.AsyncClient(base_url=base) as http:
+                claimed = (await http.post("/libra/trajectories/claim", json={"count": 2})).json()["trajectories"]
+                assert [c["trajectory_id"] for c in claimed] == ["g0-s0"]
+                messages = list(claimed[0]["messages"])
+                header = {"X-Libra-Trajectory": "g0-s0"}
+                first = (await http.post("/chat/completions", headers=header, json={"messages": messages})).json()
+                assert first["choices"][0]["message"]["content"] == "<calc>1+2</calc>"
+                messages += [first["choices"][0]["message"],
+                             {"role": "tool", "content": "<result>3</result>", "name": "calculator"}]
+                down = await http.post("/chat/completions", headers=header, json={"messages": messages})
+                assert down.status_code == 503
+                record = (await http.get("/libra/trajectories/g0-s0")).json()
+                assert len(record["token_ids"]) == record["prompt_length"] + len(first["libra"]["token_ids"])
+                assert (await http.post("/chat/completions", headers=header,
+                                        json={"messages": messages, "temperature": 0.3})).status_code == 400
+                assert (await http.post("/chat/completions", headers={"X-Libra-Trajectory": "g7-s0"},
+                                        json={"messages": messages})).status_code == 404
+                second = (await http.post("/chat/completions", json={"messages": messages,
+                                                                     "libra_trajectory_id": "g0-s0"})).json()
+                assert second["choices"][0]["message"]["content"] == "<answer>3</answer>"
+                assert (await http.post("/libra/trajectories/g0-s0/finish", json={"reward": "high"})).status_code == 400
+                done = await http.post("/libra/trajectories/g0-s0/finish", json={"reward": 1.0})
+                assert done.json()["status"] == "COMPLETED"
+                assert (await http.post("/libra/trajectories/g0-s0/finish", json={"reward": 1.0})).status_code == 404
+        finally:
+            await gateway.close()
+        return first, second
+
+    first, second = arun(scenario())
+    traj = arun(store.get_trajectory("g0-s0"))
+    assert traj.status == pb.TRAJECTORY_STATUS_COMPLETED and traj.reward == 1.0 and traj.turns == 2
+    prompt_ids = tokenizer(workload.prompt(4).text).input_ids
+    tool_ids = tokenizer("<result>3</result>", add_special_tokens=False).input_ids
+    assert list(traj.token_ids) == prompt_ids + first["libra"]["token_ids"] + tool_ids + second["libra"]["token_ids"]
+    assert list(traj.loss_mask) == [1] * len(first["libra"]["token_ids"]) + [0] * len(tool_ids) + \
+        [1] * len(second["libra"]["token_ids"])
+    assert [e.tool for e in traj.tool_events] == ["calculator"]
+    assert ("tool", "calculator", pb.TOOL_STATUS_SUCCESS) in router.events
+    assert ("finish", pb.TRAJECTORY_STATUS_COMPLETED) in router.events
+    assert arun(store.read_completed("c", count=10, block_ms=100))  # it entered the completed stream
 
 
 def _config(tmp_path: pathlib.Path, endpoint_port: int) -> pathlib.Path:
@@ -66,6 +166,8 @@ def _play(client, workload, claimed: dict) -> dict:
         action = workload.parse_turn(text)
         if isinstance(action, FinalAnswer) and turn >= 1:
             answer = action
+            break
+        if turn == 2:  # the harness's own turn limit: no tool result after the last turn
             break
         if isinstance(action, ToolCall):
             result = asyncio.run(workload.call_tool(action, 5.0))

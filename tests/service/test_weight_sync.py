@@ -202,3 +202,4 @@ def test_pool_receives_over_the_group_and_a_missing_worker_is_marked_unhealthy(w
         arun(scenario())
     finally:
         arun(pool.stop_all())
+

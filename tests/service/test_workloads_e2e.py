@@ -111,7 +111,7 @@ def model_dir(tmp_path_factory) -> Path:
     config = load_run_config(CONFIGS["search_r1"])
     union = AllWorkloads([build_workload(load_run_config(path).workload) for path in CONFIGS.values()])
     path = create_tiny_model(config.model, union, tmp_path_factory.mktemp("model"), seed=0)
-    metrics = warm_start(path, union, WarmupConfig(steps=150, batch_size=16, lr=3e-3), seed=0, torch_threads=2)
+    metrics = warm_start(path, union, WarmupConfig(steps=100, batch_size=16, lr=3e-3), seed=0, torch_threads=1)
     assert metrics["final_loss"] < metrics["first_loss"] / 3, metrics
     return path
 
@@ -202,8 +202,9 @@ def test_config_runs_the_agent_loop_on_a_real_engine(name, worker, model_dir):
         assert calls, f"no {real} call in {len(played)} trajectories"
         if name == "search_r1":
             assert any(e.status == pb.TOOL_STATUS_SUCCESS and e.payload_tokens > 10 for e in calls)
-    assert [(e.tool, e.status, e.payload_tokens) for e in events] == \
-        [r for r in router.tool_returns], "the scheduler saw other tool outcomes than the trajectories hold"
+    # trajectories run concurrently: compare the outcomes as multisets
+    assert sorted((e.tool, e.status, e.payload_tokens) for e in events) == sorted(router.tool_returns), \
+        "the scheduler saw other tool outcomes than the trajectories hold"
     print(name, "rewards", [t.reward for t in played], "turns", [t.turns for t in played],
           "tools", [(e.tool, pb.ToolStatus.Name(e.status)) for e in events][:12])
 

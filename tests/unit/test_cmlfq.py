@@ -15,8 +15,10 @@ BIG = "search:large:success"  # default thresholds: > 2048 payload tokens is lar
 SMALL = "search:small:success"
 
 
-def policy(cap: int = 100_000, max_moves: int = 4, workers=("s0:short", "s1:short", "m0:medium", "l0:long")) -> CMLFQ:
-    cmlfq = CMLFQ(cap, buckets=BUCKETS, forest=PrefixForest(min_visits=3), max_moves=max_moves)
+def policy(cap: int = 100_000, max_moves: int = 4, workers=("s0:short", "s1:short", "m0:medium", "l0:long"),
+           start_spill_factor: float = 0) -> CMLFQ:
+    cmlfq = CMLFQ(cap, buckets=BUCKETS, forest=PrefixForest(min_visits=3), max_moves=max_moves,
+                  start_spill_factor=start_spill_factor)
     for spec in workers:
         worker_id, bucket = spec.split(":")
         cmlfq.register(Worker(worker_id, bucket, f"http://{worker_id}"))
@@ -186,3 +188,21 @@ def test_without_a_confident_prediction_work_done_moves_a_long_trajectory_up():
     decision = cmlfq.route(turn("t"))
     assert (decision.reason, decision.bucket) == ("move:up:medium", "medium")
     assert cmlfq.signals == {"move:work": 1}
+
+
+def test_a_new_trajectory_spills_to_an_idling_bucket_only_at_start():
+    from libra.services.scheduler.cmlfq import CMLFQ
+    from libra.services.scheduler.core import Turn, Worker
+
+    policy = CMLFQ(10**6, buckets=[("short", 100), ("long", 1000)], start_spill_factor=2.0)
+    policy.register(Worker("s0", "short", "http://s0"))
+    policy.register(Worker("l0", "long", "http://l0"))
+    turn = lambda tid: Turn(trajectory_id=tid, prompt_id="p", turn=0, prompt_tokens=100, max_new_tokens=100)
+    assert policy.route(turn("a")).reason == "new:shortest"  # both idle: the shortest bucket
+    spilled = policy.route(turn("b"))  # short carries 200 tokens, long none: long idles
+    assert (spilled.worker_id, spilled.reason) == ("l0", "fallback:spill")
+    assert policy.route(turn("c")).worker_id == "s0"  # 200 vs 200: no longer twice as loaded
+    off = CMLFQ(10**6, buckets=[("short", 100), ("long", 1000)], start_spill_factor=0)
+    off.register(Worker("s0", "short", "http://s0"))
+    off.register(Worker("l0", "long", "http://l0"))
+    assert {off.route(turn(t)).worker_id for t in "abc"} == {"s0"}

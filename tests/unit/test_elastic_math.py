@@ -95,6 +95,10 @@ def _control_pending(core: ElasticCore) -> bool:
     return not core.endpoint._control.empty()
 
 
+def _caught_up_pending(core: ElasticCore, step: int) -> bool:
+    return any(f.kind == "caught_up" and f.header["step"] >= step for _, f in list(core.endpoint._control.queue))
+
+
 class Run:
     """Drives a core rank step by step and the static reference beside it."""
 
@@ -102,7 +106,8 @@ class Run:
         self.config = _config(max_grad_norm)
         self.backend = _backend(model_dir)
         self.reference = _backend(model_dir)
-        self.core = ElasticCore(self.backend, snapshot_root=str(tmp_path / "snapshots"), **core_options)
+        self.core = ElasticCore(self.backend, snapshot_root=str(tmp_path / "snapshots"), verify_lockstep=True,
+                                **core_options)
         self.backend.gradient_hook = self.core
         self.step = 0
         self.manifests = {}
@@ -189,10 +194,12 @@ def test_snapshot_is_written_while_the_core_keeps_stepping(model_dir, tmp_path):
     assert hybrid.replica.backend is None and run.core.membership.hybrid("h-slow").state == HybridState.SNAPSHOT
     release_writer.set()
     _wait(lambda: hybrid.replica.backend is not None and _control_pending(run.core))
-    run.run(2)  # boundary 6: catch-up of steps 2..5, active from 6
-    assert run.manifests[6].hybrids == (("h-slow", 0),)
-    assert sorted(hybrid.params) == [2, 3, 4, 5, 6, 7]
-    for step in (5, 6, 7):
+    run.run(1)  # boundary 6: steps 2..5 streamed to it; step 6 runs without it (and is streamed too)
+    _wait(lambda: _caught_up_pending(run.core, 6))
+    run.run(2)  # boundary 7: caught up, active from 7
+    assert run.manifests[6].hybrids == () and run.manifests[7].hybrids == (("h-slow", 0),)
+    assert sorted(hybrid.params) == [2, 3, 4, 5, 6, 7, 8]
+    for step in (5, 6, 7, 8):
         assert all(torch.equal(a, b) for a, b in zip(hybrid.params[step], run.core_params[step])), step
     run.assert_equal_to_reference()
     run.core.close()
@@ -272,7 +279,22 @@ def test_membership_freezes_changes_at_the_next_boundary_and_survives_a_restart(
     assert [(a.kind, a.replica_id, a.snapshot_step) for a in actions] == [("snapshot", "a", 1)]
     membership.apply({"kind": "loaded", "replica_id": "a", "step": 1}, step=2)
     manifest, actions = membership.freeze(3)
-    assert manifest.hybrids == (("a", 0),) and manifest.epoch == 1 and actions[0].kind == "catch_up"
+    assert manifest.hybrids == (("a", 0),) and manifest.epoch == 1 and actions[0].kind == "activate"
     restored = Membership.from_json(membership.to_json())
     assert restored.hybrid("a").state == HybridState.FAILED and "restarted" in restored.hybrid("a").reason
     assert restored.freeze(4)[0].hybrids == () and restored.epoch == 2
+
+
+def test_a_hybrid_whose_parameters_diverge_is_caught_by_the_lockstep_check(model_dir, tmp_path):
+    run = Run(model_dir, tmp_path)
+    hybrid = _join(run, "h-drift")
+    run.run(1)  # step 3: active, digests agree
+    assert not run.core.failures
+    with torch.no_grad():  # the hybrid waits for its next frame; nudge one of its weights
+        next(hybrid.replica.backend.model.parameters())[0, 0] += 1e-3
+    run.run(1, reference_drop=("h-drift",))
+    assert [(s, r) for s, r, _ in run.core.failures] == [(4, "h-drift")] and "diverged" in run.core.failures[0][2]
+    run.assert_equal_to_reference()
+    hybrid.thread.join(10)
+    assert hybrid.code == EXIT_LOST
+    run.core.close()

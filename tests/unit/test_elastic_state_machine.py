@@ -117,8 +117,8 @@ def test_shrink_releases_before_rollout_workers_start():
 
 
 def test_idle_hybrids_are_reused_and_new_ones_named_without_collisions():
-    members = [hybrid(S.MEMBER_STATE_ROLLOUT, member_id="hybrid-1"), hybrid(S.MEMBER_STATE_ACTIVE, member_id="hybrid-0"),
-               hybrid(S.MEMBER_STATE_FAILED, member_id="hybrid-2")]
+    members = [hybrid(S.MEMBER_STATE_ROLLOUT, member_id="hybrid-1"),
+               hybrid(S.MEMBER_STATE_ACTIVE, member_id="hybrid-0"), hybrid(S.MEMBER_STATE_FAILED, member_id="hybrid-2")]
     actions = core.diff_plan(plan(dp=5), members, core_replicas=1)
     assert [a.target for a in actions if a.kind == "join"] == ["hybrid-1", "hybrid-3", "hybrid-4"]
 

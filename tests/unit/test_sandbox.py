@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from libra.workloads.sandbox import (SandboxLimits, SandboxStatus, isolation_available, python_argv, run_in_sandbox,
-                                     run_python)
+from libra.workloads.sandbox import (UID_BASE, UIDS_PER_PROCESS, SandboxLimits, SandboxStatus, isolation_available, python_argv,
+                                     run_in_sandbox, run_python)
 
 LIMITS = SandboxLimits(wall_s=3.0, cpu_s=2, output_bytes=400)
 
@@ -44,7 +44,8 @@ def test_a_fork_bomb_is_contained_and_leaves_nothing_behind():
     assert result.status is SandboxStatus.TIMEOUT
     time.sleep(0.5)
     if isolation_available():  # the pid namespace is gone, and every process in it
-        stray = [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) is not None and 61_000 <= _uid(p) < 81_000]
+        ours = range(UID_BASE, UID_BASE + UIDS_PER_PROCESS)  # the uids this process's sandboxes run as
+        stray = [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) in ours]
         assert not stray
 
 

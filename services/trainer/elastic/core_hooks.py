@@ -23,9 +23,12 @@ so it stays a token mean over what was trained on.
 
 Join (snapshot + catch-up): at the boundary before step k the owning rank copies model and
 optimizer (state after k−1 steps) and writes shards in a thread while steps k, k+1, … run; it keeps
-each later step's final gradient. When the hybrid reports it loaded the snapshot, the next boundary
-b sends the kept gradients of steps k … b−1; the hybrid replays them (same gradient, same clip,
-same AdamW step ⇒ bitwise the same state) and is active from step b.
+each later step's final gradient (on its device). Once the hybrid has loaded the snapshot, the kept
+gradients are streamed to it in order (a sender thread; each new step's as soon as it ends) and it
+replays them (same gradient, same clip, same AdamW step ⇒ bitwise the same state), reporting
+`caught_up`. At the first boundary b where it is at most one step behind, the last gradient (if
+any) and `active` are sent and it trains from step b: activation costs the core no wait beyond one
+gradient transfer.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class ElasticCore(GradientHook):
         self._slices: dict[str, TrainBatch] = {}
         self._retained: dict[int, tuple[Any, dict[str, Any]]] = {}  # step -> (final gradient, config)
         self._snapshots: dict[str, str] = {}
+        self._sent_upto: dict[str, int] = {}  # last kept gradient queued to each catching-up hybrid
         self._contributors: list[str] = []
         self._acks: set[str] = set()
         self._step_started = 0.0
@@ -144,10 +148,10 @@ class ElasticCore(GradientHook):
     def _local_events(self) -> list[dict]:
         for replica, frame in self.endpoint.control_frames():
             record = self.membership.hybrid(replica)
-            if frame.kind == "loaded":
-                self._add_event({"kind": "loaded", "replica_id": replica, "step": frame.header.get("step")})
+            if frame.kind in ("loaded", "caught_up"):
+                self._add_event({"kind": frame.kind, "replica_id": replica, "step": frame.header.get("step")})
             elif frame.kind == "join_failed":
-                self._fail(replica, f"snapshot fetch failed on the hybrid: {frame.header.get('reason', '')}")
+                self._fail(replica, f"join failed on the hybrid: {frame.header.get('reason', '')}")
             elif frame.kind == CLOSED and record is not None and record.state not in (HybridState.RELEASED,
                                                                                        HybridState.FAILED):
                 self._fail(replica, "the hybrid's connection closed")
@@ -176,8 +180,10 @@ class ElasticCore(GradientHook):
         replica = action.replica_id
         if action.kind == "snapshot":
             self._start_snapshot(replica, action.snapshot_step)
-        elif action.kind == "catch_up":
-            self._catch_up(replica, action.snapshot_step, step)
+        elif action.kind in ("catch_up", "activate"):
+            self._stream(replica, action.snapshot_step, step - 1)
+            if action.kind == "activate":
+                self._activate(replica, step)
         elif action.kind == "bye":
             self.endpoint.send(replica, "bye", {"step": step})
             self._forget(replica)
@@ -194,6 +200,8 @@ class ElasticCore(GradientHook):
         self._snapshots[replica] = directory
         meta = {"model_dir": getattr(self.backend, "model_dir", None) or "",
                 "config": self.backend.config.model_dump(mode="json")}
+        # The hybrid builds its model and optimizer while the shards are written (off the join's path).
+        self.endpoint.send(replica, "prepare", meta)
 
         def done(path: str) -> None:
             if not self.endpoint.send(replica, "snapshot", {"path": path, "step": snapshot_step}):
@@ -203,30 +211,45 @@ class ElasticCore(GradientHook):
                          lambda reason: self._fail(replica, reason), self.after_shard)
         _log.info("snapshot started", replica=replica, step=snapshot_step, path=directory)
 
-    def _catch_up(self, replica: str, snapshot_step: int, step: int) -> None:
-        missing = [s for s in range(snapshot_step + 1, step) if s not in self._retained]
+    def _stream(self, replica: str, confirmed: int, through: int) -> None:
+        """Queue the kept gradients of the steps the hybrid has not been sent yet, through `through`.
+
+        Asynchronous (the link's outbox thread sends them in order): the core keeps stepping while
+        the hybrid replays, and reports `caught_up`; `deliver` streams each new step as it ends.
+        """
+        first = max(confirmed, self._sent_upto.get(replica, confirmed)) + 1
+        missing = [s for s in range(first, through + 1) if s not in self._retained]
         if missing:
-            self._fail(replica, f"catch-up gradients of steps {missing} are not kept (join took too long)")
+            self._fail(replica, f"catch-up gradients of steps {missing} are not kept (the join took too long)")
             return
-        for past in range(snapshot_step + 1, step):
+        for past in range(first, through + 1):
             flat, config = self._retained[past]
-            if not self.endpoint.send(replica, "catch_up", {"step": past, "config": config}, flat):
+            if not self.endpoint.send_async(replica, "catch_up", {"step": past, "config": config}, flat):
                 self._fail(replica, "the hybrid's connection closed during catch-up")
                 return
-        self.endpoint.send(replica, "active", {"from_step": step})
+        self._sent_upto[replica] = max(through, self._sent_upto.get(replica, -1))
+
+    def _activate(self, replica: str, step: int) -> None:
+        # `send` waits for the streamed gradients to leave first: the hybrid replays them, then trains.
+        if not self.endpoint.send(replica, "active", {"from_step": step}):
+            self._fail(replica, "the hybrid's connection closed during catch-up")
+            return
+        self._sent_upto.pop(replica, None)
         directory = self._snapshots.pop(replica, None)
         if directory:  # the snapshot served this one join
             shutil.rmtree(directory, ignore_errors=True)
-        _log.info("hybrid active", replica=replica, from_step=step, replayed=step - 1 - snapshot_step)
+        _log.info("hybrid active", replica=replica, from_step=step)
 
     def _forget(self, replica: str) -> None:
+        self._sent_upto.pop(replica, None)
         self.endpoint.disconnect(replica)
         directory = self._snapshots.pop(replica, None)
         if directory:
             shutil.rmtree(directory, ignore_errors=True)
 
     def _catching_up(self) -> list[int]:
-        return [r.snapshot_step for r in self.membership.records.values()
+        """The last step each of this rank's joining hybrids holds (kept gradients start after it)."""
+        return [max(r.snapshot_step, r.caught_up_step) for r in self.membership.records.values()
                 if r.dp_rank == self.dp_rank and r.state == HybridState.SNAPSHOT]
 
     def _trim_retained(self) -> None:
@@ -296,8 +319,11 @@ class ElasticCore(GradientHook):
                 for record in list(self.membership.records.values()):
                     if record.dp_rank == self.dp_rank and record.state == HybridState.SNAPSHOT:
                         self._fail(record.replica_id, f"snapshot not loaded within {self.max_catch_up_steps} steps")
-            else:
-                self._retained[step] = (reduced_grad.detach().to("cpu", copy=True), config.model_dump(mode="json"))
+            else:  # kept on the gradient's device: a copy to the host per step would slow the core
+                self._retained[step] = (reduced_grad.detach().clone(), config.model_dump(mode="json"))
+                for record in self.membership.records.values():
+                    if record.dp_rank == self.dp_rank and record.state == HybridState.SNAPSHOT and record.loaded:
+                        self._stream(record.replica_id, record.caught_up_step, step)
 
     def end_step(self) -> None:
         """Record who acknowledged the step (kept in history; GetStepManifest shows it)."""

@@ -4,7 +4,8 @@ Owns: one model replica and its optimizer on a borrowed (rollout) device, the jo
 load, catch-up replay) and the lockstep step loop. Must not know: Redis, membership rules, how
 batches are assembled. Start it as documented in `libra.services.trainer.elastic`.
 
-    connect + hello ─▶ snapshot{path} ─▶ load shards ─▶ loaded{step}
+    connect + hello ─▶ prepare{model_dir, config}: build model + optimizer (while shards are written)
+        ─▶ snapshot{path} ─▶ load shards ─▶ loaded{step}
         ─▶ catch_up{step}+gradient × n (replay: same gradient, clip, AdamW step as the core did)
         ─▶ active ─▶ per step: step{slice, N/W} ─▶ backward ─▶ grad ─▶ reduced ─▶ clip + step
         ─▶ bye (exit 0) | error (exit 3 while joining, 4 once active) | connection lost (exit 4)
@@ -50,10 +51,12 @@ class HybridReplica:
             self.link.close()
 
     def _handle(self, frame: Any) -> int | None:
+        if frame.kind == "prepare":
+            return self._prepare(frame.header)
         if frame.kind == "snapshot":
             return self._load(frame.header["path"])
         if frame.kind == "catch_up":
-            self._apply(frame.tensor(), frame.header["config"], frame.header["step"])
+            self._apply(frame.tensor(), frame.header["config"], frame.header["step"], catch_up=True)
             return None
         if frame.kind == "active":
             self.active = True
@@ -70,23 +73,36 @@ class HybridReplica:
             return EXIT_LOST if self.active else EXIT_JOIN_FAILED
         raise ConnectionError(f"unexpected frame {frame.kind!r} from the core")
 
-    def _load(self, path: str) -> int | None:
-        from libra.services.trainer.config import TrainerConfig
-        from libra.services.trainer.elastic import snapshot as snap
+    def _build(self, meta: dict[str, Any]) -> Any:
         from libra.services.trainer.torch_backend import TorchBackend
 
+        backend = TorchBackend(self._config(meta["config"]))
+        backend.load(meta["model_dir"])
+        backend.to(self.device)
+        return backend
+
+    def _prepare(self, meta: dict[str, Any]) -> int | None:
+        """Build model and optimizer (architecture only) while the core writes the snapshot."""
         try:
-            meta = snap.read_meta(path)
-            config = TrainerConfig(**{**meta["config"], "torch_threads": self.threads})
-            backend = TorchBackend(config)
-            backend.load(meta["model_dir"])
-            backend.to(self.device)
+            self._built = self._build(meta)
+        except Exception as error:  # noqa: BLE001 - reported; the join rolls back
+            return self._join_failed(f"cannot build the model from {meta.get('model_dir')!r}: "
+                                     f"{type(error).__name__}: {error}")
+        return None
+
+    def _join_failed(self, reason: str) -> int:
+        _log.warning("join failed", replica=self.replica_id, reason=reason)
+        self.link.send("join_failed", {"reason": reason})
+        return EXIT_JOIN_FAILED
+
+    def _load(self, path: str) -> int | None:
+        from libra.services.trainer.elastic import snapshot as snap
+
+        try:
+            backend = getattr(self, "_built", None) or self._build(snap.read_meta(path))
             self.step = snap.load(path, backend.model, backend.optimizer)
         except Exception as error:  # noqa: BLE001 - any fetch failure rolls the join back
-            reason = f"{type(error).__name__}: {error}"
-            _log.warning("snapshot fetch failed", replica=self.replica_id, path=path, reason=reason)
-            self.link.send("join_failed", {"reason": reason})
-            return EXIT_JOIN_FAILED
+            return self._join_failed(f"snapshot fetch failed: {type(error).__name__}: {error}")
         self.backend = backend
         self.link.send("loaded", {"step": self.step})
         _log.info("snapshot loaded", replica=self.replica_id, step=self.step)
@@ -97,12 +113,14 @@ class HybridReplica:
 
         return TrainerConfig(**{**raw, "torch_threads": self.threads})
 
-    def _apply(self, flat: Any, raw_config: dict[str, Any], step: int) -> None:
+    def _apply(self, flat: Any, raw_config: dict[str, Any], step: int, catch_up: bool = False) -> None:
         self.backend.set_flat_gradients(flat.to(self.device))
         self.backend.step_optimizer(self._config(raw_config))
-        self.step = step
         if self.on_step is not None:
             self.on_step(step, self.backend)
+        if catch_up:
+            self.link.send("caught_up", {"step": step})
+        self.step = step
 
     def _train(self, frame: Any) -> None:
         from libra.services.trainer.backend import TrainBatch, TrainSequence
@@ -167,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     from libra.services.trainer.elastic.side_channel import HybridLink
 
     torch.set_num_threads(args.threads)
+    import transformers  # noqa: F401 - imported before connecting: seconds that must not delay the join
+
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))
     try:

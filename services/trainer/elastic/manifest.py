@@ -6,7 +6,8 @@ order (events are gathered over the core's existing process group at each step b
 ranks freeze the same manifest without a coordinator in the data path.
 
     AdmitHybrid ─▶ JOINING ──connected──▶ (boundary: snapshot taken) SNAPSHOT ──loaded──▶
-        (boundary: catch-up sent) ACTIVE ──ReleaseHybrid──▶ (boundary) RELEASED
+        (each boundary: the steps since streamed to it; it replays them and reports caught_up)
+        ──caught up to the step before a boundary──▶ ACTIVE from that step ──ReleaseHybrid──▶ RELEASED
     any failure (connect timeout, snapshot write/fetch, missed deadline, lost connection) ─▶ FAILED
 
 Changes only take effect at `freeze(step)`: the manifest of a step never changes once frozen.
@@ -39,8 +40,8 @@ class HybridRecord:
     reason: str = ""
     connected: bool = False
     snapshot_step: int = -1  # committed steps in the snapshot (-1: none yet)
-    snapshot_written: bool = False
     loaded: bool = False
+    caught_up_step: int = -1  # the last step the hybrid has replayed (its state = the core's after it)
     release_requested: bool = False
     rolled_back: bool = False  # a FAILED replica's files and retained gradients are dropped once
     active_from_step: int = 0
@@ -71,7 +72,11 @@ class StepManifest:
 
 @dataclass(frozen=True)
 class Action:
-    """What the owning core rank must do at a boundary: snapshot, catch_up, bye or drop."""
+    """What the owning core rank must do at a boundary: snapshot, catch_up, activate, bye or drop.
+
+    `snapshot_step`: for snapshot, the committed steps it holds; for catch_up, the last step the
+    hybrid has confirmed (the owning rank streams the steps after what it already sent).
+    """
 
     kind: str
     replica_id: str
@@ -105,10 +110,12 @@ class Membership:
             record.release_requested = True
         elif kind == "connected":
             record.connected = True
-        elif kind == "snapshot_written" and record.state == HybridState.SNAPSHOT:
-            record.snapshot_written = True
-        elif kind == "loaded" and record.state == HybridState.SNAPSHOT and event.get("step") == record.snapshot_step:
-            record.loaded = True
+        elif kind == "loaded":
+            if record.state == HybridState.SNAPSHOT and event.get("step") == record.snapshot_step:
+                record.loaded, record.caught_up_step = True, record.snapshot_step
+        elif kind == "caught_up":  # late reports (after activation) change nothing
+            if record.state == HybridState.SNAPSHOT and record.loaded:
+                record.caught_up_step = max(record.caught_up_step, int(event["step"]))
         elif kind == "failed":
             record.state, record.reason = HybridState.FAILED, str(event.get("reason", "failed"))
         else:
@@ -150,8 +157,10 @@ class Membership:
             record.state, record.snapshot_step, record.updated_step = HybridState.SNAPSHOT, step - 1, step
             return act("snapshot")
         if record.state == HybridState.SNAPSHOT and record.loaded:
-            record.state, record.active_from_step, record.updated_step = HybridState.ACTIVE, step, step
-            return act("catch_up")
+            if record.caught_up_step >= step - 2:  # at most one step behind: that one is sent with `active`
+                record.state, record.active_from_step, record.updated_step = HybridState.ACTIVE, step, step
+                return act("activate")
+            return [Action("catch_up", record.replica_id, record.dp_rank, record.caught_up_step)]
         return []
 
     def hybrid(self, replica_id: str) -> HybridRecord | None:

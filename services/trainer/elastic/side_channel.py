@@ -15,8 +15,8 @@ data, never code.
 
     hybrid                                  core rank r (lane endpoint, accept thread + one reader
       │ hello{replica_id}            ──▶      thread per connection; frames land in two queues)
-      │ ◀── snapshot{path} | catch_up{step}+grad | step{slice, token_count} | bye | error
-      │ loaded{step} | join_failed{reason}  ──▶ control queue (drained at step boundaries)
+      │ ◀── prepare | snapshot{path} | catch_up{step}+grad | active | step{slice, N/W} | bye | error
+      │ loaded{step} | caught_up{step} | join_failed{reason} ──▶ control queue (read at boundaries)
       │ grad{step, metrics}+grad            ──▶ gradient queue (waited on with a deadline)
       │ ◀── reduced{step}+grad
 """
@@ -41,42 +41,51 @@ CLOSED = "closed"  # kind of the frame a reader queues when its connection ends
 class Frame:
     kind: str
     header: dict[str, Any] = field(default_factory=dict)
-    payload: bytes = b""
+    payload: bytearray = field(default_factory=bytearray)
 
     def tensor(self) -> Any:
-        """The payload as a CPU tensor of the header's dtype and shape."""
+        """The payload as a CPU tensor of the header's dtype and shape (no copy: it views the buffer)."""
         import torch
 
         dtype = getattr(torch, self.header["dtype"])
-        return torch.frombuffer(bytearray(self.payload), dtype=dtype).reshape(self.header["shape"])
+        if not self.payload:
+            return torch.empty(self.header["shape"], dtype=dtype)
+        return torch.frombuffer(self.payload, dtype=torch.uint8).view(dtype).reshape(self.header["shape"])
 
 
-def _tensor_bytes(tensor: Any) -> tuple[dict[str, Any], bytes]:
-    cpu = tensor.detach().to("cpu").contiguous()  # CPU staging on GPUs; a no-op copy-free view on CPU
-    return {"dtype": str(cpu.dtype).removeprefix("torch."), "shape": list(cpu.shape)}, cpu.numpy().tobytes()
+def _tensor_bytes(tensor: Any) -> tuple[dict[str, Any], Any]:
+    cpu = tensor.detach().to("cpu").contiguous()  # CPU staging on GPUs; no copy for a CPU tensor
+    raw = cpu.reshape(-1).view(torch_uint8()).numpy()  # bytes of any dtype (bf16 has no numpy type)
+    return {"dtype": str(cpu.dtype).removeprefix("torch."), "shape": list(cpu.shape)}, memoryview(raw)
+
+
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
 
 
 def send_frame(sock: socket.socket, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> None:
     body = dict(header or {}, kind=kind)
-    payload = b""
+    payload: Any = b""
     if tensor is not None:
         meta, payload = _tensor_bytes(tensor)
         body.update(meta)
     encoded = json.dumps(body).encode()
     sock.sendall(_HEADER.pack(len(encoded)) + encoded + _PAYLOAD.pack(len(payload)))
-    if payload:
+    if len(payload):
         sock.sendall(payload)
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    chunks, left = [], size
-    while left:
-        chunk = sock.recv(min(left, 1 << 22))
-        if not chunk:
+def _recv_exact(sock: socket.socket, size: int) -> bytearray:
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        count = sock.recv_into(view[got:], min(size - got, 1 << 24))
+        if not count:
             raise ConnectionError("side channel closed by the peer")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+        got += count
+    return buffer
 
 
 def recv_frame(sock: socket.socket) -> Frame:
@@ -85,7 +94,7 @@ def recv_frame(sock: socket.socket) -> Frame:
         raise ConnectionError(f"side channel: header of {size} bytes is not a Libra frame")
     header = json.loads(_recv_exact(sock, size))
     (length,) = _PAYLOAD.unpack(_recv_exact(sock, _PAYLOAD.size))
-    return Frame(header.pop("kind"), header, _recv_exact(sock, length) if length else b"")
+    return Frame(header.pop("kind"), header, _recv_exact(sock, length) if length else bytearray())
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -96,16 +105,42 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class _Link:
-    """One hybrid's connection on the core side: a send lock and the two inbound queues."""
+    """One hybrid's connection on the core side: a send lock, an ordered outbox, two inbound queues."""
 
     def __init__(self, sock: socket.socket, replica_id: str):
         self.sock, self.replica_id = sock, replica_id
         self.lock = threading.Lock()
         self.grads: queue.Queue[Frame] = queue.Queue()
+        self.outbox: queue.Queue[tuple] = queue.Queue()
         self.open = True
+        threading.Thread(target=self._drain_outbox, name=f"lane-out-{replica_id}", daemon=True).start()
+
+    def _drain_outbox(self) -> None:
+        while True:
+            kind, header, tensor = self.outbox.get()
+            try:
+                if kind is None:
+                    return
+                self._send_now(kind, header, tensor)
+            finally:
+                self.outbox.task_done()
+
+    def send_async(self, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> bool:
+        """Queue a frame; frames leave in order, and a later `send` waits for the queue first."""
+        with self.lock:  # never queue behind the close sentinel (the queue would never drain)
+            if not self.open:
+                return False
+            self.outbox.put((kind, header, tensor))
+            return True
 
     def send(self, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> bool:
         """False when the connection is gone (the caller marks the hybrid failed)."""
+        if not self.open:
+            return False
+        self.outbox.join()  # what was queued before goes first
+        return self._send_now(kind, header, tensor)
+
+    def _send_now(self, kind: str, header: dict[str, Any] | None, tensor: Any) -> bool:
         with self.lock:
             if not self.open:
                 return False
@@ -118,6 +153,8 @@ class _Link:
 
     def close(self) -> None:
         with self.lock:
+            if self.open:
+                self.outbox.put((None, None, None))
             self.open = False
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
@@ -175,7 +212,7 @@ class LaneEndpoint:
             if frame.kind != "grad":
                 self._control.put((link.replica_id, frame))
             if frame.kind == CLOSED:
-                link.open = False
+                link.close()  # also ends its outbox thread
                 return
 
     def link(self, replica_id: str) -> _Link | None:
@@ -185,6 +222,11 @@ class LaneEndpoint:
     def send(self, replica_id: str, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> bool:
         link = self.link(replica_id)
         return link.send(kind, header, tensor) if link is not None else False
+
+    def send_async(self, replica_id: str, kind: str, header: dict[str, Any] | None = None,
+                   tensor: Any = None) -> bool:
+        link = self.link(replica_id)
+        return link.send_async(kind, header, tensor) if link is not None else False
 
     def control_frames(self) -> list[tuple[str, Frame]]:
         """Every control frame (hello, loaded, join_failed, closed) since the last call, in order."""

@@ -1,0 +1,187 @@
+"""What a joining hybrid replica costs the core: step time during the join vs steady state, and join latency.
+
+    core (this process, --device)                         hybrid (subprocess, --hybrid-device)
+    ─────────────────────────────                         ────────────────────────────────────
+    steady:  N steps, no hybrid            (baseline)
+    admit ─▶ steps go on ─────────── process starts, connects (startup window)
+    boundary: snapshot copied, shards written in a thread ─▶ loads the shards  (join window)
+    boundary: catch-up gradients sent ───────────────────▶ replays them, active
+    active:  M steps with the hybrid (widened batch, gradient over the side channel)
+
+The core is one data-parallel rank (D = 1) of the plain torch backend with the real
+`ElasticCore`; the hybrid is the real `python -m libra.services.trainer.elastic.hybrid` process.
+The side channel is TCP; on GPUs its tensors are staged through host memory (CPU-staged channel)
+and the core never builds a process group for the hybrid. Every step time includes the boundary
+(membership freeze, snapshot copy) and the full train step.
+
+    python benchmarks/elastic_join.py                                   # CPU, gloo-free (D = 1)
+    python benchmarks/elastic_join.py --device cuda:0 --hybrid-device cuda:1 --hidden 1024 --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
+    os.environ.setdefault(_name, _value)  # NVLink multicast stays off (shared machines)
+
+
+def make_model(path: str, args) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 2, num_hidden_layers=args.layers,
+                         num_attention_heads=max(1, args.hidden // 64), num_key_value_heads=max(1, args.hidden // 128),
+                         vocab_size=args.vocab, max_position_embeddings=args.seq_len * 2)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def groups(step: int, count: int, args):
+    import torch
+
+    from libra.services.trainer.backend import TrainBatch, TrainSequence
+
+    sequences = []
+    gen = torch.Generator().manual_seed(step)
+    prompt = args.seq_len // 4
+    for g in range(count):
+        for i in range(args.group_size):
+            tokens = torch.randint(1, args.vocab, (args.seq_len,), generator=gen).tolist()
+            response = args.seq_len - prompt
+            behaviour = (-torch.rand(response, generator=gen) - 3.0).tolist()
+            sequences.append(TrainSequence(tokens, prompt, [1] * response, behaviour, 1.0 if i % 2 else -1.0))
+    return TrainBatch(sequences)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="core device: cpu or cuda:N")
+    parser.add_argument("--hybrid-device", default="cpu", help="hybrid device: cpu or cuda:N")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=2, help="groups per step per replica")
+    parser.add_argument("--steady-steps", type=int, default=10)
+    parser.add_argument("--active-steps", type=int, default=5)
+    parser.add_argument("--max-join-steps", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of core and hybrid each")
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+
+    import torch
+
+    from libra.services.trainer.config import TrainerConfig
+    from libra.services.trainer.elastic.core_hooks import ElasticCore
+    from libra.services.trainer.elastic.manifest import HybridState
+    from libra.services.trainer.elastic.work import split, widened_groups
+    from libra.services.trainer.torch_backend import TorchBackend
+
+    torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(args.device))
+    work = tempfile.mkdtemp(prefix="libra-elastic-bench-")
+    model_dir = os.path.join(work, "model")
+    make_model(model_dir, args)
+    config = TrainerConfig(lr=1e-4, micro_batch_size=args.group_size * args.groups, torch_threads=args.threads,
+                           groups_per_step=args.groups, group_size=args.group_size)
+    backend = TorchBackend(config)
+    backend.load(model_dir)
+    backend.to(args.device)
+    core = ElasticCore(backend, snapshot_root=os.path.join(work, "snapshots"), snapshot_shards=args.shards,
+                       max_catch_up_steps=args.max_join_steps)
+    backend.gradient_hook = core
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    step, rows = 0, []
+
+    def one_step(phase: str) -> None:
+        nonlocal step
+        step += 1
+        began = time.perf_counter()
+        manifest = core.begin_step(step)
+        slices = split(groups(step, widened_groups(args.groups, manifest), args), args.group_size, manifest)
+        core.assign(slices)
+        backend.train_step(slices["core-0"], config)
+        core.end_step()
+        sync()
+        record = core.membership.hybrid("h-bench")
+        rows.append({"step": step, "phase": phase, "seconds": time.perf_counter() - began,
+                     "state": record.state.value if record else "", "replicas": manifest.replicas})
+
+    for _ in range(3):
+        one_step("warmup")
+    for _ in range(args.steady_steps):
+        one_step("steady")
+    admitted_at, started = step + 1, time.monotonic()
+    core.admit("h-bench")
+    hybrid = subprocess.Popen([sys.executable, "-m", "libra.services.trainer.elastic.hybrid", "--endpoint",
+                               core.endpoint.address, "--replica-id", "h-bench", "--threads", str(args.threads),
+                               "--device", args.hybrid_device], cwd=ROOT)
+    snapshot_at = active_at = None
+    while active_at is None and step - admitted_at < args.max_join_steps:
+        record = core.membership.hybrid("h-bench")
+        phase = "startup" if record is None or record.state == HybridState.JOINING else "join"
+        one_step(phase)
+        record = core.membership.hybrid("h-bench")
+        if record.state == HybridState.FAILED:
+            raise SystemExit(f"the join failed: {record.reason}")
+        if record.state == HybridState.SNAPSHOT and snapshot_at is None:
+            snapshot_at, snapshot_clock = step, time.monotonic()
+            rows[-1]["phase"] = "join"  # the boundary that copied the snapshot belongs to the join
+        if record.state == HybridState.ACTIVE:
+            active_at, active_clock = step, time.monotonic()
+            rows[-1]["phase"] = "active"
+    if active_at is None:
+        raise SystemExit(f"the hybrid did not become active within {args.max_join_steps} steps")
+    for _ in range(args.active_steps - 1):
+        one_step("active")
+    core.release("h-bench")
+    one_step("released")
+    code = hybrid.wait(60)
+    core.close()
+
+    def median(phase: str) -> float:
+        values = [r["seconds"] for r in rows if r["phase"] == phase]
+        return statistics.median(values) if values else float("nan")
+
+    steady = median("steady")
+    result = {
+        "device": args.device, "hybrid_device": args.hybrid_device,
+        "params": backend.num_parameters(), "steady_step_s": steady,
+        "startup_step_s": median("startup"), "join_step_s": median("join"), "active_step_s": median("active"),
+        "join_vs_steady": median("join") / steady, "startup_vs_steady": median("startup") / steady,
+        "join_steps": sum(1 for r in rows if r["phase"] == "join"),
+        "startup_steps": sum(1 for r in rows if r["phase"] == "startup"),
+        "admission_to_active_steps": active_at - admitted_at,
+        "snapshot_to_active_steps": active_at - snapshot_at,
+        "snapshot_to_active_s": active_clock - snapshot_clock, "admission_to_active_s": active_clock - started,
+        "hybrid_exit_code": code, "rows": rows,
+    }
+    print(f"model: {result['params'] / 1e6:.2f} M parameters; core {args.device}, hybrid {args.hybrid_device}")
+    print(f"{'phase':<34}{'median step s':>14}{'vs steady':>11}{'steps':>7}")
+    for label, phase in (("steady state (baseline)", "steady"), ("hybrid process starting", "startup"),
+                         ("join: snapshot write/load, catch-up", "join"), ("hybrid active (widened batch)", "active")):
+        count = sum(1 for r in rows if r["phase"] == phase)
+        print(f"{label:<34}{median(phase):>14.4f}{median(phase) / steady:>10.3f}x{count:>7}")
+    print(f"join latency: {result['snapshot_to_active_steps']} steps ({result['snapshot_to_active_s']:.2f} s) "
+          f"from the snapshot boundary; {result['admission_to_active_steps']} steps "
+          f"({result['admission_to_active_s']:.2f} s) from admission incl. process start; hybrid exit {code}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

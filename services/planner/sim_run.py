@@ -1,0 +1,152 @@
+"""One simulated run from command-line choices: trace, controller, simulator, summary, JSON, plot.
+
+`libra sim` and `benchmarks/grp_eval.py` both go through `simulate()`, so the figures a person
+gets from the CLI are the figures the benchmark tabulates. Bad input (a trace with absurd
+lengths, a GPU budget below one replica, a model the cluster cannot hold) raises
+`InvalidArgument`/`ConfigError` with the cause; the CLI turns those into exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import asdict
+from typing import Callable
+
+from pydantic import ValidationError
+
+from libra.errors import ConfigError, InvalidArgument
+from libra.services.planner import plan_control, traces
+from libra.services.planner.cost_rollout import Infeasible
+from libra.services.planner.hardware import GpuSpec, ModelSpec
+from libra.services.planner.replan import ReplanSettings
+from libra.services.planner.search import SearchConfig
+from libra.services.planner.simulator import SimConfig, SimResult, Simulator
+from libra.services.planner.plan_control import StepRecord
+
+PLANNERS = ("static", "tp2", "online")
+
+
+def cohort_copies(batch: int, max_units: int) -> int:
+    """Smallest divisor of `batch` that leaves at most `max_units` simulated trajectories per step."""
+    for copies in range(1, batch + 1):
+        if batch % copies == 0 and batch // copies <= max_units:
+            return copies
+    return batch
+
+
+def build_trace(source: str, steps: int, prompts: int, group_size: int, seed: int, drift: float,
+                max_units: int) -> traces.Trace:
+    if steps < 1:
+        raise InvalidArgument(f"steps must be >= 1, got {steps}")
+    if source == "synthetic":
+        copies = cohort_copies(prompts * group_size, max_units)
+        return traces.synthetic(steps, prompts, group_size, seed, drift, copies)
+    return traces.load(source, steps, prompts * group_size)
+
+
+def make_controller(planner: str, model: ModelSpec, gpu: GpuSpec, config: SearchConfig,
+                    replan: ReplanSettings | None = None) -> plan_control.Controller:
+    if planner == "static":
+        return plan_control.static(model, gpu, config)
+    if planner == "tp2":
+        return plan_control.homogeneous_tp2(model, gpu, config)
+    if planner == "online":
+        return plan_control.Online(model, gpu, config, replan or ReplanSettings())
+    raise InvalidArgument(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
+
+
+def simulate(model: ModelSpec, gpu: GpuSpec, gpus: int, trace: traces.Trace, planner: str, policy: str,
+             sim: SimConfig | None = None, replan: ReplanSettings | None = None,
+             progress: Callable[[StepRecord], None] | None = None, group_size: int = 8,
+             search_options: dict | None = None) -> SimResult:
+    """Run one simulation; every bad-input path ends in `InvalidArgument` naming the cause."""
+    if gpus < 2:
+        raise InvalidArgument(f"gpus must be >= 2 (one to train, one to roll out), got {gpus}")
+    try:
+        config = SearchConfig(total_gpus=gpus, group_size=group_size, **(search_options or {}))
+        sim = (sim or SimConfig()).model_copy(update={"policy": policy})
+        SimConfig.model_validate(sim.model_dump())
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise InvalidArgument(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    if policy not in ("load_balance", "cmlfq", "length_aware", "la_mlfq"):
+        raise InvalidArgument(f"unknown policy {policy!r}; choose load_balance, cmlfq, length_aware or la_mlfq")
+    controller = make_controller(planner, model, gpu, config, replan)
+    try:
+        return Simulator(model, gpu, trace, controller, config, sim).run(progress)
+    except Infeasible as error:
+        raise InvalidArgument(f"{gpus} GPUs cannot run {model.name} on {gpu.name} for this trace: {error}") from None
+
+
+def summary(result: SimResult, label: str = "") -> list[str]:
+    steps = result.steps
+    lines = [f"{label}plan at start: {result.first_plan}",
+             f"{label}plan at end:   {result.last_plan}",
+             f"{label}{len(steps)} steps in {result.makespan_s:,.0f} simulated s: "
+             f"{result.trajectories_per_s:.3f} trajectories/s, {result.tokens_per_s:,.0f} output tokens/s",
+             f"{label}step time mean {_mean([s.interval_s for s in steps]):.1f}s (first 10: "
+             f"{_mean([s.interval_s for s in steps[:10]]):.1f}s, last 10: {_mean([s.interval_s for s in steps[-10:]]):.1f}s); "
+             f"train mean {_mean([s.train_s for s in steps]):.1f}s, rollout mean {_mean([s.rollout_s for s in steps]):.1f}s",
+             f"{label}plan changes: {len(result.plan_changes)}"]
+    for change in result.plan_changes:
+        lines.append(f"{label}  after step {change.step} at {change.time_s:,.0f}s, ready {change.ready_s:,.0f}s "
+                     f"(transition {change.transition_s:.0f}s, {change.moved_turns} turns moved): {change.after}")
+    lines.append(f"{label}routes {result.routes:,}, peak KV use {result.peak_kv:.1%}, engines per simulated worker "
+                 f"<= {result.pooled}, trajectories per trace entry {result.copies}; "
+                 f"wall {result.wall_s:.1f}s, CPU {result.cpu_s:.1f}s")
+    if result.notes:
+        lines.append(f"{label}notes: {len(result.notes)} (first: {result.notes[0]})")
+    return lines
+
+
+def to_json(result: SimResult, extra: dict | None = None) -> dict:
+    return {**(extra or {}), "makespan_s": result.makespan_s, "trajectories": result.trajectories,
+            "output_tokens": result.output_tokens, "trajectories_per_s": result.trajectories_per_s,
+            "tokens_per_s": result.tokens_per_s, "first_plan": result.first_plan, "last_plan": result.last_plan,
+            "plan_changes": [asdict(c) for c in result.plan_changes], "routes": result.routes,
+            "reasons": dict(result.reasons), "peak_kv": result.peak_kv, "pooled": result.pooled,
+            "copies": result.copies, "wall_s": result.wall_s, "cpu_s": result.cpu_s, "notes": result.notes,
+            "steps": [{"step": s.step, "time_s": s.time_s, "interval_s": s.interval_s, "rollout_s": s.rollout_s,
+                       "train_s": s.train_s, "sequences": s.sequences} for s in result.steps]}
+
+
+def write_json(path: str | pathlib.Path, payload: dict) -> None:
+    try:
+        pathlib.Path(path).write_text(json.dumps(payload, indent=1))
+    except OSError as error:
+        raise ConfigError(f"cannot write {path}: {error.strerror}") from None
+
+
+def plot(runs: dict[str, SimResult], out: str | pathlib.Path, title: str) -> None:
+    """Trajectories/s per step (batch / step wall time, 5-step moving mean) for each run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7.5, 4))
+    for label, result in runs.items():
+        rates = [s.sequences / s.interval_s for s in result.steps]
+        smooth = [_mean(rates[max(0, i - 4):i + 1]) for i in range(len(rates))]
+        line, = axis.plot([s.step for s in result.steps], smooth, lw=1.8,
+                          label=f"{label}: {result.trajectories_per_s:.2f} traj/s overall")
+        for change in result.plan_changes:
+            axis.axvline(change.step, color=line.get_color(), ls=":", lw=1)
+    axis.set_xlabel("training step")
+    axis.set_ylabel("trajectories / s (5-step mean)")
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as error:
+        raise ConfigError(f"cannot write {out}: {error.strerror}") from None
+    finally:
+        plt.close(fig)
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0

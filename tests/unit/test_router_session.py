@@ -1,0 +1,99 @@
+"""Ordering inside the gateway's scheduler session, with a stream whose writes we hold and release.
+
+The real-gRPC behaviour is tested in tests/service/test_scheduler_session.py; this drives the one
+interleaving that is hard to hit there: a message numbered while the session is (re)sending what
+was not acknowledged, on a slow stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from libra.services.rollout.router import SchedulerSession
+from libra.v1 import scheduler_pb2 as spb
+
+
+class HeldCall:
+    """A stream-stream call whose writes block until released; answers are pushed by the test."""
+
+    def __init__(self):
+        self.written: list[int] = []
+        self.gate = asyncio.Event()
+        self.answers: asyncio.Queue = asyncio.Queue()
+
+    async def write(self, message):
+        await self.gate.wait()
+        self.written.append(message.seq)
+
+    def cancel(self):
+        self.answers.put_nowait(None)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        answer = await self.answers.get()
+        if answer is None:
+            raise StopAsyncIteration
+        return answer
+
+
+class Stub:
+    def __init__(self):
+        self.calls: list[HeldCall] = []
+
+    def Session(self):
+        self.calls.append(HeldCall())
+        return self.calls[-1]
+
+
+def test_a_message_numbered_during_the_resend_is_written_once_in_order():
+    async def scenario():
+        stub = Stub()
+        session = SchedulerSession(stub)
+        first = asyncio.ensure_future(session.request(route=spb.RouteRequest(trajectory_id="a")))
+        for _ in range(5):  # the session task opens the stream and starts resending seq 1 (held)
+            await asyncio.sleep(0)
+        session.post(turn=spb.TurnReport(trajectory_id="a", worker_id="w"))  # seq 2
+        second = asyncio.ensure_future(session.request(route=spb.RouteRequest(trajectory_id="b")))  # seq 3
+        for _ in range(5):
+            await asyncio.sleep(0)
+        call = stub.calls[0]
+        call.gate.set()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert call.written == [1, 2, 3]  # each once, in seq order
+        call.answers.put_nowait(spb.SchedulerMessage(seq=1, processed_seq=1, route=spb.RouteDecision(worker_id="w")))
+        call.answers.put_nowait(spb.SchedulerMessage(seq=3, processed_seq=3, route=spb.RouteDecision(worker_id="w")))
+        assert (await asyncio.wait_for(first, 5)).route.worker_id == "w"
+        assert (await asyncio.wait_for(second, 5)).route.worker_id == "w"
+        assert await session.flush(1.0)
+        await session.close()
+    asyncio.run(scenario())
+
+
+def test_unacknowledged_messages_are_resent_in_order_on_a_new_stream():
+    async def scenario():
+        stub = Stub()
+        session = SchedulerSession(stub)
+        session.post(turn=spb.TurnReport(trajectory_id="a", worker_id="w"))
+        pending = asyncio.ensure_future(session.request(route=spb.RouteRequest(trajectory_id="a")))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        stub.calls[0].gate.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert stub.calls[0].written == [1, 2]
+        stub.calls[0].answers.put_nowait(spb.SchedulerMessage(processed_seq=1))  # the report was applied
+        stub.calls[0].answers.put_nowait(None)  # then the stream ends (a scheduler restart)
+        while len(stub.calls) < 2:
+            await asyncio.sleep(0.01)
+        stub.calls[1].gate.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert stub.calls[1].written == [2]  # only what was not acknowledged
+        stub.calls[1].answers.put_nowait(spb.SchedulerMessage(seq=2, processed_seq=2,
+                                                             route=spb.RouteDecision(worker_id="w2")))
+        assert (await asyncio.wait_for(pending, 5)).route.worker_id == "w2"
+        await session.close()
+    asyncio.run(scenario())

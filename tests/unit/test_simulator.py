@@ -1,0 +1,144 @@
+"""The cluster simulator: determinism, conservation, KV limits, plan-change cost, errors, the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from libra.errors import InvalidArgument
+from libra.services.planner import plan_control, sim_run, traces
+from libra.services.planner.cost_rollout import RolloutEfficiency
+from libra.services.planner.hardware import gpu_named, model_named
+from libra.services.planner.plan_control import PlanChange
+from libra.services.planner.replan import ReplanSettings
+from libra.services.planner.search import SearchConfig, search
+from libra.services.planner.sim_instances import pool
+from libra.services.planner.simulator import SimConfig, SimulationError, Simulator
+from libra.services.planner.traces import Trace, TrajectorySpec, TurnSpec
+
+MODEL, GPU = model_named("qwen2.5-3b"), gpu_named("h200-141g")
+CONFIG = SearchConfig(total_gpus=16, group_size=4)
+
+
+def small_trace(seed: int = 1, steps: int = 3, copies: int = 1) -> Trace:
+    return traces.synthetic(steps, 8, 4, seed=seed, drift=0.5, copies=copies)
+
+
+def run(trace: Trace, policy: str = "cmlfq", controller=None, config: SearchConfig = CONFIG, **sim):
+    controller = controller or plan_control.static(MODEL, GPU, config)
+    simulator = Simulator(MODEL, GPU, trace, controller, config, SimConfig(policy=policy, **sim))
+    return simulator, simulator.run()
+
+
+def test_the_simulation_is_deterministic_for_a_seed():
+    def once(seed):
+        _, result = run(small_trace(seed))
+        return [(s.time_s, s.rollout_s, s.train_s) for s in result.steps], dict(result.reasons), result.output_tokens
+    assert once(1) == once(1)
+    assert once(1) != once(2)
+
+
+@pytest.mark.parametrize("policy", ["cmlfq", "load_balance"])
+def test_every_trajectory_finishes_once_and_tokens_add_up(policy):
+    trace = small_trace(copies=2)
+    simulator, result = run(trace, policy)
+    assert simulator.left == [0] * len(trace.steps)  # a second finish would have raised NotFound in the policy
+    assert not simulator.policy.state.placements  # every routed trajectory was reported finished
+    assert result.trajectories == trace.batch * len(trace.steps) == 32 * 3
+    assert result.output_tokens == sum(s.output_tokens * s.copies for step in trace.steps for s in step)
+    assert result.routes == sum(len(s.turns) for step in trace.steps for s in step)  # one route per turn
+    assert [s.step for s in result.steps] == [0, 1, 2]
+    assert all(s.rollout_s > 0 and s.train_s > 0 for s in result.steps)
+    assert result.trajectories_per_s == pytest.approx(result.trajectories / result.makespan_s)
+
+
+def test_an_engine_never_holds_more_kv_than_its_capacity():
+    small = GPU.model_copy(update={"memory_gib": 40.0, "name": "small"})
+    config = SearchConfig(total_gpus=16, group_size=4, rollout=RolloutEfficiency(memory_fraction=0.25))
+    trace = traces.synthetic(2, 32, 4, seed=1, drift=0.0)
+    simulator = Simulator(MODEL, small, trace, plan_control.static(MODEL, small, config), config,
+                          SimConfig(policy="load_balance"))
+    result = simulator.run()
+    assert 0.8 < result.peak_kv <= 1.0 + 1e-9  # the cache was the binding limit, and it held
+    assert all(i.reserved <= i.capacity + 1e-6 for i in simulator.instances.values())
+
+
+def test_a_plan_change_costs_its_transition_time():
+    trace = small_trace(steps=4)
+    first = search(MODEL, GPU, trace.pairs(0), CONFIG).best
+    other = search(MODEL, GPU, trace.pairs(0), CONFIG.model_copy(update={"tp_choices": (2,)})).best
+    assert first.rollout != other.rollout and first.layout != other.layout
+
+    def with_cost(seconds):
+        controller = plan_control.Scripted(first, {1: PlanChange(other, seconds, "test")})
+        return run(trace, controller=controller)
+
+    simulator, slow = with_cost(400.0)
+    _, fast = with_cost(0.0)
+    change = slow.plan_changes[0]
+    assert change.step == 1 and change.ready_s == pytest.approx(change.time_s + 400.0)
+    started = slow.steps[2].time_s - slow.steps[2].train_s
+    assert started >= change.ready_s - 1e-6  # the new training layout waited for the transition
+    assert all(i.up_at in (0.0, change.ready_s) for i in simulator.instances.values())
+    assert any(i.up_at == change.ready_s for i in simulator.instances.values())  # new engines came up then
+    assert slow.makespan_s > fast.makespan_s + 100
+    assert slow.last_plan == other.describe() and slow.first_plan == first.describe()
+
+
+def test_online_planner_decides_after_steps_with_reasons():
+    trace = small_trace(steps=4)
+    settings = ReplanSettings(warmup_steps=1, cooldown_s=0, recheck_s=0, interval_s=1)
+    controller = plan_control.Online(MODEL, GPU, CONFIG, settings)
+    _, result = run(trace, controller=controller)
+    assert controller.decisions and controller.decisions[0][0] == 0 and controller.decisions[0][2]
+    applied = [(step, reason) for step, done, reason in controller.decisions if done]
+    assert [(c.step, c.reason) for c in result.plan_changes] == applied
+
+
+def test_pooling_keeps_every_engine():
+    assert pool(((1, 10), (4, 3)), max_workers=100) == [(1, 1)] * 10 + [(4, 1)] * 3
+    pooled = pool(((1, 1000), (4, 13)), max_workers=100)
+    assert sum(n for tp, n in pooled if tp == 1) == 1000 and sum(n for tp, n in pooled if tp == 4) == 13
+    assert len(pooled) <= 100 + 2 and max(n for _, n in pooled) - min(n for tp, n in pooled if tp == 1) <= 1
+
+
+def test_bad_budgets_and_models_give_clear_errors():
+    trace = small_trace()
+    with pytest.raises(InvalidArgument, match="gpus must be >= 2"):
+        sim_run.simulate(MODEL, GPU, 1, trace, "static", "cmlfq")
+    huge = MODEL.model_copy(update={"name": "huge", "layers": 400, "hidden_size": 16384, "intermediate_size": 65536,
+                                    "heads": 128, "kv_heads": 8})
+    with pytest.raises(InvalidArgument, match="does not fit"):
+        sim_run.simulate(huge, GPU, 16, trace, "static", "cmlfq")
+    with pytest.raises(InvalidArgument, match="unknown planner"):
+        sim_run.simulate(MODEL, GPU, 16, trace, "best", "cmlfq")
+    with pytest.raises(InvalidArgument, match="policy"):
+        sim_run.simulate(MODEL, GPU, 16, trace, "static", "fastest")
+    endless = Trace(((TrajectorySpec("x", "p", 0, 9_000_000, (TurnSpec(10),)),),))
+    with pytest.raises(SimulationError, match="'x' reaches 9000010 tokens"):
+        sim_run.simulate(MODEL, GPU, 16, endless, "static", "cmlfq")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "libra.cli", "sim", "--cluster", "configs/hardware/h200-141g.yaml",
+                           "--model", "configs/models/qwen2.5-3b.yaml", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_runs_a_small_simulation_and_writes_json(tmp_path):
+    out = tmp_path / "sim.json"
+    done = cli("--gpus", "16", "--steps", "3", "--prompts", "4", "--group-size", "4", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "trajectories/s" in done.stdout and "plan at start" in done.stdout
+    assert '"trajectories_per_s"' in out.read_text()
+
+
+def test_cli_bad_trace_and_budget_exit_2(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("prompt_tokens,output_tokens\n100,-5\n")
+    done = cli("--gpus", "16", "--steps", "2", "--trace", str(bad))
+    assert done.returncode == 2 and "output_tokens=-5" in done.stderr and "Traceback" not in done.stderr
+    done = cli("--gpus", "1", "--steps", "2", "--prompts", "2")
+    assert done.returncode == 2 and "gpus must be >= 2" in done.stderr

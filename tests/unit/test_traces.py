@@ -1,0 +1,115 @@
+"""Simulator traces: the synthetic drifting trace, the file formats, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from libra.errors import InvalidArgument
+from libra.services.planner import traces
+from libra.services.planner.traces import Trace, TrajectorySpec, TurnSpec
+
+
+def test_the_synthetic_trace_is_deterministic_by_seed():
+    assert traces.synthetic(3, 4, 4, seed=7) == traces.synthetic(3, 4, 4, seed=7)
+    assert traces.synthetic(3, 4, 4, seed=7) != traces.synthetic(3, 4, 4, seed=8)
+
+
+def test_drifting_lengths_grow_over_steps_and_stay_put_without_drift():
+    drifting = traces.synthetic(20, 16, 8, seed=0, drift=1.0)
+    first = sum(drifting.mean_tokens(s) for s in range(4)) / 4
+    last = sum(drifting.mean_tokens(s) for s in range(16, 20)) / 4
+    assert last > 1.6 * first
+    flat = traces.synthetic(20, 16, 8, seed=0, drift=0.0)
+    early = sum(flat.mean_tokens(s) for s in range(4)) / 4
+    late = sum(flat.mean_tokens(s) for s in range(16, 20)) / 4
+    assert 0.8 < late / early < 1.25
+
+
+def test_synthetic_turns_are_multi_turn_with_tools_between_turns():
+    trace = traces.synthetic(2, 8, 4, seed=3)
+    for spec in trace.steps[1]:
+        assert spec.step == 1 and len(spec.turns) >= 2
+        assert all(t.tool and t.status in ("success", "failure") for t in spec.turns[:-1])
+        assert not spec.turns[-1].tool
+
+
+def test_copies_keep_the_batch_and_must_divide_it():
+    trace = traces.synthetic(2, 8, 8, seed=0, copies=4)
+    assert trace.batch == 64 and len(trace.steps[0]) == 16 and len(trace.pairs(0)) == 64
+    with pytest.raises(InvalidArgument, match="copies"):
+        traces.synthetic(2, 8, 8, seed=0, copies=3)
+
+
+def test_trajectory_jsonl_round_trips(tmp_path):
+    trace = traces.synthetic(3, 2, 4, seed=5)
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(traces.dump(trace)) + "\n")
+    loaded = traces.load(path, steps=3, batch=999)  # the batch comes from the file
+    assert [[(s.trajectory_id, s.prompt_tokens, [t.output_tokens for t in s.turns]) for s in step]
+            for step in loaded.steps] == \
+           [[(s.trajectory_id, s.prompt_tokens, [t.output_tokens for t in s.turns]) for s in step]
+            for step in trace.steps]
+
+
+def test_csv_and_history_exports_become_single_turn_batches(tmp_path):
+    csv = tmp_path / "t.csv"
+    csv.write_text("# comment\nprompt_tokens,output_tokens\n100,20\n200,30\n300,40\n")
+    trace = traces.load(csv, steps=2, batch=2)
+    assert [[(s.prompt_tokens, s.output_tokens) for s in step] for step in trace.steps] == \
+           [[(100, 20), (200, 30)], [(300, 40), (100, 20)]]  # repeated in order to fill the steps
+    history = tmp_path / "h.jsonl"
+    history.write_text("\n".join(json.dumps(r) for r in [
+        {"kind": "turn", "promptTokens": 50, "outputTokens": 7}, {"kind": "step", "seconds": 3.0},
+        {"kind": "turn", "prompt_tokens": 60, "output_tokens": 8}]))
+    assert traces.load(history, steps=1, batch=2).pairs(0) == [(50, 7), (60, 8)]
+
+
+def test_a_recorded_run_trace_keeps_turns_and_tools(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text(json.dumps({"trajectory_id": "g1-0", "prompt_id": "7", "prompt_tokens": 41, "outputs": [23, 9],
+                                "tools": [{"name": "calculator", "status": "success", "payload_tokens": 6,
+                                           "latency_s": 0.5}], "status": "completed"}) + "\n")
+    spec = traces.load(path, steps=2, batch=1).steps[1][0]
+    assert spec.turns == (TurnSpec(23, "calculator", "success", 6, 0.5), TurnSpec(9))
+
+
+@pytest.mark.parametrize("line, match", [
+    ("100,-5", "output_tokens=-5"),
+    ("-3,40", "prompt_tokens=-3"),
+    ("100,50000000", "output_tokens=50000000"),
+    ("100,abc", "expected prompt_tokens,output_tokens"),
+])
+def test_bad_csv_lengths_are_named(tmp_path, line, match):
+    path = tmp_path / "bad.csv"
+    path.write_text(f"prompt_tokens,output_tokens\n10,10\n{line}\n")
+    with pytest.raises(InvalidArgument, match=match):
+        traces.load(path, steps=1, batch=2)
+
+
+def test_bad_trajectories_are_named():
+    good = TrajectorySpec("a", "p", 0, 10, (TurnSpec(5, "calc", "success", 3, 0.1), TurnSpec(5)))
+    with pytest.raises(InvalidArgument, match="status"):
+        traces.check(Trace(((TrajectorySpec("a", "p", 0, 10, (TurnSpec(5, "calc", "error?"), TurnSpec(5))),),)))
+    with pytest.raises(InvalidArgument, match="latency_s"):
+        traces.check(Trace(((TrajectorySpec("a", "p", 0, 10, (TurnSpec(5, "calc", "success", 1, -1.0),
+                                                              TurnSpec(5))),),)))
+    with pytest.raises(InvalidArgument, match="same size"):
+        traces.check(Trace(((good,), (TrajectorySpec("b", "p", 1, 10, (TurnSpec(5),), copies=2),))))
+    with pytest.raises(InvalidArgument, match="appears twice"):
+        traces.check(Trace(((good,), (TrajectorySpec("a", "p", 1, 10, (TurnSpec(5),)),))))
+    with pytest.raises(InvalidArgument, match="no trajectories"):
+        traces.check(Trace(((),)))
+
+
+def test_missing_files_and_fields_are_named(tmp_path):
+    with pytest.raises(InvalidArgument, match="cannot read trace"):
+        traces.load(tmp_path / "missing.jsonl", 1, 1)
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"step": 0, "turns": [{"output_tokens": 3}]}) + "\n")
+    with pytest.raises(InvalidArgument, match="prompt_tokens"):
+        traces.load(path, 1, 1)
+    path.write_text(json.dumps({"step": 0, "prompt_tokens": 3, "turns": [{"output_tokens": 3}]}) + "\n")
+    with pytest.raises(InvalidArgument, match="holds 1 steps"):
+        traces.load(path, 2, 1)
