@@ -76,7 +76,7 @@ def train_step(model, optimizer, sequences, args) -> dict:
     """One GRPO step over `sequences` (micro-batched); returns loss metrics and the log-prob gap."""
     import torch
 
-    from libra.services.trainer.backend import TrainBatch, pack, token_logprobs, unpack
+    from libra.services.trainer.backend import TrainBatch, pack, token_logprobs
     from libra.services.trainer.grpo import policy_loss
 
     device = next(model.parameters()).device

@@ -49,8 +49,6 @@ def llama_shapes(hidden: int, layers: int, inter: int, vocab: int, kv_ratio: int
 
 
 def checksum(tensors) -> float:
-    import torch
-
     return float(sum(t.double().sum() for t in tensors)) if tensors else 0.0
 
 
@@ -117,7 +115,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
             for _ in range(args.warmup):
                 _timed(fn, device)
             timings[label] = [_timed(fn, device) for _ in range(args.repeats)]
-        del flat
+        flat = None  # free it before the checked sync
         if rank != 0:  # the per-tensor run filled them too: check what one group sync alone delivers
             for tensor in tensors.values():
                 tensor.zero_()
@@ -131,7 +129,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
             record[f"{label}_gbps"] = total / record[f"{label}_s"] / 1e9
         record["group_over_plain"] = record["group_gbps"] / record["plain_gbps"]
         results.append(record)
-        del tensors
+        tensors = {}
         if device.type == "cuda":
             torch.cuda.empty_cache()
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))

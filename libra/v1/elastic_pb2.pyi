@@ -179,7 +179,7 @@ class PlanProgress(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., steps_done: _Optional[int] = ..., steps_total: _Optional[int] = ..., actions: _Optional[_Iterable[_Union[PlanAction, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
 
 class PlanAction(_message.Message):
-    __slots__ = ("kind", "target", "state", "detail", "started_at", "finished_at", "phase")
+    __slots__ = ("kind", "target", "state", "detail", "started_at", "finished_at", "phase", "gpus", "displaced")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,8 @@ class PlanAction(_message.Message):
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    DISPLACED_FIELD_NUMBER: _ClassVar[int]
     kind: str
     target: str
     state: str
@@ -194,4 +196,6 @@ class PlanAction(_message.Message):
     started_at: float
     finished_at: float
     phase: int
-    def __init__(self, kind: _Optional[str] = ..., target: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., phase: _Optional[int] = ...) -> None: ...
+    gpus: int
+    displaced: _containers.RepeatedCompositeFieldContainer[_common_pb2.BucketSpec]
+    def __init__(self, kind: _Optional[str] = ..., target: _Optional[str] = ..., state: _Optional[str] = ..., detail: _Optional[str] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., phase: _Optional[int] = ..., gpus: _Optional[int] = ..., displaced: _Optional[_Iterable[_Union[_common_pb2.BucketSpec, _Mapping]]] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from libra.v1 import common_pb2 as libra_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16libra/v1/rollout.proto\x12\x08libra.v1\x1a\x15libra/v1/common.proto\"X\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12\x13\n\x0bmin_version\x18\x04 \x01(\x04\"b\n\x14SubmitPromptsRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12%\n\x06groups\x18\x02 \x03(\x0b\x32\x15.libra.v1.PromptGroup\"g\n\x15SubmitPromptsResponse\x12\x17\n\x0f\x61\x63\x63\x65pted_groups\x18\x01 \x01(\r\x12\x18\n\x10\x64uplicate_groups\x18\x02 \x01(\r\x12\x1b\n\x13queued_trajectories\x18\x03 \x01(\r\"=\n\x14GetTrajectoryRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\"Z\n\x14UpdateWeightsRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04path\x18\x03 \x01(\t\"[\n\tWorkerAck\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"K\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12!\n\x04\x61\x63ks\x18\x02 \x03(\x0b\x32\x13.libra.v1.WorkerAck\"$\n\x12ListWorkersRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"<\n\x13ListWorkersResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.libra.v1.WorkerInfo\"e\n\x12\x44rainWorkerRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"a\n\x13StartWorkersRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12%\n\x07\x62uckets\x18\x02 \x03(\x0b\x32\x14.libra.v1.BucketSpec\"%\n\x13RolloutStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa7\x01\n\x0cRolloutStats\x12\x0e\n\x06queued\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x11\n\tcompleted\x18\x03 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x04\x12\r\n\x05turns\x18\x05 \x01(\x04\x12\x15\n\rretried_turns\x18\x06 \x01(\x04\x12\x13\n\x0bmean_reward\x18\x07 \x01(\x01\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x04\x32\x8d\x04\n\x07Rollout\x12P\n\rSubmitPrompts\x12\x1e.libra.v1.SubmitPromptsRequest\x1a\x1f.libra.v1.SubmitPromptsResponse\x12\x45\n\rGetTrajectory\x12\x1e.libra.v1.GetTrajectoryRequest\x1a\x14.libra.v1.Trajectory\x12P\n\rUpdateWeights\x12\x1e.libra.v1.UpdateWeightsRequest\x1a\x1f.libra.v1.UpdateWeightsResponse\x12J\n\x0bListWorkers\x12\x1c.libra.v1.ListWorkersRequest\x1a\x1d.libra.v1.ListWorkersResponse\x12:\n\x0b\x44rainWorker\x12\x1c.libra.v1.DrainWorkerRequest\x1a\r.libra.v1.Ack\x12L\n\x0cStartWorkers\x12\x1d.libra.v1.StartWorkersRequest\x1a\x1d.libra.v1.ListWorkersResponse\x12\x41\n\x08GetStats\x12\x1d.libra.v1.RolloutStatsRequest\x1a\x16.libra.v1.RolloutStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16libra/v1/rollout.proto\x12\x08libra.v1\x1a\x15libra/v1/common.proto\"X\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12\x13\n\x0bmin_version\x18\x04 \x01(\x04\"b\n\x14SubmitPromptsRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12%\n\x06groups\x18\x02 \x03(\x0b\x32\x15.libra.v1.PromptGroup\"g\n\x15SubmitPromptsResponse\x12\x17\n\x0f\x61\x63\x63\x65pted_groups\x18\x01 \x01(\r\x12\x18\n\x10\x64uplicate_groups\x18\x02 \x01(\r\x12\x1b\n\x13queued_trajectories\x18\x03 \x01(\r\"=\n\x14GetTrajectoryRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\"n\n\x14UpdateWeightsRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04path\x18\x03 \x01(\t\x12\x12\n\nover_group\x18\x04 \x01(\x08\"[\n\tWorkerAck\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"K\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12!\n\x04\x61\x63ks\x18\x02 \x03(\x0b\x32\x13.libra.v1.WorkerAck\"$\n\x12ListWorkersRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"<\n\x13ListWorkersResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.libra.v1.WorkerInfo\"e\n\x12\x44rainWorkerRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"a\n\x13StartWorkersRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12%\n\x07\x62uckets\x18\x02 \x03(\x0b\x32\x14.libra.v1.BucketSpec\"%\n\x13RolloutStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa7\x01\n\x0cRolloutStats\x12\x0e\n\x06queued\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x11\n\tcompleted\x18\x03 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x04\x12\r\n\x05turns\x18\x05 \x01(\x04\x12\x15\n\rretried_turns\x18\x06 \x01(\x04\x12\x13\n\x0bmean_reward\x18\x07 \x01(\x01\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x04\x32\x8d\x04\n\x07Rollout\x12P\n\rSubmitPrompts\x12\x1e.libra.v1.SubmitPromptsRequest\x1a\x1f.libra.v1.SubmitPromptsResponse\x12\x45\n\rGetTrajectory\x12\x1e.libra.v1.GetTrajectoryRequest\x1a\x14.libra.v1.Trajectory\x12P\n\rUpdateWeights\x12\x1e.libra.v1.UpdateWeightsRequest\x1a\x1f.libra.v1.UpdateWeightsResponse\x12J\n\x0bListWorkers\x12\x1c.libra.v1.ListWorkersRequest\x1a\x1d.libra.v1.ListWorkersResponse\x12:\n\x0b\x44rainWorker\x12\x1c.libra.v1.DrainWorkerRequest\x1a\r.libra.v1.Ack\x12L\n\x0cStartWorkers\x12\x1d.libra.v1.StartWorkersRequest\x1a\x1d.libra.v1.ListWorkersResponse\x12\x41\n\x08GetStats\x12\x1d.libra.v1.RolloutStatsRequest\x1a\x16.libra.v1.RolloutStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,23 +41,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETTRAJECTORYREQUEST']._serialized_start=354
   _globals['_GETTRAJECTORYREQUEST']._serialized_end=415
   _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=417
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=507
-  _globals['_WORKERACK']._serialized_start=509
-  _globals['_WORKERACK']._serialized_end=600
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=602
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=677
-  _globals['_LISTWORKERSREQUEST']._serialized_start=679
-  _globals['_LISTWORKERSREQUEST']._serialized_end=715
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=717
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=777
-  _globals['_DRAINWORKERREQUEST']._serialized_start=779
-  _globals['_DRAINWORKERREQUEST']._serialized_end=880
-  _globals['_STARTWORKERSREQUEST']._serialized_start=882
-  _globals['_STARTWORKERSREQUEST']._serialized_end=979
-  _globals['_ROLLOUTSTATSREQUEST']._serialized_start=981
-  _globals['_ROLLOUTSTATSREQUEST']._serialized_end=1018
-  _globals['_ROLLOUTSTATS']._serialized_start=1021
-  _globals['_ROLLOUTSTATS']._serialized_end=1188
-  _globals['_ROLLOUT']._serialized_start=1191
-  _globals['_ROLLOUT']._serialized_end=1716
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=527
+  _globals['_WORKERACK']._serialized_start=529
+  _globals['_WORKERACK']._serialized_end=620
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=622
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=697
+  _globals['_LISTWORKERSREQUEST']._serialized_start=699
+  _globals['_LISTWORKERSREQUEST']._serialized_end=735
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=737
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=797
+  _globals['_DRAINWORKERREQUEST']._serialized_start=799
+  _globals['_DRAINWORKERREQUEST']._serialized_end=900
+  _globals['_STARTWORKERSREQUEST']._serialized_start=902
+  _globals['_STARTWORKERSREQUEST']._serialized_end=999
+  _globals['_ROLLOUTSTATSREQUEST']._serialized_start=1001
+  _globals['_ROLLOUTSTATSREQUEST']._serialized_end=1038
+  _globals['_ROLLOUTSTATS']._serialized_start=1041
+  _globals['_ROLLOUTSTATS']._serialized_end=1208
+  _globals['_ROLLOUT']._serialized_start=1211
+  _globals['_ROLLOUT']._serialized_end=1736
 # @@protoc_insertion_point(module_scope)

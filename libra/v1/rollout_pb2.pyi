@@ -46,14 +46,16 @@ class GetTrajectoryRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("meta", "version", "path")
+    __slots__ = ("meta", "version", "path", "over_group")
     META_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    OVER_GROUP_FIELD_NUMBER: _ClassVar[int]
     meta: _common_pb2.RequestMeta
     version: int
     path: str
-    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., version: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+    over_group: bool
+    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., version: _Optional[int] = ..., path: _Optional[str] = ..., over_group: _Optional[bool] = ...) -> None: ...
 
 class WorkerAck(_message.Message):
     __slots__ = ("worker_id", "version", "seconds", "ok", "error")

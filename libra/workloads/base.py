@@ -24,14 +24,14 @@ One signature for every workload: the runner opens an `Episode` per trajectory w
     await episode.close()                          # always called, also when the trajectory fails
 
 `Episode` is concrete: by default it delegates to the workload's stateless methods above, so a
-workload that needs no per-trajectory state (calculator, math, search) does not subclass it. A
-workload with per-trajectory state (a sandbox directory, a repository checkout) returns its own
-`Episode` subclass from `episode()` and releases the state in `close()`. `seed` is deterministic
+workload that needs no per-trajectory state (calculator, GSM8K) does not subclass it. A workload
+with per-trajectory state (DAPO's checker budget, Search-R1's format check, a sandbox directory)
+returns its own `Episode` subclass from `episode()` and releases the state in `close()`. `seed` is deterministic
 per trajectory (the runner derives it from the run seed and the trajectory id, which names the
 prompt's group and the sample); per-turn sampling seeds stay the runner's `turn_seed`.
 
 Added (backwards compatible): `TurnBudget`, `Episode`, `Workload.episode`, `Workload.prompt_key`,
-`ToolResult.detail` (why a call failed, for logs; never shown to the scheduler), `WORKLOADS`
+`ToolResult.detail` (why a call failed, for a person debugging; never shown to the model or the scheduler), `WORKLOADS`
 (the registry's names) and `register_workload` (for workloads that live outside this package).
 """
 

@@ -193,26 +193,19 @@ def diff_plan(plan: Plan, members: list[pb.Member], core_replicas: int,
     return actions
 
 
-def in_flight(members: list[pb.Member], plan_generation: int) -> list[Action]:
-    """Joins and releases a plan already started (found mid-phase after a restart): still its work."""
-    actions = []
-    for member in sorted(members, key=lambda m: m.member_id):
-        if member.role != pb.ROLE_HYBRID or member.plan_generation != plan_generation:
-            continue
-        if member.state in JOIN_PHASES:
-            actions.append(Action("join", member.member_id, 1, gpus=member.gpus))
-        elif member.state == S.MEMBER_STATE_RELEASING:
-            actions.append(Action("release", member.member_id, 0))
-    return actions
-
-
 def action_proto(action: Action) -> pb.PlanAction:
     detail = ""
     if action.kind == "join":
         detail = f"{action.gpus} GPUs" + (f", displaces {', '.join(b for b, _ in action.displaced)}"
                                           if action.displaced else "")
     return pb.PlanAction(kind=action.kind, target=action.target, state="pending", phase=action.phase,
-                         detail=detail)
+                         detail=detail, gpus=action.gpus,
+                         displaced=[common_pb2.BucketSpec(name=b, tp=tp, replicas=1) for b, tp in action.displaced])
+
+
+def action_of(message: pb.PlanAction) -> Action:
+    return Action(message.kind, message.target, message.phase, message.gpus,
+                  tuple((b.name, b.tp) for b in message.displaced))
 
 
 def displaced_specs(action: Action, plan: Plan) -> list[common_pb2.BucketSpec]:

@@ -81,10 +81,7 @@ class PlanRunner:
 
     async def _diff(self, plan: Plan, previous: common_pb2.Plan | None) -> list[core.Action]:
         bucket_tp = {b.name: b.tp for b in previous.buckets} if previous is not None else {}
-        members = await self._members()
-        actions = core.in_flight(members, plan.generation) + core.diff_plan(
-            plan, members, self.config.core_replicas, bucket_tp)
-        return sorted(actions, key=lambda a: a.phase)
+        return core.diff_plan(plan, await self._members(), self.config.core_replicas, bucket_tp)
 
     # -- accepting ---------------------------------------------------------------------------
     async def apply(self, message: common_pb2.Plan) -> pb.PlanProgress:
@@ -126,7 +123,7 @@ class PlanRunner:
             await self._save(progress)
             return
         _log.info("resuming plan", generation=progress.generation)
-        self.task = self._spawn(self._execute(from_proto(message), progress, None, message, rediff=True),
+        self.task = self._spawn(self._execute(from_proto(message), progress, None, message, resumed=True),
                                 progress.generation)
 
     @staticmethod
@@ -150,23 +147,27 @@ class PlanRunner:
 
     # -- executing ---------------------------------------------------------------------------
     async def _execute(self, plan: Plan, progress: pb.PlanProgress, previous: asyncio.Task | None,
-                       previous_plan: common_pb2.Plan | None, rediff: bool = False) -> None:
+                       previous_plan: common_pb2.Plan | None, resumed: bool = False) -> None:
+        """Run the plan's actions. `resumed`: after a restart, re-run the stored unfinished actions,
+        each of which first checks what already happened (see the handlers)."""
         actions: list[core.Action] = []
         try:
             if previous is not None and not previous.done():
                 previous.cancel()
                 await asyncio.gather(previous, return_exceptions=True)
-                rediff = True
-            # diffed again on the live pool: an older plan's rollbacks or a restart changed it
-            actions = await self._diff(plan, previous_plan)
-            if rediff or [(a.kind, a.target) for a in progress.actions] != [(a.kind, a.target) for a in actions]:
-                del progress.actions[:]
-                progress.actions.extend(core.action_proto(a) for a in actions)
-                await self._save(progress)
-            phase0 = [(i, a) for i, a in enumerate(actions) if a.phase == 0]
+            if resumed:
+                actions = [core.action_of(a) for a in progress.actions]
+            else:  # diffed again on the live pool: an older plan's rollbacks changed it
+                actions = await self._diff(plan, previous_plan)
+                if [(a.kind, a.target) for a in progress.actions] != [(a.kind, a.target) for a in actions]:
+                    del progress.actions[:]
+                    progress.actions.extend(core.action_proto(a) for a in actions)
+                    await self._save(progress)
+            unfinished = [(i, a) for i, a in enumerate(actions) if progress.actions[i].state in ("pending", "running")]
+            phase0 = [(i, a) for i, a in unfinished if a.phase == 0]
             await asyncio.gather(*(self._run(plan, progress, i, a) for i, a in phase0))
-            later = [(i, a) for i, a in enumerate(actions) if a.phase == 1]
-            if any(progress.actions[i].state == "failed" for i, _ in phase0):
+            later = [(i, a) for i, a in unfinished if a.phase == 1]
+            if any(action.state == "failed" for action in progress.actions if action.phase == 0):
                 for i, _ in later:
                     self._mark(progress, i, "cancelled", "a release or drain failed: its GPUs may still be busy")
                 await self._save(progress)
@@ -207,12 +208,17 @@ class PlanRunner:
 
     async def _release(self, plan: Plan, action: core.Action) -> tuple[bool, str]:
         member = await self.replicas.load(action.target)
+        if member.state == S.MEMBER_STATE_ROLLOUT and member.plan_generation == plan.generation:
+            return member.detail.startswith("released"), member.detail  # finished before a restart
         result = await asyncio.shield(self.replicas.release(member, plan.generation))
         released = result is not None and result.state == S.MEMBER_STATE_ROLLOUT and result.detail.startswith(
             "released")
         return released, result.detail if result is not None else STOPPED_EARLY
 
     async def _drain(self, plan: Plan, action: core.Action) -> tuple[bool, str]:
+        record = await self.store.get_member(action.target)
+        if record is None or pb.Member.FromString(record.payload).state != S.MEMBER_STATE_ROLLOUT:
+            return True, "already drained"  # before a restart, or by the gateway itself
         # shielded: a drain half done (deregistered, not stopped) must not be left behind
         await asyncio.shield(self.driver.drain_worker(action.target, self.config.deadlines.drain_s))
         record = await self.store.get_member(action.target)
@@ -229,6 +235,8 @@ class PlanRunner:
             member = await self.replicas.load(action.target)
         except NotFound:
             member = await self.replicas.create(action.target, action.gpus)
+        if member.state == S.MEMBER_STATE_ROLLOUT and member.plan_generation == plan.generation:
+            return False, member.detail  # this plan's join was rolled back (before a restart)
         task = self.replicas.join(member, plan.generation, core.displaced_specs(action, plan))
         result = await asyncio.shield(task)
         if result is None:
@@ -242,6 +250,15 @@ class PlanRunner:
         counts: dict[str, int] = {}
         for _, action in starts:
             counts[action.target] = counts.get(action.target, 0) + 1
+        # only what is still missing: a start the previous coordinator finished is not repeated
+        have = {bucket: done for bucket, (done, _) in self._serving(plan, await self._members()).items()}
+        counts = {bucket: min(count, plan.bucket(bucket).replicas - have.get(bucket, 0))
+                  for bucket, count in counts.items()}
+        counts = {bucket: count for bucket, count in counts.items() if count > 0}
+        if not counts:
+            for index, _ in starts:
+                self._mark(progress, index, "done", "already serving")
+            return
         plan_buckets = {b.name: b for b in plan.buckets}
         specs = [common_pb2.BucketSpec(name=name, tp=plan_buckets[name].tp, max_tokens=plan_buckets[name].max_tokens,
                                        replicas=count) for name, count in sorted(counts.items())]
@@ -257,6 +274,11 @@ class PlanRunner:
             outcome, detail = "failed", str(error) or "start_workers passed its deadline"
         for index, _ in starts:
             self._mark(progress, index, outcome, detail)
+
+    @staticmethod
+    def _serving(plan: Plan, members: list[pb.Member]) -> dict[str, tuple[int, int]]:
+        """Per bucket of the plan: (workers serving, workers wanted)."""
+        return {b.name: core.plan_progress({b.name: b.replicas}, members) for b in plan.buckets}
 
     async def progress(self, generation: int) -> pb.PlanProgress:
         current = await self.load()

@@ -7,7 +7,8 @@ controller answers with a `PlanChange` (the new candidate and its transition cos
     tp2       the same search restricted to TP 2 on both sides (a homogeneous layout); pair it
               with load-balance routing for the usual baseline
     online    the Global Resource Planner's `Replanner` (services/planner/replan.py), fed every
-              step's measured times and lengths; it applies a plan only when the predicted gain
+              step's measured times and lengths as the trainer reports them (rollout seconds =
+              the trainer's wait for the batch); it applies a plan only when the predicted gain
               minus the transition cost pays
     scripted  fixed changes at given steps (tests)
 
@@ -34,6 +35,7 @@ class StepRecord:
     interval_s: float  # since the previous step finished (the step's wall time)
     rollout_s: float  # batch released -> its last trajectory finished
     train_s: float
+    wait_s: float  # the trainer waited this long for the batch (what the real trainer reports as rollout seconds)
     sequences: int
     lengths: Sequence[tuple[int, int]]  # (prompt + tool payloads, output) per sequence of the batch
     queue_depth: float  # turns waiting in engine queues when the step finished
@@ -100,7 +102,7 @@ class Online(SearchOnce):
     def after_step(self, record: StepRecord) -> PlanChange | None:
         assert self.replanner is not None, "initial() first"
         rejected = self.replanner.observe_step(StepObservation(
-            record.step, record.interval_s, record.rollout_s, record.train_s, record.queue_depth,
+            record.step, record.interval_s, record.wait_s, record.train_s, record.queue_depth,
             record.active_rollouts, 0, list(record.lengths), record.sequences))
         if rejected:
             self.decisions.append((record.step, False, f"observation rejected: {rejected}"))

@@ -85,9 +85,10 @@ def summary(result: SimResult, label: str = "") -> list[str]:
              f"{label}plan at end:   {result.last_plan}",
              f"{label}{len(steps)} steps in {result.makespan_s:,.0f} simulated s: "
              f"{result.trajectories_per_s:.3f} trajectories/s, {result.tokens_per_s:,.0f} output tokens/s",
-             f"{label}step time mean {_mean([s.interval_s for s in steps]):.1f}s (first 10: "
-             f"{_mean([s.interval_s for s in steps[:10]]):.1f}s, last 10: {_mean([s.interval_s for s in steps[-10:]]):.1f}s); "
-             f"train mean {_mean([s.train_s for s in steps]):.1f}s, rollout mean {_mean([s.rollout_s for s in steps]):.1f}s",
+             f"{label}step time mean {_mean(s.interval_s for s in steps):.1f}s (first 10: "
+             f"{_mean(s.interval_s for s in steps[:10]):.1f}s, last 10: {_mean(s.interval_s for s in steps[-10:]):.1f}s); "
+             f"train mean {_mean(s.train_s for s in steps):.1f}s, rollout mean {_mean(s.rollout_s for s in steps):.1f}s, "
+             f"trainer waited {_mean(s.wait_s for s in steps):.1f}s",
              f"{label}plan changes: {len(result.plan_changes)}"]
     for change in result.plan_changes:
         lines.append(f"{label}  after step {change.step} at {change.time_s:,.0f}s, ready {change.ready_s:,.0f}s "
@@ -108,7 +109,7 @@ def to_json(result: SimResult, extra: dict | None = None) -> dict:
             "reasons": dict(result.reasons), "peak_kv": result.peak_kv, "pooled": result.pooled,
             "copies": result.copies, "wall_s": result.wall_s, "cpu_s": result.cpu_s, "notes": result.notes,
             "steps": [{"step": s.step, "time_s": s.time_s, "interval_s": s.interval_s, "rollout_s": s.rollout_s,
-                       "train_s": s.train_s, "sequences": s.sequences} for s in result.steps]}
+                       "train_s": s.train_s, "wait_s": s.wait_s, "sequences": s.sequences} for s in result.steps]}
 
 
 def write_json(path: str | pathlib.Path, payload: dict) -> None:
@@ -119,22 +120,23 @@ def write_json(path: str | pathlib.Path, payload: dict) -> None:
 
 
 def plot(runs: dict[str, SimResult], out: str | pathlib.Path, title: str) -> None:
-    """Trajectories/s per step (batch / step wall time, 5-step moving mean) for each run."""
+    """Trajectories/s per step (batch / step wall time, 10-step moving mean: with staleness 1 the
+    steps come in pairs, a long one and a short one) for each run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axis = plt.subplots(figsize=(7.5, 4))
-    for label, result in runs.items():
+    for index, (label, result) in enumerate(runs.items()):
         rates = [s.sequences / s.interval_s for s in result.steps]
-        smooth = [_mean(rates[max(0, i - 4):i + 1]) for i in range(len(rates))]
-        line, = axis.plot([s.step for s in result.steps], smooth, lw=1.8,
+        smooth = [_mean(rates[max(0, i - 9):i + 1]) for i in range(len(rates))]
+        line, = axis.plot([s.step for s in result.steps], smooth, lw=1.8, ls=("-", "--", ":", "-.")[index % 4],
                           label=f"{label}: {result.trajectories_per_s:.2f} traj/s overall")
         for change in result.plan_changes:
             axis.axvline(change.step, color=line.get_color(), ls=":", lw=1)
     axis.set_xlabel("training step")
-    axis.set_ylabel("trajectories / s (5-step mean)")
+    axis.set_ylabel("trajectories / s (10-step mean)")
     axis.set_title(title)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)

@@ -28,7 +28,6 @@ Deterministic: no wall clock in the simulated time; randomness lives in the trac
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -62,7 +61,8 @@ class SimConfig(Section):
 
     staleness: int = Field(1, ge=0, le=64, description="batches rollout may run ahead of training "
                                                         "(0: synchronous)")
-    policy: Literal["load_balance", "cmlfq", "length_aware", "la_mlfq"] = Field("cmlfq", description="scheduler routing policy: load_balance, cmlfq, length_aware, la_mlfq")
+    policy: Literal["load_balance", "cmlfq", "length_aware", "la_mlfq"] = Field(
+        "cmlfq", description="scheduler routing policy (the scheduler service's own classes)")
     per_worker_cap_tokens: int = Field(1_000_000_000, ge=1, description="the policy's per-worker cap "
                                                                          "(outstanding tokens)")
     turn_budget_tokens: int = Field(8192, ge=1, le=10_000_000, description="max_new_tokens sent with each turn")
@@ -117,7 +117,8 @@ class Simulator:
                  search_config: SearchConfig, config: SimConfig = SimConfig()):
         self.model, self.gpu, self.trace, self.controller = model, gpu, trace, controller
         self.search_config, self.config = search_config, config
-        self.scheduler_config = SchedulerConfig(policy=config.policy, per_worker_cap_tokens=config.per_worker_cap_tokens)
+        self.scheduler_config = SchedulerConfig(policy=config.policy,
+                                                per_worker_cap_tokens=config.per_worker_cap_tokens)
         engines = {tp: self._engine(tp) for tp in search_config.tp_choices if gpu.gpus_per_node % tp == 0}
         self.engines = {tp: engine for tp, engine in engines.items() if engine is not None}
         if not self.engines:
@@ -152,7 +153,7 @@ class Simulator:
         self.left = [sum(1 for _ in specs) for specs in self.trace.steps]
         self.released_at: list[float | None] = [None] * self.steps
         self.finished_at = [0.0] * self.steps
-        self.version, self.training, self.trainer_free = 0, False, 0.0
+        self.version, self.training, self.trainer_free, self.idle_since = 0, False, 0.0, 0.0
         self.records: list[StepRecord] = []
         self.changes: list[PlanChangeRecord] = []
         self.notes: list[str] = []
@@ -273,7 +274,7 @@ class Simulator:
             self._push(self.trainer_free, TRAIN, None)
             return
         self.training = True
-        self.train_started = self.now
+        self.wait_s = max(0.0, self.now - self.idle_since)
         self.train_s = self._train_seconds(step)
         self._push(self.now + self.train_s, TRAIN_DONE, step)
 
@@ -306,7 +307,7 @@ class Simulator:
         self.version = step + 1
         previous = self.records[-1].time_s if self.records else 0.0
         record = StepRecord(step, self.now, self.now - previous, self.finished_at[step] - self.released_at[step],
-                            self.train_s, self.trace.batch, self.trace.pairs(step),
+                            self.train_s, self.wait_s, self.trace.batch, self.trace.pairs(step),
                             float(sum(len(i.waiting) for i in self.instances.values())),
                             float(sum(self.left[s] for s in range(step + 1, self.steps)
                                       if self.released_at[s] is not None)))
@@ -322,6 +323,7 @@ class Simulator:
                                                  change.candidate.describe(), change.reason, moved))
             if layout_changed:
                 self.trainer_free = max(self.trainer_free, ready)
+        self.idle_since = self.trainer_free
         upcoming = self.version + self.config.staleness
         if upcoming < self.steps and self.released_at[upcoming] is None:
             self._release(upcoming)

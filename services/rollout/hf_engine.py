@@ -54,6 +54,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | None = None
     versions: list[int] = field(default_factory=list)  # policy version at start and at the end
+    error: str | None = None  # set when the engine failed the request (the HTTP answer is a 500)
 
 
 class HFEngine:
@@ -134,14 +135,26 @@ class HFEngine:
                     self._wake.clear()
                     continue
                 fresh = self._admit()
-                if fresh:
-                    self._prefill(fresh)
-                elif self._rows:
-                    self._decode()
-                else:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
+                try:
+                    if fresh:
+                        self._prefill(fresh)
+                    elif self._rows:
+                        self._decode()
+                    else:
+                        self._wake.wait(0.05)
+                        self._wake.clear()
+                except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
+                    self._fail(fresh, error)
                 self.running = len(self._rows)
+
+    def _fail(self, fresh: list[Request], error: Exception) -> None:
+        """A step raised (e.g. out of memory): every request in it answers with the error."""
+        _log().error("decode step failed; its requests are failed", error=f"{type(error).__name__}: {error}")
+        failed = {id(r): r for r in [*self._rows, *fresh]}
+        self._rows, self._kv, self._mask = [], [], None
+        for request in failed.values():
+            request.error = f"{type(error).__name__}: {error}"
+            request.done(request)
 
     def _run_control(self) -> None:
         while True:
@@ -288,13 +301,13 @@ class HFEngine:
         version = _check_version(version)
         started = time.perf_counter()
         params = dict(self.model.named_parameters())
-        count = 0
+        count, misfits = 0, []
         try:
             with torch.no_grad():
                 for name, tensor in self.weights_group.receive(version, targets=params):
-                    if name not in params:
-                        raise ValueError(f"the trainer sent tensor {name!r}, which this model does not have")
                     count += 1
+                    if params.get(name) is not tensor:  # unknown name, or another shape/dtype
+                        misfits.append(f"{name} {str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}")
         except WeightSyncError as error:
             if self.weights_group.broken or count:
                 self.dirty = f"version {version} arrived partly: {error}"
@@ -302,8 +315,17 @@ class HFEngine:
         except Exception as error:  # noqa: BLE001 - half-loaded weights: refuse to serve from now on
             self.dirty = f"version {version} arrived partly: {type(error).__name__}: {error}"
             raise
+        if misfits:
+            self.dirty = f"version {version} does not fit this model: {misfits[:5]}"
+            return {"error": f"ValueError: the trainer sent tensors this model cannot hold: {misfits[:5]}"}
         self.version = version
         return {"version": version, "seconds": time.perf_counter() - started, "tensors": count}
+
+
+def _log() -> Any:
+    from libra import log as liblog
+
+    return liblog.get("libra.rollout.hf_engine")
 
 
 def _check_version(version: int | str) -> int:
@@ -406,6 +428,8 @@ def build_app(engine: HFEngine, tokenizer: Any = None) -> Any:
             done = await generate(prompt, body)
         except ValueError as error:
             return _error(400, str(error))
+        if done.error:
+            return _error(500, done.error)
         choice = {"index": 0, "text": decode(done.generated), "token_ids": done.generated,
                   "logprobs": {"token_logprobs": done.logprobs, "tokens": [str(t) for t in done.generated]},
                   "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}
@@ -422,6 +446,8 @@ def build_app(engine: HFEngine, tokenizer: Any = None) -> Any:
             done = await generate(list(prompt), body)
         except ValueError as error:
             return _error(400, str(error))
+        if done.error:
+            return _error(500, done.error)
         content = [{"token": decode([t]), "logprob": lp} for t, lp in zip(done.generated, done.logprobs)]
         choice = {"index": 0, "message": {"role": "assistant", "content": decode(done.generated)},
                   "logprobs": {"content": content}, "token_ids": done.generated,
@@ -519,6 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from aiohttp import web
 
+    from libra import log as liblog
+
+    liblog.configure("rollout-hf-engine")
+
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer = None
@@ -530,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         pass  # token ids in and out work without one; text and chat do not
     engine = HFEngine(args.model, args.device, args.dtype, args.max_model_len, args.max_num_seqs,
                       args.logprobs_mode, args.policy_version, args.tensor_parallel_size)
+    _log().info("hf engine serving", model=args.model, device=args.device, port=args.port, version=args.policy_version)
     try:
         web.run_app(build_app(engine, tokenizer), host=args.host, port=args.port, print=None,
                     access_log=None, handle_signals=True)

@@ -57,6 +57,7 @@ class RolloutService(Service):
         self.rewards: collections.deque[float] = collections.deque(maxlen=256)
         self.runner: AgentRunner | None = None
         self.trace: TraceWriter | None = None
+        self.group_joined = False  # the workers are ranks of the trainer's weights group
         self.accepting, self.playing = True, 0
         self.membership: Membership | None = None
         self._channels: list = []
@@ -92,12 +93,30 @@ class RolloutService(Service):
                                   stop_token_ids(tokenizer, workload) + [tokenizer.eos_token_id], self.config.seed)
         self.runner.on_turn = self._record_turn
         await self._start_plan(plan, path, version)
+        if self.cfg.worker.weight_sync == "group":  # the trainer hosts the group; it opens its side at once
+            self._group_task = asyncio.create_task(self._join_weights_group(), name="weights-group")
         await self.membership.forget_others()
         await self._recover()
         if self.cfg.openai_endpoint.enabled:  # an external agent harness drives the trajectories
             from libra.services.rollout.openai_gateway import OpenAIGateway
 
             self.gateway = await OpenAIGateway(self).start()
+
+    async def _join_weights_group(self) -> None:
+        """Make every worker a rank of the trainer's weights group (rank 0 is the trainer).
+
+        Until this returns, versions come over disk; if it fails they keep coming over disk."""
+        worker = self.cfg.worker
+        world = 1 + sum(w.tp for w in self.pool.serving())
+        try:
+            await self.pool.join_weights_group(worker.weights_group_address, 1, world)
+        except Exception as error:  # noqa: BLE001 - disk stays the path; the run goes on
+            _log.error("workers could not join the weights group; weights keep coming over disk",
+                       address=worker.weights_group_address, world_size=world, error=str(error))
+            return
+        self.group_joined = True
+        _log.info("workers joined the weights group", address=worker.weights_group_address, world_size=world,
+                  backend=worker.weights_group_backend)
 
     async def _wait_for_weights(self) -> tuple[int, str]:
         """The latest published policy version (the trainer publishes the warm-started model first)."""
@@ -248,10 +267,17 @@ class RolloutService(Service):
             for worker in await self.pool.check_health():
                 await self.membership.leave(worker, "unhealthy")
 
-    async def update_weights(self, version: int, path: str) -> list[rollout_pb2.WorkerAck]:
+    async def update_weights(self, version: int, path: str, over_group: bool = False) -> list[rollout_pb2.WorkerAck]:
         if not os.path.isdir(path):
             raise InvalidArgument(f"path {path!r} is not a directory of this machine (weights of v{version})")
-        acks = await self.pool.update_weights(version, path)
+        if over_group:
+            if not self.group_joined:
+                raise FailedPrecondition(f"v{version} is being sent over the weights group, but this gateway's "
+                                         "workers have not joined it (rollout.worker.weight_sync is "
+                                         f"{self.cfg.worker.weight_sync!r}); send it over disk")
+            acks = await self.pool.receive_weights(version, fallback_path=path)
+        else:
+            acks = await self.pool.update_weights(version, path)
         for ack in acks:
             if ack.ok:
                 await self.store.record_worker_ack(version, ack.worker_id, ack.seconds)

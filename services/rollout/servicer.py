@@ -37,7 +37,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         request_id(request.meta)
         require(request.version, "version", "policy versions start at 1")
         require(request.path, "path")
-        acks = await self.service.update_weights(request.version, request.path)
+        acks = await self.service.update_weights(request.version, request.path, request.over_group)
         return rollout_pb2.UpdateWeightsResponse(version=request.version, acks=acks)
 
     @guard

@@ -17,8 +17,11 @@ One version, as the two sides see it (the store carries the handshake, the group
       …  (two buffers, reused once their broadcast is done)            …
     wait all v{N}/done/* ─▶ SyncReport                set v{N}/done/{r} = timings
 
-The tensors are one virtual byte stream (each tensor 16-byte aligned) cut into fixed-size buckets,
-so a tensor larger than a bucket spans several and the buffers never grow. Receivers copy each
+Tensors of at least `direct_bytes` (the big matrices: almost all the bytes) are broadcast one by
+one straight from the trainer's parameter into the worker's, with no copy on either side; the
+many small ones (norms, biases, small projections) are one virtual byte stream (each tensor
+16-byte aligned) cut into fixed-size buckets, so a tensor larger than a bucket spans several and
+the buffers never grow. Direct tensors go first, in layout order, then the buckets. Receivers copy each
 chunk straight into a target tensor (the engine's own parameter) when one is given, else into a
 fresh tensor, and yield every tensor once it is complete.
 
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
 
 ALIGN = 16  # bytes; every tensor starts at a multiple, so a bucket slice can be viewed as any dtype
 DEFAULT_BUCKET_BYTES = 256 * 2**20
+DEFAULT_DIRECT_BYTES = 8 * 2**20  # tensors this big are broadcast on their own (no pack/unpack copy)
 BACKENDS = ("nccl", "gloo")
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -60,8 +64,12 @@ class TensorSlot:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    offset: int
+    offset: int  # in the packed byte stream; -1 for a tensor broadcast on its own
     nbytes: int
+
+    @property
+    def direct(self) -> bool:
+        return self.offset < 0
 
 
 @dataclass(frozen=True)
@@ -74,21 +82,32 @@ class Layout:
 
     @property
     def total_bytes(self) -> int:
-        return max((s.offset + s.nbytes for s in self.slots), default=0)
+        """Bytes the version moves (direct tensors and the packed stream)."""
+        return sum(s.nbytes for s in self.slots)
+
+    @property
+    def stream_bytes(self) -> int:
+        return max((s.offset + s.nbytes for s in self.slots if not s.direct), default=0)
+
+    @property
+    def direct_slots(self) -> tuple[TensorSlot, ...]:
+        return tuple(s for s in self.slots if s.direct)
 
     @property
     def num_buckets(self) -> int:
-        return -(-self.total_bytes // self.bucket_bytes)
+        return -(-self.stream_bytes // self.bucket_bytes)
 
     def overlapping(self, bucket: int) -> Iterator[tuple[TensorSlot, int, int]]:
         """(slot, start, end) byte ranges of the stream that bucket `bucket` holds, per tensor."""
         low, high = bucket * self.bucket_bytes, (bucket + 1) * self.bucket_bytes
         for slot in self.slots:
+            if slot.direct:
+                continue
             start, end = max(low, slot.offset), min(high, slot.offset + slot.nbytes)
             if start < end:
                 yield slot, start, end
 
-    def to_json(self) -> str:
+    def to_json(self) -> str:  # offset -1 marks a direct tensor
         return json.dumps({"version": self.version, "bucket_bytes": self.bucket_bytes,
                            "slots": [[s.name, list(s.shape), s.dtype, s.offset, s.nbytes] for s in self.slots]})
 
@@ -99,8 +118,10 @@ class Layout:
                       tuple(TensorSlot(n, tuple(shape), d, o, b) for n, shape, d, o, b in raw["slots"]))
 
 
-def plan_layout(named: Iterable[tuple[str, "torch.Tensor"]], version: int, bucket_bytes: int) -> Layout:
-    """Lay `named` tensors out in a byte stream (16-byte aligned) for `bucket_bytes` buckets."""
+def plan_layout(named: Iterable[tuple[str, "torch.Tensor"]], version: int, bucket_bytes: int,
+                direct_bytes: int | None = None) -> Layout:
+    """Lay `named` tensors out: those of at least `direct_bytes` (None: never) broadcast on their
+    own, the rest in a byte stream (16-byte aligned) for `bucket_bytes` buckets."""
     if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
         raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes}")
     slots, offset, seen = [], 0, set()
@@ -112,6 +133,9 @@ def plan_layout(named: Iterable[tuple[str, "torch.Tensor"]], version: int, bucke
             raise ValueError(f"tensor {name!r} appears twice in the weight set")
         seen.add(name)
         nbytes = tensor.numel() * tensor.element_size()
+        if direct_bytes is not None and nbytes >= direct_bytes:
+            slots.append(TensorSlot(name, tuple(tensor.shape), dtype, -1, nbytes))
+            continue
         slots.append(TensorSlot(name, tuple(tensor.shape), dtype, offset, nbytes))
         offset += -(-nbytes // ALIGN) * ALIGN
     if not slots:
@@ -145,7 +169,8 @@ class WeightsGroup:
     """This process's membership of the weights group (rank 0: trainer, ranks ≥ 1: workers)."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-                 device: str = "cpu", timeout_s: float = 60.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 device: str = "cpu", timeout_s: float = 60.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 direct_bytes: int | None = DEFAULT_DIRECT_BYTES):
         import torch
         import torch.distributed as dist
 
@@ -159,6 +184,7 @@ class WeightsGroup:
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device(device)
         self.timeout_s, self.bucket_bytes = float(timeout_s), int(bucket_bytes)
+        self.direct_bytes = direct_bytes
         self.broken: str | None = None
         timeout = datetime.timedelta(seconds=timeout_s)
         # wait_for_workers=False: the trainer must not block until workers exist; the process
@@ -225,12 +251,13 @@ class WeightsGroup:
             raise FailedPrecondition("only rank 0 (the trainer) sends weights")
         self._check()
         tensors = dict(named)
-        layout = plan_layout(tensors.items(), version, self.bucket_bytes)
+        layout = plan_layout(tensors.items(), version, self.bucket_bytes, self.direct_bytes)
         started = time.perf_counter()
         self._await_receivers(version, join_timeout_s)
         self.keys.set(f"{version}/meta", layout.to_json())
         handshake = time.perf_counter() - started
         started = time.perf_counter()
+        direct = [self._broadcast(_bytes_of(tensors[slot.name])) for slot in layout.direct_slots]
         pending: list[Any] = [None, None]
         for bucket in range(layout.num_buckets):
             slot = bucket % 2
@@ -246,6 +273,8 @@ class WeightsGroup:
         for work in pending:
             if work is not None:
                 self._wait(work, f"version {version} final buckets")
+        for work, slot in zip(direct, layout.direct_slots):
+            self._wait(work, f"version {version} tensor {slot.name}")
         self._sync()
         seconds = time.perf_counter() - started
         report = SyncReport(version, layout.total_bytes, layout.num_buckets, seconds, handshake)
@@ -288,8 +317,9 @@ class WeightsGroup:
                 ) -> Iterator[tuple[str, "torch.Tensor"]]:
         """Join the broadcast of `version`; yield (name, tensor) as each tensor completes.
 
-        A tensor whose name is in `targets` (same shape and dtype) is written into that tensor in
-        place and yielded as it; others land in fresh tensors on this group's device. Timings go
+        A tensor whose name is in `targets` (same shape, dtype and device, contiguous) is written into
+        that tensor in place and yielded as it; others land in fresh tensors on this group's device
+        (so a caller detects a misfit by identity, after the transfer, without breaking it). Timings go
         to the store for the sender's report. Consume the iterator fully.
         """
         if self.rank == 0:
@@ -308,6 +338,10 @@ class WeightsGroup:
         destinations = {s.name: _destination(s, targets, self.device) for s in layout.slots}
         remaining = {s.name: s.nbytes for s in layout.slots}
         started = time.perf_counter()
+        direct = [(slot, self._broadcast(_bytes_of_inplace(destinations[slot.name]))) for slot in layout.direct_slots]
+        for slot, work in direct:
+            self._wait(work, f"version {version} tensor {slot.name}")
+            yield slot.name, destinations[slot.name]
         pending: list[Any] = [None, None]
         for bucket in range(layout.num_buckets + 1):
             if bucket < layout.num_buckets:  # issue the receive of bucket k ...
@@ -336,13 +370,11 @@ def _destination(slot: TensorSlot, targets: Mapping[str, Any] | None, device: An
 
     dtype = getattr(torch, slot.dtype)
     target = targets.get(slot.name) if targets is not None else None
-    if target is not None:
-        if tuple(target.shape) != slot.shape or target.dtype != dtype:
-            raise ValueError(f"tensor {slot.name!r}: the trainer sends {slot.dtype}{list(slot.shape)}, this "
-                             f"engine holds {str(target.dtype).removeprefix('torch.')}{list(target.shape)}")
-        if not target.is_contiguous():
-            raise ValueError(f"tensor {slot.name!r} of this engine is not contiguous; it cannot be loaded in place")
+    if (target is not None and tuple(target.shape) == slot.shape and target.dtype == dtype
+            and target.is_contiguous() and target.device == torch.device(device)):
         return target
+    # No fitting target: receive into a fresh tensor anyway. Raising here would leave the sender
+    # blocked in a collective this rank never joins; the caller sees `tensor is not targets[name]`.
     return torch.empty(slot.shape, dtype=dtype, device=device)
 
 

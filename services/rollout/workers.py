@@ -1,10 +1,16 @@
 """The rollout workers of this gateway: engine processes per bucket, their health and versions.
 
 ```
- plan buckets ─▶ WorkerPool.start ─▶ VllmWorkerProcess × replicas ─▶ ready ─▶ register (scheduler, elastic)
+ plan buckets ─▶ WorkerPool.start ─▶ VllmWorkerProcess | HfWorkerProcess × replicas ─▶ ready ─▶ register
  UpdateWeights(v) ─▶ every serving worker loads v between decode steps ─▶ ack (Redis) ─▶ version_of(worker) = v
+   disk:  load_weights(weights/vN)       missed → retried once → else UNHEALTHY
+   group: join_weights_group (once) ─▶ receive_weights(v) while the trainer sends (rank 0)
+          missed (sender aborted, rank gone) → v retried from disk → else UNHEALTHY
  monitor: a dead or unhealthy worker is deregistered; its turns are retried elsewhere by the runner
 ```
+The engine comes from rollout.worker.engine: vllm (TP from the plan's bucket) or hf (TP 1 only).
+A worker never serves older weights than `version_of` says: a worker that cannot load a version
+is marked unhealthy (and deregistered by the monitor), never left serving the previous one.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ class PoolWorker:
     state: int = common_pb2.WORKER_STATE_STARTING
     inflight: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
+    reported: bool = False  # its failure was returned by check_health (the gateway deregistered it)
 
     def to_proto(self) -> common_pb2.WorkerInfo:
         return common_pb2.WorkerInfo(worker_id=self.worker_id, bucket=self.bucket, address=self.process.base_url,
@@ -222,13 +229,15 @@ class WorkerPool:
         return list(await asyncio.gather(*(one(w) for w in self.serving())))
 
     async def check_health(self) -> list[PoolWorker]:
-        """Mark dead or unresponsive workers unhealthy; return the ones that just failed."""
-        failed = []
+        """Mark dead or unresponsive workers unhealthy; return the ones that failed since the last
+        call (those found now, and those a weight update marked unhealthy), each once."""
         for worker in self.serving():
             if not worker.process.alive or not await worker.client.health():
                 worker.state = common_pb2.WORKER_STATE_UNHEALTHY
-                failed.append(worker)
                 _log.error("worker unhealthy", worker=worker.worker_id, alive=worker.process.alive)
+        failed = [w for w in self.workers.values() if w.state == common_pb2.WORKER_STATE_UNHEALTHY and not w.reported]
+        for worker in failed:
+            worker.reported = True
         return failed
 
     async def drain(self, worker_id: str, timeout_s: float) -> None:

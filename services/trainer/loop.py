@@ -164,16 +164,37 @@ class GrpoLoop:
         return write_s + await self.publish_to_workers(version)
 
     async def publish_to_workers(self, version: int) -> float:
-        """Ask rollout to load `version` on every worker; returns the seconds it took."""
+        """Ask rollout to load `version` on every worker; returns the seconds it took.
+
+        Over the weights group when it is open (rollout.worker.weight_sync: group): the broadcast
+        and rollout's receive run together, and a worker that misses the version loads it from
+        disk. If the group fails, it is dropped and every later version goes over disk."""
         path = await self.store.weights_path(version)
         started = time.monotonic()
         meta = common_pb2.RequestMeta(request_id=f"weights-v{version}", run_id=self.config.run_id)
+        if self.model.weights_group is not None:
+            request = rollout_pb2.UpdateWeightsRequest(meta=meta, version=version, path=path, over_group=True)
+            sent, reply = await asyncio.gather(self.model.send_weights(version),
+                                               self.rollout.UpdateWeights(request, timeout=600),
+                                               return_exceptions=True)
+            if not isinstance(sent, BaseException) and not isinstance(reply, BaseException):
+                self._check_acks(version, reply)
+                return time.monotonic() - started
+            _log.error("weights group failed; this and later versions go over disk", version=version,
+                       send_error=str(sent) if isinstance(sent, BaseException) else "",
+                       rollout_error=str(reply) if isinstance(reply, BaseException) else "")
+            self.model.weights_group = None
+            meta = common_pb2.RequestMeta(request_id=f"weights-v{version}-disk", run_id=self.config.run_id)
         reply = await self.rollout.UpdateWeights(
             rollout_pb2.UpdateWeightsRequest(meta=meta, version=version, path=path), timeout=600)
+        self._check_acks(version, reply)
+        return time.monotonic() - started
+
+    @staticmethod
+    def _check_acks(version: int, reply) -> None:
         failed = [a.worker_id for a in reply.acks if not a.ok]
         if failed:
             _log.warning("workers missed a weight version", version=version, workers=failed)
-        return time.monotonic() - started
 
     async def run_one(self) -> trainer_pb2.StepRecord:
         """One committed step: train, publish, record, checkpoint when due."""

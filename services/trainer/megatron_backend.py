@@ -27,8 +27,11 @@ core rank, which the distributed optimizer (reduce-scatter) does not give: with 
 `trainer.megatron.distributed_optimizer` must be false. `save_checkpoint` (model + optimizer, the
 Megatron distributed checkpoint format) is the snapshot a joining replica loads.
 
-CPU (tests, tiny runs): Megatron-Core assumes CUDA in a few helpers; `_patch_megatron_for_cpu`
-adapts exactly those, and only when torch has no CUDA.
+CPU (tests, tiny runs): Megatron-Core assumes CUDA in a few helpers; `megatron_runtime.
+patch_megatron_for_cpu` adapts exactly those, and only when torch has no CUDA.
+
+Known gap (measured on H200, megatron-core 0.19.2): saving/loading the distributed optimizer's
+sharded state fails there (docs/benchmarks.md, Megatron section); the CPU checkpoint path works.
 """
 
 from __future__ import annotations
@@ -37,12 +40,12 @@ import glob
 import os
 import random
 import shutil
-import tempfile
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
+from libra.services.trainer import megatron_runtime as rt
 from libra.services.trainer.backend import HybridShare, TrainBackend, TrainBatch, pack
 from libra.services.trainer.grpo import policy_loss
 
@@ -89,8 +92,8 @@ class MegatronBackend(TrainBackend):
         self._cuda = torch.cuda.is_available()
         if not self._cuda:
             torch.set_num_threads(self.config.torch_threads)
-            _patch_megatron_for_cpu()
-        _init_parallel(settings.tensor_parallel, self._cuda)
+            rt.patch_megatron_for_cpu()
+        rt.init_parallel(settings.tensor_parallel, self._cuda)
         torch.manual_seed(self.seed)
         random.seed(self.seed)
         bf16 = self._cuda and settings.bf16
@@ -132,7 +135,7 @@ class MegatronBackend(TrainBackend):
         hf: dict[str, Any] = {}
         for name in files:
             hf.update(load_file(name))
-        tp, rank = self.config.megatron.tensor_parallel, _tp_rank()
+        tp, rank = self.config.megatron.tensor_parallel, rt.tp_rank()
         state = convert.hf_to_megatron(hf, self.shape, tp=tp, rank=rank)
         _load_state(model, state)
 
@@ -211,7 +214,7 @@ class MegatronBackend(TrainBackend):
         hook = self.gradient_hook
         share = hook.share() if hook is not None else HybridShare()
         # One all-reduce over DP of the step's totals; hybrids' slices count (W = DP + H replicas).
-        total_tokens, replicas, sequences = _dp_sums(
+        total_tokens, replicas, sequences = rt.dp_sums(
             [float(batch.loss_tokens) + share.loss_tokens, 1.0 + share.replicas,
              float(len(batch) + share.sequences)], self._cuda)
         if total_tokens == 0:
@@ -222,12 +225,9 @@ class MegatronBackend(TrainBackend):
                 raise FailedPrecondition("elastic hybrid replicas need the full reduced gradient on every core "
                                          "rank: set trainer.megatron.distributed_optimizer=false")
             hook.start(total_tokens / replicas, replicas, config)
-        old = self._logprobs(batch, config.micro_batch_size) if config.recompute_logprobs else None
-        self._set_hyper_parameters(config)
-        self._zero_grad()
-        sums = self._accumulate(batch, config, old, token_count=total_tokens / replicas)
+        sums = self.accumulate_gradients(batch, config, token_count=total_tokens / replicas)
         grad_norm = self._reduce_and_step(replicas, total_tokens, hook, sums, config)
-        result = _average_metrics(sums, _dp_size(), replicas, self._cuda)
+        result = rt.average_metrics(sums, rt.dp_size(), replicas, self._cuda)
         result.update(grad_norm=float(grad_norm), tokens=total_tokens, lr=config.lr,
                       sequences=sequences, seconds=time.perf_counter() - started)
         return result
@@ -250,7 +250,7 @@ class MegatronBackend(TrainBackend):
             for name, value in arrived.metric_sums.items():
                 sums[name] += value
             self._set_local_gradient(flat)
-        missing = _dp_sum_tensor(missing)
+        missing = rt.dp_sum_tensor(missing)
         scale = 1.0 / replicas
         if float(missing[0]) > 0:
             scale *= total_tokens / (total_tokens - float(missing[0]))
@@ -260,20 +260,64 @@ class MegatronBackend(TrainBackend):
             self._ddp.finish_grad_sync()
             if hook is not None:
                 hook.deliver(self.local_gradient(), config)
-            ok, grad_norm, _ = self._optimizer.step()
-            if not ok:
-                raise FloatingPointError("train_step: the optimizer skipped the update (non-finite gradients)")
-            return float(grad_norm)
+            return self.step_optimizer(config)
         flat = self.local_gradient()
-        _dp_sum_tensor(flat)
+        rt.dp_sum_tensor(flat)
         flat *= scale
         if hook is not None:
             hook.deliver(flat, config)
         self._set_local_gradient(flat)
+        return self.step_optimizer(config)
+
+    # ---- the hybrid-replica surface (the torch backend's names, for backend-neutral callers) ----
+    @property
+    def optimizer(self) -> Any:
+        if self._optimizer is None:
+            raise FailedPrecondition("MegatronBackend: call load(model_dir) first")
+        return self._optimizer
+
+    def accumulate_gradients(self, batch: TrainBatch, config: TrainerConfig, token_count: float) -> dict[str, float]:
+        """Zeroed gradients, then every micro-batch's gradient of Σ token loss / token_count; metric sums."""
+        old = self._logprobs(batch, config.micro_batch_size) if config.recompute_logprobs else None
+        self._set_hyper_parameters(config)
+        self._zero_grad()
+        sums = self._accumulate(batch, config, old, token_count=token_count)
+        self._sum_qk_norm_gradients()
+        return sums
+
+    def flat_gradients(self) -> torch.Tensor:
+        return self.local_gradient()
+
+    def set_flat_gradients(self, flat: torch.Tensor) -> None:
+        self._set_local_gradient(flat)
+
+    def step_optimizer(self, config: TrainerConfig) -> float:
+        """Clip the current gradients and take one optimizer step; returns the pre-clip norm."""
+        self._set_hyper_parameters(config)
+        if self._ddp is not None:
+            ok, grad_norm, _ = self._optimizer.step()
+            if not ok:
+                raise FloatingPointError("step_optimizer: the optimizer skipped the update (non-finite gradients)")
+            return float(grad_norm)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = _clip_tp_aware(params, config.max_grad_norm)
+        grad_norm = rt.clip_tp_aware(params, config.max_grad_norm)
         self._optimizer.step()
         return grad_norm
+
+    def _sum_qk_norm_gradients(self) -> None:
+        """Qwen3's q/k norms are replicated over TP but each rank applies them to its own heads only,
+        so each rank holds part of their gradient: sum it over the TP group (other replicated
+        weights — the layer norms — see the full hidden state and already agree)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if self.config.megatron.tensor_parallel == 1 or not self.shape.qk_norm:
+            return
+        for name, p in self.model.named_parameters():
+            if "q_layernorm" in name or "k_layernorm" in name:
+                grad = p.main_grad if self._ddp is not None else p.grad
+                if grad is not None:
+                    dist.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
 
     def local_gradient(self) -> torch.Tensor:
         """This rank's gradient as one flat tensor (Megatron DDP's grad buffers, else every .grad)."""
@@ -338,7 +382,19 @@ class MegatronBackend(TrainBackend):
             group["lr"], group["weight_decay"] = config.lr, config.weight_decay * group.get("wd_mult", 1.0)
 
     # ---- files -----------------------------------------------------------------------------
-    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+    @property
+    def device(self) -> str:
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}" if self._cuda else "cpu"
+
+    def hf_named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of the whole model on this device, for the weights group; collective over
+        TP, and only the rank that holds the full weights (DP 0, TP 0) gets a non-empty list."""
+        hf = self.hf_state_dict(to_cpu=False)
+        return sorted(hf.items()) if hf is not None else []
+
+    def hf_state_dict(self, to_cpu: bool = True) -> dict[str, torch.Tensor] | None:
         """The full HF state dict on DP rank 0 / TP rank 0 (None elsewhere); collective over TP."""
         import torch
         import torch.distributed as dist
@@ -357,10 +413,10 @@ class MegatronBackend(TrainBackend):
                 dist.all_gather(gathered, local[name].contiguous(), group=group)
                 shards.append((name, gathered))
             shards = [{name: g[r] for name, g in shards} for r in range(tp)]
-        if _tp_rank() != 0 or ps.get_data_parallel_rank() != 0:
+        if rt.tp_rank() != 0 or ps.get_data_parallel_rank() != 0:
             return None
-        return {k: v.cpu() for k, v in convert.megatron_to_hf([{k: v.cpu() for k, v in s.items()} for s in shards],
-                                                              self.shape).items()}
+        move = (lambda t: t.cpu()) if to_cpu else (lambda t: t)
+        return convert.megatron_to_hf([{k: move(v) for k, v in s.items()} for s in shards], self.shape)
 
     def save_weights(self, out_dir: str) -> None:
         from safetensors.torch import save_file
@@ -376,7 +432,7 @@ class MegatronBackend(TrainBackend):
             if os.path.exists(out_dir):
                 shutil.rmtree(out_dir)
             os.rename(staging, out_dir)
-        _barrier()
+        rt.barrier()
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
         """A Megatron distributed checkpoint in `<path>.dcp/`, then the small marker file `path`.
@@ -390,13 +446,13 @@ class MegatronBackend(TrainBackend):
 
         directory = f"{path}.dcp"
         staging = f"{directory}.partial"
-        if _rank() == 0:
+        if rt.rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
             os.makedirs(staging)
-        _barrier()
+        rt.barrier()
         dist_checkpointing.save(self._sharded_state_dict(), staging)
-        _barrier()
-        if _rank() == 0:
+        rt.barrier()
+        if rt.rank() == 0:
             shutil.rmtree(directory, ignore_errors=True)
             os.rename(staging, directory)
             marker = {"format": CHECKPOINT_FORMAT, "backend": "megatron", "directory": os.path.basename(directory),
@@ -405,7 +461,7 @@ class MegatronBackend(TrainBackend):
 
             _atomic_torch_save(marker, path)
             _prune_orphans(os.path.dirname(os.path.abspath(path)))
-        _barrier()
+        rt.barrier()
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         import torch
@@ -527,150 +583,3 @@ def _load_state(model: Any, state: dict[str, Any]) -> None:
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"Megatron state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-
-
-# ---- helpers: process groups and collectives ------------------------------------------------
-
-def _init_parallel(tp: int, cuda: bool) -> None:
-    """Join (or create, for one process) torch.distributed, then Megatron's model-parallel groups."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-            dist.init_process_group("nccl" if cuda else "gloo")
-        else:  # a single process (tests, one-GPU runs): a private file store, no ports
-            store = os.path.join(tempfile.mkdtemp(prefix="libra-megatron-"), "store")
-            dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    world = dist.get_world_size()
-    if world % tp:
-        raise ValueError(f"trainer.megatron.tensor_parallel={tp} does not divide the world size {world}")
-    if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() != tp:
-            raise FailedPrecondition(
-                f"Megatron model parallelism is already initialised with TP={ps.get_tensor_model_parallel_world_size()}, "
-                f"not trainer.megatron.tensor_parallel={tp}; one process holds one layout")
-        return
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
-    if cuda:
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if _distributed() else 0
-
-
-def _tp_rank() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_rank()
-
-
-def _dp_size() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_world_size()
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if _distributed():
-        dist.barrier()
-
-
-def _dp_sums(values: list[float], cuda: bool) -> list[float]:
-    import torch
-
-    tensor = torch.tensor(values, dtype=torch.float64, device="cuda" if cuda else "cpu")
-    return [float(v) for v in _dp_sum_tensor(tensor)]
-
-
-def _dp_sum_tensor(tensor: Any) -> Any:
-    """All-reduce SUM over the data-parallel group, in place (a no-op with one replica)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if _dp_size() > 1:
-        dist.all_reduce(tensor, group=ps.get_data_parallel_group())
-    return tensor
-
-
-def _clip_tp_aware(params: list[Any], max_norm: float) -> float:
-    """Clip by the norm of the whole model: TP-sharded grads summed over TP, replicated ones once."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    grads = [p for p in params if p.grad is not None]
-    sharded = sum(float(p.grad.double().pow(2).sum()) for p in grads if getattr(p, "tensor_model_parallel", False))
-    replicated = sum(float(p.grad.double().pow(2).sum()) for p in grads if not getattr(p, "tensor_model_parallel", False))
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        tensor = torch.tensor([sharded], dtype=torch.float64)
-        dist.all_reduce(tensor, group=ps.get_tensor_model_parallel_group())
-        sharded = float(tensor)
-    norm = (sharded + replicated) ** 0.5
-    scale = max_norm / (norm + 1e-6)
-    if scale < 1.0:
-        for p in grads:
-            p.grad.mul_(scale)
-    return norm
-
-
-def _average_metrics(sums: dict[str, float], dp: int, replicas: int, cuda: bool) -> dict[str, float]:
-    """Metric sums were divided by (N / W); summed over DP (hybrids' already added) ÷ W gives means."""
-    import torch
-
-    if dp == 1 and replicas == 1:
-        return dict(sums)
-    names = sorted(sums)
-    values = _dp_sum_tensor(torch.tensor([sums[n] for n in names], dtype=torch.float64,
-                                         device="cuda" if cuda else "cpu"))
-    return {n: float(v) / replicas for n, v in zip(names, values)}
-
-
-# ---- CPU patches ---------------------------------------------------------------------------------
-
-_PATCHED = False
-
-
-def _patch_megatron_for_cpu() -> None:
-    """Make Megatron-Core's CUDA assumptions hold on a CPU-only torch; called only without CUDA.
-
-    Megatron allocates scratch tensors on `torch.cuda.current_device()` (GlobalMemoryBuffer, the
-    RoPE frequencies, the checkpoint writer's status flags), waits on `torch.cuda.synchronize()`
-    before copying checkpoint tensors out, and swaps CUDA RNG states in
-    `CudaRNGStatesTracker.fork`. With no CUDA each of these raises. Here the current device is the
-    CPU, there is no stream to wait for, and the fork is a no-op (the model runs without dropout,
-    so no random stream is drawn inside it). A CUDA build of torch is never patched.
-    """
-    global _PATCHED
-    import contextlib
-
-    import torch
-
-    if _PATCHED or torch.cuda.is_available():
-        return
-    from megatron.core.tensor_parallel import random as mrandom
-
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda device=None: None
-
-    @contextlib.contextmanager
-    def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):  # noqa: ANN001 - Megatron's signature
-        yield
-
-    mrandom.CudaRNGStatesTracker.fork = fork
-    _PATCHED = True

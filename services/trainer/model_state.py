@@ -23,11 +23,23 @@ from typing import Any, Callable
 
 from libra import log as liblog
 from libra.config import RunConfig
+from libra.errors import FailedPrecondition
 from libra.services.trainer.backend import TrainBackend
 from libra.workloads.base import build_workload
 
 _log = liblog.get("libra.trainer")
 CHECKPOINT_RE = re.compile(r"^step(\d+)\.pt$")
+
+
+def make_backend(config: RunConfig) -> TrainBackend:
+    """The training backend that `trainer.backend` names (torch: plain PyTorch; megatron: Megatron-Core)."""
+    if config.trainer.backend == "megatron":
+        from libra.services.trainer.megatron_backend import MegatronBackend
+
+        return MegatronBackend(config.trainer, seed=config.seed)
+    from libra.services.trainer.torch_backend import TorchBackend
+
+    return TorchBackend(config.trainer, seed=config.seed)
 
 
 @dataclass
@@ -48,6 +60,7 @@ class ModelState:
         self.base_dir = self.root / "model" / "base"
         self.checkpoints = self.root / "checkpoints"
         self.stopping = threading.Event()  # set on SIGTERM: the warm start stops at its next step
+        self.weights_group = None  # the trainer's side of the weights group, once open (weight_sync: group)
 
     def latest_checkpoint(self) -> pathlib.Path | None:
         found = [(int(m.group(1)), p) for p in self.checkpoints.glob("step*.pt") if (m := CHECKPOINT_RE.match(p.name))]
@@ -106,6 +119,37 @@ class ModelState:
         await self.store.publish_version(version, str(out))
         self._prune_weights(keep_from=version - self.config.trainer.max_staleness - 2)
         return str(out), time.monotonic() - started
+
+    # ---- the weights group (rollout.worker.weight_sync: group) ------------------------------
+    async def open_weights_group(self, world_size: int) -> Any:
+        """Host the weights group as rank 0 (created once; returns when every worker rank joined).
+
+        The rollout gateway makes its workers join at the same time (WorkerPool.join_weights_group).
+        """
+        from libra.services.rollout.weight_sync import WeightsGroup
+
+        worker = self.config.rollout.worker
+        host, port = worker.weights_group_address.rsplit(":", 1)
+        device = str(getattr(self.backend, "device", "cpu"))
+        self.weights_group = await asyncio.to_thread(
+            WeightsGroup, host, int(port), 0, world_size, worker.weights_group_backend, device=device,
+            timeout_s=worker.weights_sync_timeout_s, bucket_bytes=worker.weights_bucket_mb * 2**20)
+        return self.weights_group
+
+    async def send_weights(self, version: int) -> Any:
+        """Broadcast the current weights as `version` over the weights group; returns its SyncReport.
+
+        Run it concurrently with the workers' receive (rollout UpdateWeights over the group); the
+        disk copy from `publish` stays the fallback for a worker that misses the version.
+        """
+        group = getattr(self, "weights_group", None)
+        if group is None:
+            raise FailedPrecondition("no weights group: call open_weights_group first (rollout.worker.weight_sync: group)")
+        named = getattr(self.backend, "hf_named_tensors", None)  # backends whose own names are not HF's
+        tensors = list(named()) if named is not None else list(self.backend.model.named_parameters())
+        report = await asyncio.to_thread(group.send, [(n, t.detach()) for n, t in tensors], version)
+        _log.info("weights sent over the group", version=version, gbps=round(report.gbps, 2), seconds=round(report.seconds, 4))
+        return report
 
     def _prune_weights(self, keep_from: int) -> None:
         for path in (self.root / "weights").glob("v*"):

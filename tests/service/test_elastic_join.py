@@ -103,11 +103,12 @@ def test_trainer_rpcs_drive_a_hybrid_process_through_join_and_release(redis_url,
     process = subprocess.Popen([*HYBRID, "--trainer", f"127.0.0.1:{port}", "--run-id", run_id,
                                 "--replica-id", "h1"])
     try:
-        train_one()  # admission applied
-        _wait(lambda: core.endpoint.link("h1") is not None, tick=lambda: arun(asyncio.sleep(0.05)))
-        train_one()  # connected → snapshot
-        _wait(lambda: not core.endpoint._control.empty(), tick=lambda: arun(asyncio.sleep(0.05)))
-        active = train_one()
+        active = train_one()  # admission applied
+        for _ in range(300):  # connect, build, snapshot, load, catch up (the core keeps stepping)
+            if "h1" in active.active_replicas:
+                break
+            arun(asyncio.sleep(0.1))
+            active = train_one()
         assert list(active.active_replicas) == ["core-0", "h1"] and "h1" in active.acknowledged_by
         assert active.hybrids[0].state == P.HYBRID_STATE_ACTIVE and active.membership_epoch == 1
         train_one()
@@ -160,6 +161,8 @@ def _core_rank(rank: int, world: int, model_dir: str, port: int, out: str) -> No
         for r in core.membership.records.values():
             if r.dp_rank == rank and r.state == HybridState.JOINING and r.replica_id in processes:
                 _wait(lambda: core.endpoint.link(r.replica_id) is not None)
+                if r.replica_id in core._prepare_sent and not r.prepared:
+                    _wait(lambda: not core.endpoint._control.empty())  # `prepared`
             if r.dp_rank == rank and r.state == HybridState.SNAPSHOT:
                 _wait(lambda: not core.endpoint._control.empty())
 

@@ -25,7 +25,7 @@ import pytest
 
 from libra.redis_server import free_port
 from libra.services.rollout.config import WorkerConfig
-from libra.services.rollout.engine_client import EngineClient, WeightSetError
+from libra.services.rollout.engine_client import EngineClient, EngineRequestError, WeightSetError
 from libra.services.rollout.workers import worker_process_class
 
 from tests.fixtures_model import make_random_llama
@@ -90,6 +90,13 @@ def test_completion_is_token_exact_and_matches_the_trainer(client, weights, arun
     assert turn.finish_reason in ("stop", "length") and len(turn.token_ids) == len(turn.logprobs) > 0
     assert all(lp <= 0.0 and math.isfinite(lp) for lp in turn.logprobs)
     assert turn.logprobs == pytest.approx(trainer_logprobs(weights["base"], PROMPT, turn.token_ids), abs=2e-4)
+
+
+def test_chat_and_a_too_long_prompt(client, arun):
+    turn = arun(client.chat([{"role": "user", "content": "what is 12 times 7?"}], 6, temperature=0.0))
+    assert len(turn.token_ids) == len(turn.logprobs) > 0 and turn.finish_reason in ("stop", "length")
+    with pytest.raises(EngineRequestError):  # longer than max_model_len: the request's fault, not the worker's
+        arun(client.generate([5] * 600, 4, temperature=0.0))
 
 
 def test_stop_token_ids_end_the_turn(client, arun):
@@ -178,7 +185,7 @@ def test_a_version_arrives_over_the_weights_group(engine, client, weights, arun)
 
     def trainer() -> None:
         try:
-            group = WeightsGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=60, bucket_bytes=2**20)
+            group = side["group"] = WeightsGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=60, bucket_bytes=2**20)
             side["report"] = group.send(sharp.named_parameters(), 40)
         except Exception as error:  # noqa: BLE001 - inspected below
             side["error"] = error
@@ -197,3 +204,46 @@ def test_a_version_arrives_over_the_weights_group(engine, client, weights, arun)
     assert arun(client.policy_version()) == 40
     turn = arun(client.generate(PROMPT, 8, temperature=0.0))
     assert turn.logprobs == pytest.approx(trainer_logprobs(weights["sharp"], PROMPT, turn.token_ids), abs=2e-4)
+    if engine[0] != "hf":
+        return
+    # a weight set that does not fit: the transfer completes, the engine refuses to serve the mix
+    misfit = [*sharp.named_parameters(), ("bogus.weight", torch.zeros(3))]
+    thread = threading.Thread(target=lambda: side.update(misfit=side["group"].send(misfit, 41)))
+    thread.start()
+    results = arun(collective_rpc(client, "libra_receive_weights", [41], timeout=90))
+    thread.join(60)
+    assert "bogus.weight" in results[0]["error"] and "misfit" in side
+    assert not arun(client.health()) and arun(client.policy_version()) == 40  # unhealthy, not silently stale
+    arun(client.load_weights(str(weights["base"]), 42))  # a complete set from disk makes it whole again
+    assert arun(client.health()) and arun(client.policy_version()) == 42
+
+
+def test_hf_engine_fails_a_broken_step_and_keeps_serving(weights):
+    """An exception inside a decode step answers that step's requests with it; later ones are served."""
+    import threading
+
+    from libra.services.rollout.hf_engine import HFEngine, Request
+
+    with pytest.raises(ValueError, match="tensor parallel size 1 only"):
+        HFEngine(str(weights["base"]), tensor_parallel_size=2)
+    engine = HFEngine(str(weights["base"]), max_model_len=128)
+    forward, calls, finished = engine.model.forward, [], []
+    arrived = threading.Semaphore(0)
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        return forward(*args, **kwargs)
+
+    engine.model.forward = flaky
+    try:
+        for max_tokens in (10, 5):
+            engine.submit(Request(PROMPT, max_tokens, 0.0, 1.0, frozenset(), None,
+                                  lambda r: (finished.append(r), arrived.release())))
+            assert arrived.acquire(timeout=30)
+        assert finished[0].error == "RuntimeError: injected failure"
+        assert finished[1].error is None and finished[1].finish_reason == "length" and len(finished[1].generated) == 5
+        assert engine.alive
+    finally:
+        engine.stop()

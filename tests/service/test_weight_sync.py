@@ -42,7 +42,8 @@ def _tensors(version: int) -> dict:
 def _rank_main(rank: int, port: int, out_dir: str, scenario: str) -> None:
     import torch
 
-    group = WeightsGroup("127.0.0.1", port, rank, 3, "gloo", timeout_s=5, bucket_bytes=4096)
+    # direct_bytes=10000: the biggest tensor goes on its own, the rest through 4 KiB buckets (some span several)
+    group = WeightsGroup("127.0.0.1", port, rank, 3, "gloo", timeout_s=5, bucket_bytes=4096, direct_bytes=10000)
     outcome: dict = {}
     try:
         for version in (1, 2):
@@ -93,6 +94,11 @@ def test_layout_cuts_tensors_into_aligned_buckets():
     assert [(s.offset, s.nbytes) for s in layout.slots] == [(0, 20), (32, 80)]  # b starts 16-byte aligned
     assert layout.num_buckets == 4 and Layout.from_json(layout.to_json()) == layout
     assert [(s.name, a, b) for s, a, b in layout.overlapping(1)] == [("b", 32, 64)]
+    mixed = plan_layout([("a", torch.zeros(5)), ("big", torch.zeros(100)), ("b", torch.zeros(40, dtype=torch.bfloat16))],
+                        4, 32, direct_bytes=400)
+    assert [s.name for s in mixed.direct_slots] == ["big"] and mixed.total_bytes == 20 + 400 + 80
+    assert mixed.stream_bytes == 112 and mixed.num_buckets == 4 and Layout.from_json(mixed.to_json()) == mixed
+    assert "big" not in {s.name for bucket in range(4) for s, _, _ in mixed.overlapping(bucket)}
     with pytest.raises(ValueError, match="appears twice"):
         plan_layout([("a", torch.zeros(1)), ("a", torch.zeros(1))], 1, 32)
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -102,7 +108,7 @@ def test_layout_cuts_tensors_into_aligned_buckets():
 def test_bucketed_broadcast_equals_the_source(tmp_path):
     outcomes = _spawn(tmp_path, "ok")
     for version in ("1", "2"):
-        assert outcomes[0][version]["buckets"] >= 5 and outcomes[0][version]["receivers"] == [1, 2]
+        assert outcomes[0][version]["buckets"] == 4 and outcomes[0][version]["receivers"] == [1, 2]
         assert outcomes[1][version] == {"equal": True, "in_place": True}
         assert outcomes[2][version] == {"equal": True, "in_place": False}
 
@@ -193,6 +199,8 @@ def test_pool_receives_over_the_group_and_a_missing_worker_is_marked_unhealthy(w
         await asyncio.to_thread(thread.join, 30)
         assert isinstance(side["error"], WeightSyncError) and "ranks [2] did not join version 3" in str(side["error"])
         assert not acks["w-1"].ok and pool.workers["w-1"].state == common_pb2.WORKER_STATE_UNHEALTHY
+        assert [w.worker_id for w in await pool.check_health()] == ["w-1"]  # the gateway deregisters it, once
+        assert await pool.check_health() == []
         assert acks["w-0"].ok and acks["w-0"].version == 3  # retried over the disk path
         assert await pool.workers["w-0"].client.policy_version() == 3 and pool.version_of("w-0") == 3
         turn = await pool.workers["w-0"].client.generate(PROMPT, 8, temperature=0.0)
@@ -203,3 +211,39 @@ def test_pool_receives_over_the_group_and_a_missing_worker_is_marked_unhealthy(w
     finally:
         arun(pool.stop_all())
 
+
+
+def test_the_trainer_model_state_publishes_over_the_group(weights, tmp_path, arun):
+    """ModelState (torch backend) hosts the group and sends; an hf worker of the pool receives."""
+    from libra.config import RunConfig
+    from libra.services.rollout.engine_client import EngineClient
+    from libra.services.rollout.workers import PoolWorker, WorkerPool, worker_process_class
+    from libra.services.trainer.model_state import ModelState
+    from libra.services.trainer.torch_backend import TorchBackend
+    from libra.v1 import common_pb2
+    from tests.service.test_engine_contract import PROMPT, trainer_logprobs
+
+    address = f"127.0.0.1:{free_port()}"
+    config = RunConfig.model_validate({"run_dir": str(tmp_path / "run"), "rollout": {"worker": {
+        "engine": "hf", "max_model_len": 256, "weight_sync": "group", "weights_group_address": address,
+        "weights_sync_timeout_s": 30, "weights_bucket_mb": 1}}})
+    backend = TorchBackend(config.trainer)
+    backend.load(str(weights["sharp"]))  # the trainer's weights: the sharp model; the worker starts on base
+    state = ModelState(config, backend, store=None)
+    pool = WorkerPool(config.rollout.worker, tmp_path)
+    process = worker_process_class("hf")(config.rollout.worker, weights["base"], 0, tmp_path, port=free_port()).start()
+    pool.workers["w-0"] = PoolWorker("w-0", "short", 1, process, EngineClient(process.base_url))
+
+    async def scenario() -> None:
+        await process.wait_ready(120)
+        pool.workers["w-0"].state = common_pb2.WORKER_STATE_SERVING
+        await asyncio.gather(state.open_weights_group(2), pool.join_weights_group(address, 1, 2))
+        acks, report = await asyncio.gather(pool.receive_weights(5), state.send_weights(5))
+        assert acks[0].ok and acks[0].version == 5 and report.receivers[1]["bytes"] == report.bytes
+        turn = await pool.workers["w-0"].client.generate(PROMPT, 8, temperature=0.0)
+        assert turn.logprobs == pytest.approx(trainer_logprobs(weights["sharp"], PROMPT, turn.token_ids), abs=2e-4)
+
+    try:
+        arun(scenario())
+    finally:
+        arun(pool.stop_all())

@@ -172,3 +172,47 @@ def test_checkpoint_round_trip_restores_model_and_optimizer(kind, model_dir, tmp
     second.train_step(batch, _config())  # equal only if Adam's moments and step came back too
     after = _parameters(second)
     assert all(torch.equal(after[n], p) for n, p in first.model.named_parameters())
+
+
+class _OneHybrid:
+    """A `GradientHook` with one in-process hybrid replica (another backend) training on `slice_`."""
+
+    def __init__(self, hybrid, slice_: TrainBatch, config: TrainerConfig):
+        self.hybrid, self.slice, self.config = hybrid, slice_, config
+        self.token_count: float | None = None
+        self.delivered: torch.Tensor | None = None
+
+    def share(self):
+        from libra.services.trainer.backend import HybridShare
+
+        return HybridShare(loss_tokens=float(self.slice.loss_tokens), sequences=len(self.slice), replicas=1)
+
+    def start(self, token_count: float, replicas: int, config: TrainerConfig) -> None:
+        assert replicas == 2
+        self.token_count = token_count
+
+    def inject(self, flat_grad: torch.Tensor):
+        from libra.services.trainer.backend import HybridGradients
+
+        sums = self.hybrid.accumulate_gradients(self.slice, self.config, token_count=self.token_count)
+        flat_grad += self.hybrid.flat_gradients()
+        return HybridGradients(metric_sums=dict(sums))
+
+    def deliver(self, reduced_grad: torch.Tensor, config: TrainerConfig) -> None:
+        self.delivered = reduced_grad.clone()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_gradient_hook_update_equals_one_process_over_both_slices(kind, model_dir):
+    """A hybrid replica's gradient added before the DP reduce gives the update of the whole batch."""
+    batch, config = _batch(), _config()
+    core_slice, hybrid_slice = TrainBatch(batch.sequences[:2]), TrainBatch(batch.sequences[2:])
+    core = _backend(kind, model_dir)
+    core.gradient_hook = hook = _OneHybrid(_backend(kind, model_dir), hybrid_slice, config)
+    metrics = core.train_step(core_slice, config)
+    single = _backend(kind, model_dir)
+    expected = single.train_step(batch, config)
+    assert metrics["tokens"] == expected["tokens"] and metrics["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert hook.delivered is not None
+    reference = _parameters(single)
+    assert all(torch.allclose(reference[n], p, atol=1e-6) for n, p in core.model.named_parameters())

@@ -134,13 +134,21 @@ class Run:
             assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7), (p.grad - q.grad).abs().max()
 
 
-def _join(run: Run, replica_id: str, **options) -> Hybrid:
-    """Admit before the next step and drive boundaries until the replica is active."""
+def _admit(run: Run, replica_id: str, **options) -> Hybrid:
+    """Admit and connect before the next step; after two steps the snapshot is being written."""
     run.core.admit(replica_id)
     hybrid = Hybrid(run.core, replica_id, **options)
-    run.run(1)  # admit applied
-    run.run(1)  # connected → snapshot of the state after the previous step
-    _wait(lambda: hybrid.replica.backend is not None and _control_pending(run.core))
+    _wait(lambda: run.core.endpoint.link(replica_id) is not None)
+    run.run(1)  # admission applied; `prepare` sent (the hybrid builds its model)
+    _wait(lambda: _control_pending(run.core))  # `prepared`
+    run.run(1)  # connected and prepared → snapshot of the state after the previous step
+    return hybrid
+
+
+def _join(run: Run, replica_id: str, **options) -> Hybrid:
+    """Admit before the next step and drive boundaries until the replica is active from the third."""
+    hybrid = _admit(run, replica_id, **options)
+    _wait(lambda: hybrid.replica.backend is not None and _control_pending(run.core))  # `loaded`
     return hybrid
 
 
@@ -186,9 +194,7 @@ def test_snapshot_is_written_while_the_core_keeps_stepping(model_dir, tmp_path):
         assert release_writer.wait(60)
 
     run = Run(model_dir, tmp_path, after_shard=after_shard)
-    run.core.admit("h-slow")
-    hybrid = Hybrid(run.core, "h-slow")
-    run.run(2)  # boundary 2 takes the snapshot (state after step 1) and starts the writer
+    hybrid = _admit(run, "h-slow")  # boundary 2 takes the snapshot (state after step 1) and starts the writer
     assert writing.wait(30)
     run.run(3)  # steps 3, 4, 5 run while the snapshot is still being written
     assert hybrid.replica.backend is None and run.core.membership.hybrid("h-slow").state == HybridState.SNAPSHOT
@@ -252,9 +258,7 @@ def test_a_failed_snapshot_fetch_rolls_the_join_back(model_dir, tmp_path):
             os.remove(next(p for p in (tmp_path / "snapshots").glob("*/shard-0.pt")))
 
     run = Run(model_dir, tmp_path, after_shard=after_shard, snapshot_shards=2)
-    run.core.admit("h-bad")
-    hybrid = Hybrid(run.core, "h-bad")
-    run.run(2)
+    hybrid = _admit(run, "h-bad")
     hybrid.thread.join(30)
     assert hybrid.code == EXIT_JOIN_FAILED
     _wait(lambda: _control_pending(run.core))
@@ -275,6 +279,8 @@ def test_membership_freezes_changes_at_the_next_boundary_and_survives_a_restart(
     manifest, actions = membership.freeze(1)
     assert manifest.hybrids == () and actions == []
     membership.apply({"kind": "connected", "replica_id": "a"}, step=1)
+    assert membership.freeze(2)[1] == []  # not before its model is built
+    membership.apply({"kind": "prepared", "replica_id": "a"}, step=2)
     _, actions = membership.freeze(2)
     assert [(a.kind, a.replica_id, a.snapshot_step) for a in actions] == [("snapshot", "a", 1)]
     membership.apply({"kind": "loaded", "replica_id": "a", "step": 1}, step=2)

@@ -106,3 +106,16 @@ def test_files_and_a_source_tree_are_copied_in_and_left_unchanged(tmp_path):
         asyncio.run(run_in_sandbox(python_argv("main.py"), files={"../out.py": "x"}))
     with pytest.raises(ValueError):
         SandboxLimits(wall_s=0)
+
+
+def test_the_guard_isolation_still_limits_and_blocks_python_sockets(monkeypatch):
+    from libra.workloads import sandbox
+
+    monkeypatch.setattr(sandbox, "isolation_available", lambda: False)  # as on a machine without unshare
+    hello = run("print('hi')")
+    assert (hello.status, hello.stdout, hello.isolation) == (SandboxStatus.OK, "hi\n", "guard")
+    network = run("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)")
+    assert network.status is SandboxStatus.ERROR and "network access is disabled" in network.stderr
+    assert run("while True:\n    pass").status is SandboxStatus.TIMEOUT
+    big = run("open('x', 'wb').write(b'0' * (64 * 1024 * 1024))", SandboxLimits(wall_s=5, cpu_s=4, max_file_mb=8))
+    assert big.status is SandboxStatus.ERROR and "File too large" in big.stderr

@@ -156,3 +156,48 @@ def test_parse_response_shapes():
     for bad in ({}, {"result": []}, {"result": ["x"]}, {"result": [[{"document": {"x": 1}}]]}, [1]):
         with pytest.raises(ValueError):
             parse_response(bad)
+
+
+class _HangingRetriever:
+    """A retriever that never answers and ignores its own time limit (the runner must cut it off)."""
+
+    async def search(self, query, timeout_s):
+        await asyncio.sleep(3600)
+
+
+def test_runner_records_a_hung_tool_as_timeout_and_a_malformed_call_as_failure(monkeypatch):
+    from libra.services.rollout.agent import AgentRunner
+    from libra.services.rollout.config import RolloutConfig
+    from libra.tiny_model import stop_token_ids, train_tokenizer, wrap_tokenizer
+    from libra.v1 import common_pb2 as pb
+
+    hung = build_workload(SearchR1Config())
+    hung.retriever = _HangingRetriever()
+    tokenizer = wrap_tokenizer(train_tokenizer(hung, 400, 0), 512)
+    script = iter(["<search>Calder</search>", "<search>x</answer>", "<answer>Tolmar</answer>"])
+    seen = []
+
+    class Router:
+        async def route(self, *args):
+            return type("Decision", (), {"worker_id": "w0", "bucket": "short"})()
+
+        async def turn_done(self, *args):
+            pass
+
+        async def tool_returned(self, trajectory_id, tool, status, payload_tokens):
+            seen.append((tool, status))
+
+    async def generate(decision, ids, budget, seed):
+        out = tokenizer(next(script), add_special_tokens=False).input_ids
+        return type("Generation", (), {"token_ids": out, "logprobs": [-0.1] * len(out), "finish_reason": "stop"})()
+
+    monkeypatch.setattr("libra.services.rollout.agent.TOOL_GRACE_S", 0.05)
+    runner = AgentRunner(hung, tokenizer, Router(), generate, lambda w: 1, RolloutConfig(tool_timeout_s=0.1),
+                         stop_token_ids(tokenizer, hung), seed=0)
+    started = time.monotonic()
+    traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g0-s0", prompt_id="0", group_id="g0")))
+    assert time.monotonic() - started < 5
+    assert traj.status == pb.TRAJECTORY_STATUS_COMPLETED and traj.turns == 3 and traj.reward == 1.0  # prompt 0: Tolmar
+    assert seen == [("search", pb.TOOL_STATUS_TIMEOUT), ("format", pb.TOOL_STATUS_FAILURE)]
+    assert [e.status for e in traj.tool_events] == [pb.TOOL_STATUS_TIMEOUT, pb.TOOL_STATUS_FAILURE]
+    assert "<information>error: timed out</information>" in tokenizer.decode(list(traj.token_ids))

@@ -71,6 +71,7 @@ class ElasticCore(GradientHook):
     def __init__(self, backend: Any, *, dp_rank: int = 0, core_ranks: int = 1, snapshot_root: str,
                  host: str = "127.0.0.1", port: int = 0, grad_deadline_s: float = 60.0,
                  join_timeout_s: float = 120.0, snapshot_shards: int = 4, max_catch_up_steps: int = 64,
+                 catch_up_patience: int = 8,
                  verify_lockstep: bool = False,
                  membership: Membership | None = None, clock: Callable[[], float] = time.monotonic,
                  after_shard: Callable[[int], None] | None = None):
@@ -84,7 +85,7 @@ class ElasticCore(GradientHook):
         # (costs one pass over the parameters per step on both sides; meant for tests and debugging).
         self.verify_lockstep = verify_lockstep
         self._digest = ""
-        self.membership = membership or Membership(core_ranks)
+        self.membership = membership or Membership(core_ranks, catch_up_patience=catch_up_patience)
         self.endpoint = LaneEndpoint(host, port)
         self.lane_endpoints = _all_gather(self.endpoint.address)  # one collective, once, at start
         self.manifest: StepManifest | None = None
@@ -95,7 +96,8 @@ class ElasticCore(GradientHook):
         self._slices: dict[str, TrainBatch] = {}
         self._retained: dict[int, tuple[Any, dict[str, Any]]] = {}  # step -> (final gradient, config)
         self._snapshots: dict[str, str] = {}
-        self._sent_upto: dict[str, int] = {}  # last kept gradient queued to each catching-up hybrid
+        self._sent_upto: dict[str, int] = {}
+        self._prepare_sent: set[str] = set()  # last kept gradient queued to each catching-up hybrid
         self._contributors: list[str] = []
         self._acks: set[str] = set()
         self._step_started = 0.0
@@ -134,6 +136,7 @@ class ElasticCore(GradientHook):
                     self._record_ack(event["step"], event["replica_id"])
                 else:
                     self.membership.apply(event, step)
+        self._send_prepare()
         manifest, actions = self.membership.freeze(step)
         self.manifest = manifest
         self.history[step] = (manifest, {f"core-{r}" for r in range(self.core_ranks)})
@@ -148,7 +151,7 @@ class ElasticCore(GradientHook):
     def _local_events(self) -> list[dict]:
         for replica, frame in self.endpoint.control_frames():
             record = self.membership.hybrid(replica)
-            if frame.kind in ("loaded", "caught_up"):
+            if frame.kind in ("prepared", "loaded", "caught_up"):
                 self._add_event({"kind": frame.kind, "replica_id": replica, "step": frame.header.get("step")})
             elif frame.kind == "join_failed":
                 self._fail(replica, f"join failed on the hybrid: {frame.header.get('reason', '')}")
@@ -193,6 +196,21 @@ class ElasticCore(GradientHook):
             self._forget(replica)
         self._trim_retained()
 
+    def _send_prepare(self) -> None:
+        """Tell each newly connected joining hybrid of this rank what to build (model dir, config).
+
+        It builds model and optimizer (seconds: imports, weights) and answers `prepared`; the
+        snapshot is taken only after that, so the catch-up starts from a state that is fresh.
+        """
+        for record in self.membership.records.values():
+            replica = record.replica_id
+            if (record.dp_rank == self.dp_rank and record.state == HybridState.JOINING
+                    and replica not in self._prepare_sent and self.endpoint.link(replica) is not None):
+                meta = {"model_dir": getattr(self.backend, "model_dir", None) or "",
+                        "config": self.backend.config.model_dump(mode="json")}
+                if self.endpoint.send(replica, "prepare", meta):
+                    self._prepare_sent.add(replica)
+
     def _start_snapshot(self, replica: str, snapshot_step: int) -> None:
         captured = snap.capture(self.backend.model, self.backend.optimizer, snapshot_step)
         directory = os.path.join(self.snapshot_root, f"{replica}-step{snapshot_step}")
@@ -200,10 +218,12 @@ class ElasticCore(GradientHook):
         self._snapshots[replica] = directory
         meta = {"model_dir": getattr(self.backend, "model_dir", None) or "",
                 "config": self.backend.config.model_dump(mode="json")}
-        # The hybrid builds its model and optimizer while the shards are written (off the join's path).
-        self.endpoint.send(replica, "prepare", meta)
+
+        started = time.perf_counter()
 
         def done(path: str) -> None:
+            _log.info("snapshot written", replica=replica, step=snapshot_step,
+                      seconds=round(time.perf_counter() - started, 3))
             if not self.endpoint.send(replica, "snapshot", {"path": path, "step": snapshot_step}):
                 self._fail(replica, "the hybrid's connection closed before the snapshot was ready")
 
@@ -242,6 +262,7 @@ class ElasticCore(GradientHook):
 
     def _forget(self, replica: str) -> None:
         self._sent_upto.pop(replica, None)
+        self._prepare_sent.discard(replica)
         self.endpoint.disconnect(replica)
         directory = self._snapshots.pop(replica, None)
         if directory:

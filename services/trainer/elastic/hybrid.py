@@ -4,8 +4,8 @@ Owns: one model replica and its optimizer on a borrowed (rollout) device, the jo
 load, catch-up replay) and the lockstep step loop. Must not know: Redis, membership rules, how
 batches are assembled. Start it as documented in `libra.services.trainer.elastic`.
 
-    connect + hello ─▶ prepare{model_dir, config}: build model + optimizer (while shards are written)
-        ─▶ snapshot{path} ─▶ load shards ─▶ loaded{step}
+    connect + hello ─▶ prepare{model_dir, config}: build model + optimizer ─▶ prepared
+        ─▶ snapshot{path} (taken at the next boundary) ─▶ load shards ─▶ loaded{step}
         ─▶ catch_up{step}+gradient × n (replay: same gradient, clip, AdamW step as the core did)
         ─▶ active ─▶ per step: step{slice, N/W} ─▶ backward ─▶ grad ─▶ reduced ─▶ clip + step
         ─▶ bye (exit 0) | error (exit 3 while joining, 4 once active) | connection lost (exit 4)
@@ -83,11 +83,14 @@ class HybridReplica:
 
     def _prepare(self, meta: dict[str, Any]) -> int | None:
         """Build model and optimizer (architecture only) while the core writes the snapshot."""
+        started = time.perf_counter()
         try:
             self._built = self._build(meta)
         except Exception as error:  # noqa: BLE001 - reported; the join rolls back
             return self._join_failed(f"cannot build the model from {meta.get('model_dir')!r}: "
                                      f"{type(error).__name__}: {error}")
+        _log.info("model built", replica=self.replica_id, seconds=round(time.perf_counter() - started, 3))
+        self.link.send("prepared", {})
         return None
 
     def _join_failed(self, reason: str) -> int:
@@ -98,6 +101,7 @@ class HybridReplica:
     def _load(self, path: str) -> int | None:
         from libra.services.trainer.elastic import snapshot as snap
 
+        started = time.perf_counter()
         try:
             backend = getattr(self, "_built", None) or self._build(snap.read_meta(path))
             self.step = snap.load(path, backend.model, backend.optimizer)
@@ -105,7 +109,8 @@ class HybridReplica:
             return self._join_failed(f"snapshot fetch failed: {type(error).__name__}: {error}")
         self.backend = backend
         self.link.send("loaded", {"step": self.step})
-        _log.info("snapshot loaded", replica=self.replica_id, step=self.step)
+        _log.info("snapshot loaded", replica=self.replica_id, step=self.step,
+                  seconds=round(time.perf_counter() - started, 3))
         return None
 
     def _config(self, raw: dict[str, Any]) -> Any:

@@ -5,7 +5,7 @@ Redis, no torch. Every core rank holds an identical copy and feeds it the same e
 order (events are gathered over the core's existing process group at each step boundary), so all
 ranks freeze the same manifest without a coordinator in the data path.
 
-    AdmitHybrid ─▶ JOINING ──connected──▶ (boundary: snapshot taken) SNAPSHOT ──loaded──▶
+    AdmitHybrid ─▶ JOINING ──connected, model built──▶ (boundary: snapshot taken) SNAPSHOT ──loaded──▶
         (each boundary: the steps since streamed to it; it replays them and reports caught_up)
         ──caught up to the step before a boundary──▶ ACTIVE from that step ──ReleaseHybrid──▶ RELEASED
     any failure (connect timeout, snapshot write/fetch, missed deadline, lost connection) ─▶ FAILED
@@ -39,9 +39,11 @@ class HybridRecord:
     state: HybridState = HybridState.JOINING
     reason: str = ""
     connected: bool = False
+    prepared: bool = False
     snapshot_step: int = -1  # committed steps in the snapshot (-1: none yet)
     loaded: bool = False
     caught_up_step: int = -1  # the last step the hybrid has replayed (its state = the core's after it)
+    catch_up_boundaries: int = 0  # boundaries spent streaming kept gradients to it
     release_requested: bool = False
     rolled_back: bool = False  # a FAILED replica's files and retained gradients are dropped once
     active_from_step: int = 0
@@ -90,6 +92,7 @@ class Membership:
 
     core_ranks: int
     epoch: int = 0
+    catch_up_patience: int = 8  # boundaries of streamed catch-up before activating with one wait
     records: dict[str, HybridRecord] = field(default_factory=dict)
     _active_set: tuple[tuple[str, int], ...] = ()
 
@@ -110,6 +113,8 @@ class Membership:
             record.release_requested = True
         elif kind == "connected":
             record.connected = True
+        elif kind == "prepared":  # the hybrid built its model and optimizer: ready for a snapshot
+            record.prepared = True
         elif kind == "loaded":
             if record.state == HybridState.SNAPSHOT and event.get("step") == record.snapshot_step:
                 record.loaded, record.caught_up_step = True, record.snapshot_step
@@ -153,13 +158,17 @@ class Membership:
         if record.release_requested:
             record.state, record.updated_step = HybridState.RELEASED, step
             return act("bye")
-        if record.state == HybridState.JOINING and record.connected:
+        if record.state == HybridState.JOINING and record.connected and record.prepared:
             record.state, record.snapshot_step, record.updated_step = HybridState.SNAPSHOT, step - 1, step
             return act("snapshot")
         if record.state == HybridState.SNAPSHOT and record.loaded:
-            if record.caught_up_step >= step - 2:  # at most one step behind: that one is sent with `active`
+            # At most one step behind: that one goes with `active`, no wait. Still behind after
+            # `catch_up_patience` boundaries (a channel slower than the core's gradient rate): activate
+            # anyway; the core then waits once, in that step, for the hybrid to replay the rest.
+            if record.caught_up_step >= step - 2 or record.catch_up_boundaries >= self.catch_up_patience:
                 record.state, record.active_from_step, record.updated_step = HybridState.ACTIVE, step, step
-                return act("activate")
+                return [Action("activate", record.replica_id, record.dp_rank, record.caught_up_step)]
+            record.catch_up_boundaries += 1
             return [Action("catch_up", record.replica_id, record.dp_rank, record.caught_up_step)]
         return []
 
@@ -170,13 +179,14 @@ class Membership:
     def to_json(self) -> bytes:
         records = [{**asdict(r), "state": r.state.value} for r in self.records.values()]
         return json.dumps({"core_ranks": self.core_ranks, "epoch": self.epoch, "records": records,
+                           "catch_up_patience": self.catch_up_patience,
                            "active": [list(a) for a in self._active_set]}).encode()
 
     @classmethod
     def from_json(cls, payload: bytes, restarted: bool = True) -> Membership:
         """Restore; with `restarted`, hybrids that were in flight lost their connection: FAILED."""
         data = json.loads(payload)
-        membership = cls(int(data["core_ranks"]), int(data["epoch"]))
+        membership = cls(int(data["core_ranks"]), int(data["epoch"]), int(data.get("catch_up_patience", 8)))
         for raw in data["records"]:
             record = HybridRecord(**{**raw, "state": HybridState(raw["state"])})
             if restarted and record.state not in GONE:

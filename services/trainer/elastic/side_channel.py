@@ -53,35 +53,72 @@ class Frame:
         return torch.frombuffer(self.payload, dtype=torch.uint8).view(dtype).reshape(self.header["shape"])
 
 
-def _tensor_bytes(tensor: Any) -> tuple[dict[str, Any], Any]:
-    cpu = tensor.detach().to("cpu").contiguous()  # CPU staging on GPUs; no copy for a CPU tensor
-    raw = cpu.reshape(-1).view(torch_uint8()).numpy()  # bytes of any dtype (bf16 has no numpy type)
-    return {"dtype": str(cpu.dtype).removeprefix("torch."), "shape": list(cpu.shape)}, memoryview(raw)
+@dataclass
+class Encoded:
+    """A frame ready to go: header bytes, payload bytes, and (GPU) the event its host copy waits for.
+
+    Encoding happens in the caller's thread and sending in a sender thread that then only waits
+    and calls `sendall` (both release the GIL), so a sender never competes with the training loop
+    for the interpreter. A CUDA tensor is copied to pinned host memory on a side stream that
+    waits for the producing stream: the training stream is never synchronised.
+    """
+
+    head: bytes
+    payload: Any = b""
+    ready: Any = None  # torch.cuda.Event or None
 
 
-def torch_uint8() -> Any:
+_COPY_STREAMS: dict[Any, Any] = {}
+
+
+def _host_view(tensor: Any) -> tuple[Any, Any]:
     import torch
 
-    return torch.uint8
+    t = tensor.detach()
+    if t.device.type != "cuda":
+        return t.contiguous(), None
+    stream = _COPY_STREAMS.setdefault(t.device, torch.cuda.Stream(t.device))
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    stream.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(stream):
+        host.copy_(t, non_blocking=True)
+    t.record_stream(stream)  # the caching allocator must not reuse t before the copy is done
+    ready = torch.cuda.Event()
+    ready.record(stream)
+    return host, ready
+
+
+def encode(kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> Encoded:
+    import torch
+
+    body = dict(header or {}, kind=kind)
+    payload: Any = b""
+    ready = None
+    if tensor is not None:
+        host, ready = _host_view(tensor)
+        body.update(dtype=str(host.dtype).removeprefix("torch."), shape=list(host.shape))
+        payload = memoryview(host.reshape(-1).view(torch.uint8).numpy())  # any dtype, bf16 too; no copy
+    encoded = json.dumps(body).encode()
+    return Encoded(_HEADER.pack(len(encoded)) + encoded + _PAYLOAD.pack(len(payload)), payload, ready)
+
+
+def send_encoded(sock: socket.socket, frame: Encoded) -> None:
+    if frame.ready is not None:
+        frame.ready.synchronize()
+    sock.sendall(frame.head)
+    if len(frame.payload):
+        sock.sendall(frame.payload)
 
 
 def send_frame(sock: socket.socket, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> None:
-    body = dict(header or {}, kind=kind)
-    payload: Any = b""
-    if tensor is not None:
-        meta, payload = _tensor_bytes(tensor)
-        body.update(meta)
-    encoded = json.dumps(body).encode()
-    sock.sendall(_HEADER.pack(len(encoded)) + encoded + _PAYLOAD.pack(len(payload)))
-    if len(payload):
-        sock.sendall(payload)
+    send_encoded(sock, encode(kind, header, tensor))
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytearray:
     buffer = bytearray(size)
     view, got = memoryview(buffer), 0
     while got < size:
-        count = sock.recv_into(view[got:], min(size - got, 1 << 24))
+        count = sock.recv_into(view[got:], size - got)  # few calls: each one needs the GIL
         if not count:
             raise ConnectionError("side channel closed by the peer")
         got += count
@@ -109,43 +146,46 @@ class _Link:
 
     def __init__(self, sock: socket.socket, replica_id: str):
         self.sock, self.replica_id = sock, replica_id
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # open flag and queueing
+        self.write_lock = threading.Lock()  # one frame on the socket at a time
         self.grads: queue.Queue[Frame] = queue.Queue()
-        self.outbox: queue.Queue[tuple] = queue.Queue()
+        self.outbox: queue.Queue[Encoded | None] = queue.Queue()
         self.open = True
         threading.Thread(target=self._drain_outbox, name=f"lane-out-{replica_id}", daemon=True).start()
 
     def _drain_outbox(self) -> None:
         while True:
-            kind, header, tensor = self.outbox.get()
+            frame = self.outbox.get()
             try:
-                if kind is None:
+                if frame is None:
                     return
-                self._send_now(kind, header, tensor)
+                self._send_now(frame)
             finally:
                 self.outbox.task_done()
 
     def send_async(self, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> bool:
-        """Queue a frame; frames leave in order, and a later `send` waits for the queue first."""
+        """Queue a frame (encoded here); frames leave in order, and a later `send` waits for them."""
+        frame = encode(kind, header, tensor)
         with self.lock:  # never queue behind the close sentinel (the queue would never drain)
             if not self.open:
                 return False
-            self.outbox.put((kind, header, tensor))
+            self.outbox.put(frame)
             return True
 
     def send(self, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> bool:
         """False when the connection is gone (the caller marks the hybrid failed)."""
         if not self.open:
             return False
+        frame = encode(kind, header, tensor)
         self.outbox.join()  # what was queued before goes first
-        return self._send_now(kind, header, tensor)
+        return self._send_now(frame)
 
-    def _send_now(self, kind: str, header: dict[str, Any] | None, tensor: Any) -> bool:
-        with self.lock:
+    def _send_now(self, frame: Encoded) -> bool:
+        with self.write_lock:  # not `lock`: queueing must never wait for a transfer in progress
             if not self.open:
                 return False
             try:
-                send_frame(self.sock, kind, header, tensor)
+                send_encoded(self.sock, frame)
                 return True
             except OSError:
                 self.open = False
@@ -154,7 +194,7 @@ class _Link:
     def close(self) -> None:
         with self.lock:
             if self.open:
-                self.outbox.put((None, None, None))
+                self.outbox.put(None)
             self.open = False
         try:
             self.sock.shutdown(socket.SHUT_RDWR)

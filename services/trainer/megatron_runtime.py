@@ -1,0 +1,157 @@
+"""Megatron-Core's process groups, the few collectives the trainer adds, and its CPU adaptations.
+
+Owns: joining torch.distributed and building Megatron's TP × DP groups (once per process), sums
+over the data-parallel group, TP-aware gradient clipping for the CPU path, and the patches that let
+Megatron-Core run where torch has no CUDA. Must not know: models, batches, the GRPO loss.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from libra.errors import FailedPrecondition
+
+
+def init_parallel(tp: int, cuda: bool) -> None:
+    """Join (or create, for one process) torch.distributed, then Megatron's model-parallel groups."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group("nccl" if cuda else "gloo")
+        else:  # a single process (tests, one-GPU runs): a private file store, no ports
+            store = os.path.join(tempfile.mkdtemp(prefix="libra-megatron-"), "store")
+            dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    world = dist.get_world_size()
+    if world % tp:
+        raise ValueError(f"trainer.megatron.tensor_parallel={tp} does not divide the world size {world}")
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() != tp:
+            raise FailedPrecondition(
+                f"Megatron model parallelism is already initialised with TP={ps.get_tensor_model_parallel_world_size()}, "
+                f"not trainer.megatron.tensor_parallel={tp}; one process holds one layout")
+        return
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    if cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+
+def distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if distributed() else 0
+
+
+def tp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank()
+
+
+def dp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size()
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if distributed():
+        dist.barrier()
+
+
+def dp_sums(values: list[float], cuda: bool) -> list[float]:
+    import torch
+
+    tensor = torch.tensor(values, dtype=torch.float64, device="cuda" if cuda else "cpu")
+    return [float(v) for v in dp_sum_tensor(tensor)]
+
+
+def dp_sum_tensor(tensor: Any) -> Any:
+    """All-reduce SUM over the data-parallel group, in place (a no-op with one replica)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if dp_size() > 1:
+        dist.all_reduce(tensor, group=ps.get_data_parallel_group())
+    return tensor
+
+
+def clip_tp_aware(params: list[Any], max_norm: float) -> float:
+    """Clip by the norm of the whole model: TP-sharded grads summed over TP, replicated ones once."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    grads = [p for p in params if p.grad is not None]
+    sharded = sum(float(p.grad.double().pow(2).sum()) for p in grads if getattr(p, "tensor_model_parallel", False))
+    replicated = sum(float(p.grad.double().pow(2).sum()) for p in grads if not getattr(p, "tensor_model_parallel", False))
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        tensor = torch.tensor([sharded], dtype=torch.float64)
+        dist.all_reduce(tensor, group=ps.get_tensor_model_parallel_group())
+        sharded = float(tensor)
+    norm = (sharded + replicated) ** 0.5
+    scale = max_norm / (norm + 1e-6)
+    if scale < 1.0:
+        for p in grads:
+            p.grad.mul_(scale)
+    return norm
+
+
+def average_metrics(sums: dict[str, float], dp: int, replicas: int, cuda: bool) -> dict[str, float]:
+    """Metric sums were divided by (N / W); summed over DP (hybrids' already added) ÷ W gives means."""
+    import torch
+
+    if dp == 1 and replicas == 1:
+        return dict(sums)
+    names = sorted(sums)
+    values = dp_sum_tensor(torch.tensor([sums[n] for n in names], dtype=torch.float64,
+                                         device="cuda" if cuda else "cpu"))
+    return {n: float(v) / replicas for n, v in zip(names, values)}
+
+
+PATCHED_ = False
+
+
+def patch_megatron_for_cpu() -> None:
+    """Make Megatron-Core's CUDA assumptions hold on a CPU-only torch; called only without CUDA.
+
+    Megatron allocates scratch tensors on `torch.cuda.current_device()` (GlobalMemoryBuffer, the
+    RoPE frequencies, the checkpoint writer's status flags), waits on `torch.cuda.synchronize()`
+    before copying checkpoint tensors out, and swaps CUDA RNG states in
+    `CudaRNGStatesTracker.fork`. With no CUDA each of these raises. Here the current device is the
+    CPU, there is no stream to wait for, and the fork is a no-op (the model runs without dropout,
+    so no random stream is drawn inside it). A CUDA build of torch is never patched.
+    """
+    global PATCHED_
+    import contextlib
+
+    import torch
+
+    if PATCHED_ or torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None
+
+    @contextlib.contextmanager
+    def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):  # noqa: ANN001 - Megatron's signature
+        yield
+
+    mrandom.CudaRNGStatesTracker.fork = fork
+    PATCHED_ = True
