@@ -1,20 +1,22 @@
 """What a joining hybrid replica costs the core: step time during the join vs steady state, and join latency.
 
-    core (this process, --device)                         hybrid (subprocess, --hybrid-device)
-    ─────────────────────────────                         ────────────────────────────────────
+    core rank(s) (--device)                               hybrid (subprocess, --hybrid-device)
+    ───────────────────────                               ────────────────────────────────────
     steady:  N steps, no hybrid            (baseline)
-    admit ─▶ steps go on ─────────── process starts, connects (startup window)
+    admit ─▶ steps go on ─────────── process starts, connects, builds its model (startup window)
     boundary: snapshot copied, shards written in a thread ─▶ loads the shards  (join window)
-    boundary: catch-up gradients sent ───────────────────▶ replays them, active
-    active:  M steps with the hybrid (widened batch, gradient over the side channel)
+    each step's gradient streamed as it ends ────────────▶ replays them, caught up
+    boundary: active ─▶ M steps with the hybrid (widened batch, gradient over the side channel)
 
-The core is one data-parallel rank (D = 1) of the plain torch backend with the real
-`ElasticCore`; the hybrid is the real `python -m libra.services.trainer.elastic.hybrid` process.
+The core is D data-parallel ranks (--core-ranks; processes over gloo when D > 1) of the plain
+torch backend with the real `ElasticCore`; the hybrid is the real
+`python -m libra.services.trainer.elastic.hybrid` process.
 The side channel is TCP; on GPUs its tensors are staged through host memory (CPU-staged channel)
 and the core never builds a process group for the hybrid. Every step time includes the boundary
 (membership freeze, snapshot copy) and the full train step.
 
-    python benchmarks/elastic_join.py                                   # CPU, gloo-free (D = 1)
+    python benchmarks/elastic_join.py                                   # CPU, one core rank
+    python benchmarks/elastic_join.py --core-ranks 2                    # CPU, two core ranks over gloo
     python benchmarks/elastic_join.py --device cuda:0 --hybrid-device cuda:1 --hidden 1024 --layers 8
 """
 
@@ -64,10 +66,11 @@ def groups(step: int, count: int, args):
     return TrainBatch(sequences)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu", help="core device: cpu or cuda:N")
+    parser.add_argument("--device", default="cpu", help="core device: cpu or cuda:N (cuda: one core rank)")
     parser.add_argument("--hybrid-device", default="cpu", help="hybrid device: cpu or cuda:N")
+    parser.add_argument("--core-ranks", type=int, default=1, help="core data-parallel ranks (processes, gloo)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=2048)
@@ -76,12 +79,20 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2, help="groups per step per replica")
     parser.add_argument("--steady-steps", type=int, default=10)
     parser.add_argument("--active-steps", type=int, default=5)
-    parser.add_argument("--max-join-steps", type=int, default=200)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of core and hybrid each")
+    parser.add_argument("--max-join-steps", type=int, default=1000, help="give up if not active after this many")
+    parser.add_argument("--max-catch-up-steps", type=int, default=64,
+                        help="gradients the core may keep for a join in progress (device memory)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each core rank and the hybrid")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    if args.core_ranks > 1 and args.device != "cpu":
+        parser.error("--core-ranks > 1 runs on CPU over gloo; on GPUs use one core rank")
+    return args
 
+
+def run_rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, work: str, port: int) -> None:
+    """One core rank: steady steps, a hybrid joins (launched by rank 0), active steps, release."""
     import torch
 
     from libra.services.trainer.config import TrainerConfig
@@ -90,19 +101,20 @@ def main() -> None:
     from libra.services.trainer.elastic.work import split, widened_groups
     from libra.services.trainer.torch_backend import TorchBackend
 
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     torch.set_num_threads(args.threads)
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))
-    work = tempfile.mkdtemp(prefix="libra-elastic-bench-")
-    model_dir = os.path.join(work, "model")
-    make_model(model_dir, args)
     config = TrainerConfig(lr=1e-4, micro_batch_size=args.group_size * args.groups, torch_threads=args.threads,
-                           groups_per_step=args.groups, group_size=args.group_size)
+                           groups_per_step=args.groups * world, group_size=args.group_size)
     backend = TorchBackend(config)
     backend.load(model_dir)
     backend.to(args.device)
-    core = ElasticCore(backend, snapshot_root=os.path.join(work, "snapshots"), snapshot_shards=args.shards,
-                       max_catch_up_steps=args.max_join_steps)
+    core = ElasticCore(backend, dp_rank=rank, core_ranks=world, snapshot_root=os.path.join(work, "snapshots"),
+                       snapshot_shards=args.shards, max_catch_up_steps=args.max_catch_up_steps)
     backend.gradient_hook = core
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     step, rows = 0, []
@@ -112,9 +124,10 @@ def main() -> None:
         step += 1
         began = time.perf_counter()
         manifest = core.begin_step(step)
-        slices = split(groups(step, widened_groups(args.groups, manifest), args), args.group_size, manifest)
+        batch = groups(step, widened_groups(config.groups_per_step, manifest), args)
+        slices = split(batch, args.group_size, manifest)
         core.assign(slices)
-        backend.train_step(slices["core-0"], config)
+        backend.train_step(slices[f"core-{rank}"], config)
         core.end_step()
         sync()
         record = core.membership.hybrid("h-bench")
@@ -126,13 +139,17 @@ def main() -> None:
     for _ in range(args.steady_steps):
         one_step("steady")
     admitted_at, started = step + 1, time.monotonic()
-    core.admit("h-bench")
-    hybrid = subprocess.Popen([sys.executable, "-m", "libra.services.trainer.elastic.hybrid", "--endpoint",
-                               core.endpoint.address, "--replica-id", "h-bench", "--threads", str(args.threads),
-                               "--device", args.hybrid_device], cwd=ROOT)
+    if rank == 0:
+        core.admit("h-bench")
+    hybrid = None
     snapshot_at = active_at = None
     while active_at is None and step - admitted_at < args.max_join_steps:
         record = core.membership.hybrid("h-bench")
+        if rank == 0 and hybrid is None and record is not None:  # started once its core rank is known
+            hybrid = subprocess.Popen(
+                [sys.executable, "-m", "libra.services.trainer.elastic.hybrid", "--endpoint",
+                 core.lane_endpoints[record.dp_rank], "--replica-id", "h-bench", "--threads", str(args.threads),
+                 "--device", args.hybrid_device], cwd=ROOT)
         phase = "startup" if record is None or record.state == HybridState.JOINING else "join"
         one_step(phase)
         record = core.membership.hybrid("h-bench")
@@ -148,39 +165,79 @@ def main() -> None:
         raise SystemExit(f"the hybrid did not become active within {args.max_join_steps} steps")
     for _ in range(args.active_steps - 1):
         one_step("active")
-    core.release("h-bench")
+    if rank == 0:
+        core.release("h-bench")
     one_step("released")
-    code = hybrid.wait(60)
+    code = hybrid.wait(60) if hybrid is not None else None
     core.close()
+    if rank == 0:
+        report(args, rows, backend.num_parameters(), world, code, admitted_at, snapshot_at, active_at,
+               snapshot_clock, active_clock, started)
+
+
+def report(args, rows, params, world, code, admitted_at, snapshot_at, active_at, snapshot_clock, active_clock,
+           started) -> None:
+    def values(phase: str) -> list[float]:
+        return [r["seconds"] for r in rows if r["phase"] == phase]
 
     def median(phase: str) -> float:
-        values = [r["seconds"] for r in rows if r["phase"] == phase]
-        return statistics.median(values) if values else float("nan")
+        return statistics.median(values(phase)) if values(phase) else float("nan")
+
+    def mean(phase: str) -> float:
+        return statistics.fmean(values(phase)) if values(phase) else float("nan")
 
     steady = median("steady")
+
+    def extra(phase: str) -> float:
+        """Seconds the core lost in a phase against steady-state steps (spikes included)."""
+        return sum(v - steady for v in values(phase))
+
     result = {
-        "device": args.device, "hybrid_device": args.hybrid_device,
-        "params": backend.num_parameters(), "steady_step_s": steady,
+        "device": args.device, "hybrid_device": args.hybrid_device, "core_ranks": world,
+        "params": params, "steady_step_s": steady,
         "startup_step_s": median("startup"), "join_step_s": median("join"), "active_step_s": median("active"),
         "join_vs_steady": median("join") / steady, "startup_vs_steady": median("startup") / steady,
-        "join_steps": sum(1 for r in rows if r["phase"] == "join"),
-        "startup_steps": sum(1 for r in rows if r["phase"] == "startup"),
-        "admission_to_active_steps": active_at - admitted_at,
-        "snapshot_to_active_steps": active_at - snapshot_at,
+        "join_mean_vs_steady": mean("join") / steady, "join_extra_s": extra("join"),
+        "first_active_step_s": values("active")[0],
+        "join_steps": len(values("join")), "startup_steps": len(values("startup")),
+        "admission_to_active_steps": active_at - admitted_at, "snapshot_to_active_steps": active_at - snapshot_at,
         "snapshot_to_active_s": active_clock - snapshot_clock, "admission_to_active_s": active_clock - started,
         "hybrid_exit_code": code, "rows": rows,
     }
-    print(f"model: {result['params'] / 1e6:.2f} M parameters; core {args.device}, hybrid {args.hybrid_device}")
-    print(f"{'phase':<34}{'median step s':>14}{'vs steady':>11}{'steps':>7}")
+    print(f"model: {params / 1e6:.2f} M parameters; {world} core rank(s) on {args.device}, "
+          f"hybrid on {args.hybrid_device}")
+    print(f"{'phase':<36}{'median s':>9}{'vs steady':>10}{'mean s':>8}{'vs steady':>10}{'extra s':>8}{'steps':>6}")
     for label, phase in (("steady state (baseline)", "steady"), ("hybrid process starting", "startup"),
                          ("join: snapshot write/load, catch-up", "join"), ("hybrid active (widened batch)", "active")):
-        count = sum(1 for r in rows if r["phase"] == phase)
-        print(f"{label:<34}{median(phase):>14.4f}{median(phase) / steady:>10.3f}x{count:>7}")
+        print(f"{label:<36}{median(phase):>9.4f}{median(phase) / steady:>9.3f}x{mean(phase):>8.4f}"
+              f"{mean(phase) / steady:>9.3f}x{extra(phase):>8.2f}{len(values(phase)):>6}")
+    print(f"first active step (activation: last catch-up gradients, then the step): "
+          f"{result['first_active_step_s']:.3f} s")
     print(f"join latency: {result['snapshot_to_active_steps']} steps ({result['snapshot_to_active_s']:.2f} s) "
           f"from the snapshot boundary; {result['admission_to_active_steps']} steps "
           f"({result['admission_to_active_s']:.2f} s) from admission incl. process start; hybrid exit {code}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    args = parse_args()
+    work = tempfile.mkdtemp(prefix="libra-elastic-bench-")
+    model_dir = os.path.join(work, "model")
+    make_model(model_dir, args)
+    if args.core_ranks == 1:
+        run_rank(0, 1, args, model_dir, work, 0)
+        return
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # fork: the ranks inherit the imported modules (each runs torch with --threads intra-op threads).
+    mp.start_processes(run_rank, args=(args.core_ranks, args, model_dir, work, port), nprocs=args.core_ranks,
+                       join=True, start_method="fork")
 
 
 if __name__ == "__main__":

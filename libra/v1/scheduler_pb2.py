@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from libra.v1 import common_pb2 as libra_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18libra/v1/scheduler.proto\x12\x08libra.v1\x1a\x15libra/v1/common.proto\"\xd1\x01\n\x0eGatewayMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x05route\x18\x02 \x01(\x0b\x32\x16.libra.v1.RouteRequestH\x00\x12$\n\x04turn\x18\x03 \x01(\x0b\x32\x14.libra.v1.TurnReportH\x00\x12\x31\n\x0btool_return\x18\x04 \x01(\x0b\x32\x1a.libra.v1.ToolReturnReportH\x00\x12(\n\x06\x66inish\x18\x05 \x01(\x0b\x32\x16.libra.v1.FinishReportH\x00\x42\x06\n\x04\x62ody\"\x90\x01\n\x10SchedulerMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x15\n\rprocessed_seq\x18\x02 \x01(\x04\x12(\n\x05route\x18\x03 \x01(\x0b\x32\x17.libra.v1.RouteDecisionH\x00\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x15.libra.v1.StreamErrorH\x00\x42\x06\n\x04\x62ody\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xb3\x01\n\x0cRouteRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x0c\n\x04turn\x18\x04 \x01(\r\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x65xclude_workers\x18\x07 \x03(\t\"b\n\rRouteDecision\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05moved\x18\x05 \x01(\x08\"\x93\x01\n\nTurnReport\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x15\n\routput_tokens\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x0e\n\x06\x66\x61iled\x18\x06 \x01(\x08\"\x9a\x01\n\x10ToolReturnReport\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x0c\n\x04tool\x18\x03 \x01(\t\x12$\n\x06status\x18\x04 \x01(\x0e\x32\x14.libra.v1.ToolStatus\x12\x16\n\x0epayload_tokens\x18\x05 \x01(\r\"\xa0\x01\n\x0c\x46inishReport\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x15\n\routput_tokens\x18\x04 \x01(\r\x12*\n\x06status\x18\x05 \x01(\x0e\x32\x1a.libra.v1.TrajectoryStatus\"b\n\x15RegisterWorkerRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12$\n\x06worker\x18\x02 \x01(\x0b\x32\x14.libra.v1.WorkerInfo\"Q\n\x17\x44\x65registerWorkerRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x11\n\tworker_id\x18\x02 \x01(\t\"!\n\x0fGetStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x9d\x01\n\x0b\x42ucketStats\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\t\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\x03 \x01(\x04\x12\x1c\n\x14outstanding_requests\x18\x04 \x01(\r\x12\x0e\n\x06routed\x18\x05 \x01(\x04\x12\x10\n\x08moves_in\x18\x06 \x01(\x04\x12\x11\n\tmoves_out\x18\x07 \x01(\x04\"\xf4\x01\n\x0eSchedulerStats\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12&\n\x07\x62uckets\x18\x02 \x03(\x0b\x32\x15.libra.v1.BucketStats\x12%\n\x07workers\x18\x03 \x03(\x0b\x32\x14.libra.v1.WorkerInfo\x12\x36\n\x07reasons\x18\x04 \x03(\x0b\x32%.libra.v1.SchedulerStats.ReasonsEntry\x12\x1b\n\x13\x61\x63tive_trajectories\x18\x05 \x01(\r\x1a.\n\x0cReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xfc\x03\n\tScheduler\x12\x38\n\x05Route\x12\x16.libra.v1.RouteRequest\x1a\x17.libra.v1.RouteDecision\x12\x31\n\nReportTurn\x12\x14.libra.v1.TurnReport\x1a\r.libra.v1.Ack\x12=\n\x10ReportToolReturn\x12\x1a.libra.v1.ToolReturnReport\x1a\r.libra.v1.Ack\x12\x35\n\x0cReportFinish\x12\x16.libra.v1.FinishReport\x1a\r.libra.v1.Ack\x12@\n\x0eRegisterWorker\x12\x1f.libra.v1.RegisterWorkerRequest\x1a\r.libra.v1.Ack\x12\x44\n\x10\x44\x65registerWorker\x12!.libra.v1.DeregisterWorkerRequest\x1a\r.libra.v1.Ack\x12?\n\x08GetStats\x12\x19.libra.v1.GetStatsRequest\x1a\x18.libra.v1.SchedulerStats\x12\x43\n\x07Session\x12\x18.libra.v1.GatewayMessage\x1a\x1a.libra.v1.SchedulerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18libra/v1/scheduler.proto\x12\x08libra.v1\x1a\x15libra/v1/common.proto\"\xd1\x01\n\x0eGatewayMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x05route\x18\x02 \x01(\x0b\x32\x16.libra.v1.RouteRequestH\x00\x12$\n\x04turn\x18\x03 \x01(\x0b\x32\x14.libra.v1.TurnReportH\x00\x12\x31\n\x0btool_return\x18\x04 \x01(\x0b\x32\x1a.libra.v1.ToolReturnReportH\x00\x12(\n\x06\x66inish\x18\x05 \x01(\x0b\x32\x16.libra.v1.FinishReportH\x00\x42\x06\n\x04\x62ody\":\n\x0cGatewayBatch\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.libra.v1.GatewayMessage\"T\n\x0eSchedulerBatch\x12\x15\n\rprocessed_seq\x18\x01 \x01(\x04\x12+\n\x07\x61nswers\x18\x02 \x03(\x0b\x32\x1a.libra.v1.SchedulerMessage\"\x7f\n\x10SchedulerMessage\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x05route\x18\x03 \x01(\x0b\x32\x17.libra.v1.RouteDecisionH\x00\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x15.libra.v1.StreamErrorH\x00\x42\x06\n\x04\x62odyJ\x04\x08\x02\x10\x03\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xb3\x01\n\x0cRouteRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x0c\n\x04turn\x18\x04 \x01(\r\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x65xclude_workers\x18\x07 \x03(\t\"b\n\rRouteDecision\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62ucket\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05moved\x18\x05 \x01(\x08\"\x93\x01\n\nTurnReport\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x15\n\routput_tokens\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x0e\n\x06\x66\x61iled\x18\x06 \x01(\x08\"\x9a\x01\n\x10ToolReturnReport\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x0c\n\x04tool\x18\x03 \x01(\t\x12$\n\x06status\x18\x04 \x01(\x0e\x32\x14.libra.v1.ToolStatus\x12\x16\n\x0epayload_tokens\x18\x05 \x01(\r\"\xa0\x01\n\x0c\x46inishReport\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\x12\x11\n\tprompt_id\x18\x03 \x01(\t\x12\x15\n\routput_tokens\x18\x04 \x01(\r\x12*\n\x06status\x18\x05 \x01(\x0e\x32\x1a.libra.v1.TrajectoryStatus\"b\n\x15RegisterWorkerRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12$\n\x06worker\x18\x02 \x01(\x0b\x32\x14.libra.v1.WorkerInfo\"Q\n\x17\x44\x65registerWorkerRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x11\n\tworker_id\x18\x02 \x01(\t\"!\n\x0fGetStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x9d\x01\n\x0b\x42ucketStats\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\t\x12\x0f\n\x07workers\x18\x02 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\x03 \x01(\x04\x12\x1c\n\x14outstanding_requests\x18\x04 \x01(\r\x12\x0e\n\x06routed\x18\x05 \x01(\x04\x12\x10\n\x08moves_in\x18\x06 \x01(\x04\x12\x11\n\tmoves_out\x18\x07 \x01(\x04\"\xf4\x01\n\x0eSchedulerStats\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12&\n\x07\x62uckets\x18\x02 \x03(\x0b\x32\x15.libra.v1.BucketStats\x12%\n\x07workers\x18\x03 \x03(\x0b\x32\x14.libra.v1.WorkerInfo\x12\x36\n\x07reasons\x18\x04 \x03(\x0b\x32%.libra.v1.SchedulerStats.ReasonsEntry\x12\x1b\n\x13\x61\x63tive_trajectories\x18\x05 \x01(\r\x1a.\n\x0cReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xf8\x03\n\tScheduler\x12\x38\n\x05Route\x12\x16.libra.v1.RouteRequest\x1a\x17.libra.v1.RouteDecision\x12\x31\n\nReportTurn\x12\x14.libra.v1.TurnReport\x1a\r.libra.v1.Ack\x12=\n\x10ReportToolReturn\x12\x1a.libra.v1.ToolReturnReport\x1a\r.libra.v1.Ack\x12\x35\n\x0cReportFinish\x12\x16.libra.v1.FinishReport\x1a\r.libra.v1.Ack\x12@\n\x0eRegisterWorker\x12\x1f.libra.v1.RegisterWorkerRequest\x1a\r.libra.v1.Ack\x12\x44\n\x10\x44\x65registerWorker\x12!.libra.v1.DeregisterWorkerRequest\x1a\r.libra.v1.Ack\x12?\n\x08GetStats\x12\x19.libra.v1.GetStatsRequest\x1a\x18.libra.v1.SchedulerStats\x12?\n\x07Session\x12\x16.libra.v1.GatewayBatch\x1a\x18.libra.v1.SchedulerBatch(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,32 +36,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULERSTATS_REASONSENTRY']._serialized_options = b'8\001'
   _globals['_GATEWAYMESSAGE']._serialized_start=62
   _globals['_GATEWAYMESSAGE']._serialized_end=271
-  _globals['_SCHEDULERMESSAGE']._serialized_start=274
-  _globals['_SCHEDULERMESSAGE']._serialized_end=418
-  _globals['_STREAMERROR']._serialized_start=420
-  _globals['_STREAMERROR']._serialized_end=464
-  _globals['_ROUTEREQUEST']._serialized_start=467
-  _globals['_ROUTEREQUEST']._serialized_end=646
-  _globals['_ROUTEDECISION']._serialized_start=648
-  _globals['_ROUTEDECISION']._serialized_end=746
-  _globals['_TURNREPORT']._serialized_start=749
-  _globals['_TURNREPORT']._serialized_end=896
-  _globals['_TOOLRETURNREPORT']._serialized_start=899
-  _globals['_TOOLRETURNREPORT']._serialized_end=1053
-  _globals['_FINISHREPORT']._serialized_start=1056
-  _globals['_FINISHREPORT']._serialized_end=1216
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1218
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1316
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1318
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1399
-  _globals['_GETSTATSREQUEST']._serialized_start=1401
-  _globals['_GETSTATSREQUEST']._serialized_end=1434
-  _globals['_BUCKETSTATS']._serialized_start=1437
-  _globals['_BUCKETSTATS']._serialized_end=1594
-  _globals['_SCHEDULERSTATS']._serialized_start=1597
-  _globals['_SCHEDULERSTATS']._serialized_end=1841
-  _globals['_SCHEDULERSTATS_REASONSENTRY']._serialized_start=1795
-  _globals['_SCHEDULERSTATS_REASONSENTRY']._serialized_end=1841
-  _globals['_SCHEDULER']._serialized_start=1844
-  _globals['_SCHEDULER']._serialized_end=2352
+  _globals['_GATEWAYBATCH']._serialized_start=273
+  _globals['_GATEWAYBATCH']._serialized_end=331
+  _globals['_SCHEDULERBATCH']._serialized_start=333
+  _globals['_SCHEDULERBATCH']._serialized_end=417
+  _globals['_SCHEDULERMESSAGE']._serialized_start=419
+  _globals['_SCHEDULERMESSAGE']._serialized_end=546
+  _globals['_STREAMERROR']._serialized_start=548
+  _globals['_STREAMERROR']._serialized_end=592
+  _globals['_ROUTEREQUEST']._serialized_start=595
+  _globals['_ROUTEREQUEST']._serialized_end=774
+  _globals['_ROUTEDECISION']._serialized_start=776
+  _globals['_ROUTEDECISION']._serialized_end=874
+  _globals['_TURNREPORT']._serialized_start=877
+  _globals['_TURNREPORT']._serialized_end=1024
+  _globals['_TOOLRETURNREPORT']._serialized_start=1027
+  _globals['_TOOLRETURNREPORT']._serialized_end=1181
+  _globals['_FINISHREPORT']._serialized_start=1184
+  _globals['_FINISHREPORT']._serialized_end=1344
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1346
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1444
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1446
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1527
+  _globals['_GETSTATSREQUEST']._serialized_start=1529
+  _globals['_GETSTATSREQUEST']._serialized_end=1562
+  _globals['_BUCKETSTATS']._serialized_start=1565
+  _globals['_BUCKETSTATS']._serialized_end=1722
+  _globals['_SCHEDULERSTATS']._serialized_start=1725
+  _globals['_SCHEDULERSTATS']._serialized_end=1969
+  _globals['_SCHEDULERSTATS_REASONSENTRY']._serialized_start=1923
+  _globals['_SCHEDULERSTATS_REASONSENTRY']._serialized_end=1969
+  _globals['_SCHEDULER']._serialized_start=1972
+  _globals['_SCHEDULER']._serialized_end=2476
 # @@protoc_insertion_point(module_scope)

@@ -21,17 +21,29 @@ class GatewayMessage(_message.Message):
     finish: FinishReport
     def __init__(self, seq: _Optional[int] = ..., route: _Optional[_Union[RouteRequest, _Mapping]] = ..., turn: _Optional[_Union[TurnReport, _Mapping]] = ..., tool_return: _Optional[_Union[ToolReturnReport, _Mapping]] = ..., finish: _Optional[_Union[FinishReport, _Mapping]] = ...) -> None: ...
 
-class SchedulerMessage(_message.Message):
-    __slots__ = ("seq", "processed_seq", "route", "error")
-    SEQ_FIELD_NUMBER: _ClassVar[int]
+class GatewayBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[GatewayMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[GatewayMessage, _Mapping]]] = ...) -> None: ...
+
+class SchedulerBatch(_message.Message):
+    __slots__ = ("processed_seq", "answers")
     PROCESSED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    processed_seq: int
+    answers: _containers.RepeatedCompositeFieldContainer[SchedulerMessage]
+    def __init__(self, processed_seq: _Optional[int] = ..., answers: _Optional[_Iterable[_Union[SchedulerMessage, _Mapping]]] = ...) -> None: ...
+
+class SchedulerMessage(_message.Message):
+    __slots__ = ("seq", "route", "error")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     seq: int
-    processed_seq: int
     route: RouteDecision
     error: StreamError
-    def __init__(self, seq: _Optional[int] = ..., processed_seq: _Optional[int] = ..., route: _Optional[_Union[RouteDecision, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., route: _Optional[_Union[RouteDecision, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message")

@@ -72,8 +72,8 @@ class SchedulerStub:
                 _registered_method=True)
         self.Session = channel.stream_stream(
                 '/libra.v1.Scheduler/Session',
-                request_serializer=libra_dot_v1_dot_scheduler__pb2.GatewayMessage.SerializeToString,
-                response_deserializer=libra_dot_v1_dot_scheduler__pb2.SchedulerMessage.FromString,
+                request_serializer=libra_dot_v1_dot_scheduler__pb2.GatewayBatch.SerializeToString,
+                response_deserializer=libra_dot_v1_dot_scheduler__pb2.SchedulerBatch.FromString,
                 _registered_method=True)
 
 
@@ -130,9 +130,10 @@ class SchedulerServicer:
 
     def Session(self, request_iterator, context):
         """The gateway's hot path: one long-lived stream per gateway carries every Route and report of
-        every trajectory, in order. Reports are not answered one by one: the scheduler acknowledges
-        them cumulatively (processed_seq); a Route or a failed message is answered with its seq.
-        The unary RPCs above stay for tools (grpcurl) and do the same thing.
+        every trajectory, in order, several messages per stream write when several are waiting.
+        Reports are not answered one by one: the scheduler acknowledges them cumulatively
+        (processed_seq); a Route or a failed message is answered with its seq. The unary RPCs above
+        stay for tools (grpcurl) and do the same thing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -178,8 +179,8 @@ def add_SchedulerServicer_to_server(servicer, server):
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
-                    request_deserializer=libra_dot_v1_dot_scheduler__pb2.GatewayMessage.FromString,
-                    response_serializer=libra_dot_v1_dot_scheduler__pb2.SchedulerMessage.SerializeToString,
+                    request_deserializer=libra_dot_v1_dot_scheduler__pb2.GatewayBatch.FromString,
+                    response_serializer=libra_dot_v1_dot_scheduler__pb2.SchedulerBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,8 +397,8 @@ class Scheduler:
             request_iterator,
             target,
             '/libra.v1.Scheduler/Session',
-            libra_dot_v1_dot_scheduler__pb2.GatewayMessage.SerializeToString,
-            libra_dot_v1_dot_scheduler__pb2.SchedulerMessage.FromString,
+            libra_dot_v1_dot_scheduler__pb2.GatewayBatch.SerializeToString,
+            libra_dot_v1_dot_scheduler__pb2.SchedulerBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,7 +41,7 @@ import abc
 import dataclasses
 import enum
 import importlib
-from typing import Any, Callable, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 
 class ToolStatus(str, enum.Enum):
@@ -136,7 +136,9 @@ class Episode:
     def render_tool_result(self, result: ToolResult) -> str:
         return self.workload.render_tool_result(result)
 
-    def reward(self, answer: FinalAnswer | None) -> float:
+    def reward(self, answer: FinalAnswer | None) -> float | Awaitable[float]:
+        """The trajectory's reward; an episode that scores by running code (sandboxed tests) may
+        return an awaitable instead, which the runner awaits."""
         return self.workload.reward(self.prompt, answer)
 
     async def close(self) -> None:

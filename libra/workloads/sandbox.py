@@ -15,9 +15,13 @@ Two isolation levels; `SandboxRun.isolation` says which one a run had:
        └─ reads stdout/stderr up to output_bytes, drains the rest             │ empty tmpfs on /dev/shm, /var/tmp
                                                                               └─ fork ▶ rlimits, setuid(unique uid)
                                                                                         ▶ exec the program
-    No network (an empty network namespace), no other process visible, nothing written outside the
-    tmpfs (which vanishes with the namespace), a fork bomb stops at `max_processes` (RLIMIT_NPROC of
-    a uid no one else uses), disk use stops at `disk_mb`.
+    No network (an empty network namespace), no other process visible, a fork bomb stops at
+    `max_processes` (RLIMIT_NPROC of a uid no one else uses), disk use stops at `disk_mb`. The
+    program runs as that uid: it can write only to the tmpfs (gone with the namespace) and to
+    world-writable directories other than /tmp, /var/tmp, /dev/shm (none on a usual system), and
+    read what any user may read. A directory on the interpreter's path that others cannot
+    traverse (e.g. /root holding a pyenv Python) is replaced, in the namespace only, by an empty
+    tmpfs showing just the interpreter's subdirectory.
 
 ``guard`` (not root, or no ``unshare``): rlimits in a new session, a scratch directory deleted
 afterwards, and a ``sitecustomize`` that makes ``socket`` unusable for Python programs. Weaker: a

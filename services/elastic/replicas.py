@@ -262,6 +262,8 @@ class ReplicaTasks:
             return member
         if member.state != S.MEMBER_STATE_FAILED:
             member = await self.move(member, S.MEMBER_STATE_FAILED, reason)
+        else:  # claim it before any effect: a stale copy (another task finished meanwhile) stops here
+            member = await self.save(member)
 
         async def undo() -> None:
             await self.driver.release(replica_id, join_generation(member))
@@ -288,7 +290,13 @@ class ReplicaTasks:
     async def sweep(self, view: TrainerView | None) -> None:
         """One round of the watcher: resume or roll back replicas no task owns (start, failures)."""
         now = self.clock()
-        for member in await self.hybrids():
+        for listed in await self.hybrids():
+            if self.running(listed.member_id) is not None:
+                continue
+            try:
+                member = await self.load(listed.member_id)  # fresh: a task may have finished since the listing
+            except NotFound:
+                continue  # removed meanwhile
             if self.running(member.member_id) is not None:
                 continue
             alive = self.driver.alive(member.member_id, member.pid) if member.pid else None

@@ -161,7 +161,7 @@ class Simulator:
         self.peak_kv, self.pooled, self.tokens = 0.0, 1, 0
         self.candidate = self.controller.initial(self.trace)
         self.first_plan = self.candidate.describe()
-        self._apply(self.candidate, 0.0, 0, self.trace.pairs(0))
+        self._apply(self.candidate, 0.0, self.trace.pairs(0))
         for step in range(min(self.steps, self.config.staleness + 1)):
             self._push(0.0, RELEASE, step)
         handlers = {RELEASE: self._release, TOOL: self._route, DONE: self._done, TRAIN: self._try_train,
@@ -318,7 +318,7 @@ class Simulator:
             ready = self.now + change.transition_s
             before = self.candidate.describe()
             layout_changed = change.candidate.layout != self.candidate.layout
-            moved = self._apply(change.candidate, ready, step, record.lengths)
+            moved = self._apply(change.candidate, ready, record.lengths)
             self.changes.append(PlanChangeRecord(step, self.now, ready, change.transition_s, before,
                                                  change.candidate.describe(), change.reason, moved))
             if layout_changed:
@@ -341,7 +341,7 @@ class Simulator:
                                 / self.candidate.layout.pp / (gbps * 1e9) + self.config.sync_latency_s)
 
     # -- plans -----------------------------------------------------------------------------------
-    def _apply(self, candidate: Candidate, ready: float, step: int, lengths) -> int:
+    def _apply(self, candidate: Candidate, ready: float, lengths) -> int:
         """Make `candidate` the plan: keep matching engines, take the others down, start new ones."""
         wanted = pool(candidate.rollout, self.config.max_workers)
         missing = [tp for tp, _ in wanted if tp not in self.engines]

@@ -29,6 +29,7 @@ from libra.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 TIMEOUT_S = 10.0
 RETRY_FOR_S = 60.0
+RESEND_BATCH = 1000  # messages per stream write when a reconnect resends what was not acknowledged
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 SESSION_RETRYABLE = RETRYABLE + (grpc.StatusCode.CANCELLED,)  # a scheduler shutting down cancels its streams
 ERRORS = {"INVALID_ARGUMENT": InvalidArgument, "NOT_FOUND": NotFound, "FAILED_PRECONDITION": FailedPrecondition,
@@ -121,18 +122,25 @@ class SchedulerSession:
         return message.seq
 
     async def _write_through(self, seq: int | None) -> None:
-        """Write queued messages from the head, up to `seq` (None: all of them)."""
+        """Write queued messages from the head as batches (under load many messages share one
+        stream write): up to `seq` and whatever queued behind it meanwhile, or, for the flusher
+        (seq None), until nothing is left, messages posted during a write included."""
         async with self._lock:
             while self._pending and (seq is None or self._pending[0].seq <= seq):
-                message = self._pending.popleft()
+                batch = [m for m in self._take_pending() if m.seq > self._written]
                 call = self._call
-                if call is None or message.seq <= self._written:
-                    continue  # no stream (the reconnect resends it), or the reconnect already did
+                if call is None or not batch:
+                    continue  # no stream: the reconnect resends them from the unacknowledged
                 try:
-                    await call.write(message)
-                    self._written = message.seq
+                    await call.write(scheduler_pb2.GatewayBatch(messages=batch))
+                    self._written = batch[-1].seq
                 except Exception:  # noqa: BLE001 - the stream broke; the reader reconnects and resends
                     self._call = None
+
+    def _take_pending(self) -> list[scheduler_pb2.GatewayMessage]:
+        taken = list(self._pending)
+        self._pending.clear()
+        return taken
 
     async def request(self, **body) -> scheduler_pb2.SchedulerMessage:
         """Send a message that the scheduler answers (a Route) and wait for the answer."""
@@ -168,9 +176,11 @@ class SchedulerSession:
             call = self._stub.Session()
             try:
                 async with self._lock:
-                    for message in list(self._unacked.values()):  # not confirmed by any stream yet, in order
-                        await call.write(message)
-                        self._written = message.seq
+                    resend = list(self._unacked.values())  # not confirmed by any stream yet, in order
+                    for start in range(0, len(resend), RESEND_BATCH):
+                        chunk = resend[start:start + RESEND_BATCH]
+                        await call.write(scheduler_pb2.GatewayBatch(messages=chunk))
+                        self._written = chunk[-1].seq
                     while self._pending and self._pending[0].seq <= self._written:
                         self._pending.popleft()  # just resent; anything newer is still to write, in order
                     self._call = call
@@ -196,24 +206,23 @@ class SchedulerSession:
             await asyncio.sleep(backoff)
             backoff = min(2.0, backoff * 2)
 
-    def _handle(self, answer: scheduler_pb2.SchedulerMessage) -> None:
-        while self._unacked and next(iter(self._unacked)) <= answer.processed_seq:
+    def _handle(self, batch: scheduler_pb2.SchedulerBatch) -> None:
+        while self._unacked and next(iter(self._unacked)) <= batch.processed_seq:
             self._unacked.popitem(last=False)
-        if not answer.seq:
-            return
-        self._unacked.pop(answer.seq, None)
-        future = self._waiters.get(answer.seq)
-        if answer.WhichOneof("body") == "error":
-            error = ERRORS.get(answer.error.code, LibraError)(answer.error.message)
-            if future is not None and not future.done():
-                future.set_exception(error)
-            elif answer.error.code != "NOT_FOUND":
-                # NOT_FOUND on a report: a restarted scheduler never saw that trajectory; it lost only
-                # a load estimate (its worker registry is in Redis), so that one is expected.
-                REPORT_ERRORS.labels(answer.error.code).inc()
-                _log.warning("scheduler rejected a report", code=answer.error.code, reason=answer.error.message)
-        elif future is not None and not future.done():
-            future.set_result(answer)
+        for answer in batch.answers:
+            self._unacked.pop(answer.seq, None)
+            future = self._waiters.get(answer.seq)
+            if answer.WhichOneof("body") == "error":
+                error = ERRORS.get(answer.error.code, LibraError)(answer.error.message)
+                if future is not None and not future.done():
+                    future.set_exception(error)
+                elif answer.error.code != "NOT_FOUND":
+                    # NOT_FOUND on a report: a restarted scheduler never saw that trajectory; it lost
+                    # only a load estimate (its worker registry is in Redis), so that one is expected.
+                    REPORT_ERRORS.labels(answer.error.code).inc()
+                    _log.warning("scheduler rejected a report", code=answer.error.code, reason=answer.error.message)
+            elif future is not None and not future.done():
+                future.set_result(answer)
 
     def _fail_all(self, error: Exception) -> None:
         for future in self._waiters.values():

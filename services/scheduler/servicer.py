@@ -30,6 +30,7 @@ def _ack(applied: bool) -> common_pb2.Ack:
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, service):
         self.service = service
+        self._reports = {"turn": self._turn, "tool_return": self._tool_return, "finish": self._finish}
 
     def _check(self, meta) -> str:
         check_run(meta.run_id, self.service.run_id)
@@ -93,52 +94,58 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     # --- the gateway's stream -------------------------------------------------------------------
     async def Session(self, request_iterator, context):
-        """Apply messages in arrival order; answer Routes and failures, acknowledge the rest in bulk.
+        """Apply each batch's messages in order; answer its Routes and failures in one batch.
 
         A message that fails gets a StreamError with its seq and the status code the unary RPC
         would have returned; the stream stays open. Reports are acknowledged by `processed_seq` on
-        the next answer, or after ACK_IDLE_S when no answer comes, so a reconnecting gateway knows
-        what to send again (and the replay window makes a resent message harmless). Answers are
-        written from the reading task itself: no queue hop on the hot path.
+        the next answer batch, or after ACK_IDLE_S when no answer comes, so a reconnecting gateway
+        knows what to send again (and the replay window makes a resent message harmless).
         """
-        handlers = {"turn": self._turn, "tool_return": self._tool_return, "finish": self._finish}
         lock = asyncio.Lock()
         processed = acked = 0
         acker: asyncio.Task | None = None
 
-        async def write(answer) -> None:
+        async def write(answers: list) -> None:
             nonlocal acked
             async with lock:
-                answer.processed_seq = acked = processed
-                await context.write(answer)
+                acked = processed
+                await context.write(scheduler_pb2.SchedulerBatch(processed_seq=processed, answers=answers))
 
         async def acknowledge_later() -> None:
             await asyncio.sleep(ACK_IDLE_S)
             if processed > acked:
-                await write(scheduler_pb2.SchedulerMessage())
+                await write([])
 
         try:
-            async for message in request_iterator:
-                kind = message.WhichOneof("body")
-                answer = None
-                try:
-                    if kind == "route":
-                        answer = scheduler_pb2.SchedulerMessage(seq=message.seq, route=self._route(message.route))
-                    elif kind in handlers:
-                        handlers[kind](getattr(message, kind))
-                    else:
-                        raise InvalidArgument("GatewayMessage.body is empty: set route, turn, tool_return or finish")
-                except Exception as error:  # noqa: BLE001 - answered on the stream, the session goes on
-                    code = status_code(error)
-                    if code == grpc.StatusCode.INTERNAL:
-                        _log.exception("session message failed", kind=kind)
-                    answer = scheduler_pb2.SchedulerMessage(seq=message.seq, error=scheduler_pb2.StreamError(
-                        code=code.name, message=str(error) or type(error).__name__))
-                processed = message.seq
-                if answer is not None:
-                    await write(answer)
-                elif acker is None or acker.done():
+            async for batch in request_iterator:
+                answers = []
+                for message in batch.messages:
+                    answer = self._apply(message)
+                    processed = message.seq
+                    if answer is not None:
+                        answers.append(answer)
+                if answers:
+                    await write(answers)
+                elif processed > acked and (acker is None or acker.done()):
                     acker = asyncio.get_running_loop().create_task(acknowledge_later())
         finally:
             if acker is not None:
                 acker.cancel()
+
+    def _apply(self, message) -> scheduler_pb2.SchedulerMessage | None:
+        """One session message: its answer (a Route's decision, or an error), or None for a report."""
+        kind = message.WhichOneof("body")
+        try:
+            if kind == "route":
+                return scheduler_pb2.SchedulerMessage(seq=message.seq, route=self._route(message.route))
+            handler = self._reports.get(kind)
+            if handler is None:
+                raise InvalidArgument("GatewayMessage.body is empty: set route, turn, tool_return or finish")
+            handler(getattr(message, kind))
+            return None
+        except Exception as error:  # noqa: BLE001 - answered on the stream, the session goes on
+            code = status_code(error)
+            if code == grpc.StatusCode.INTERNAL:
+                _log.exception("session message failed", kind=kind)
+            return scheduler_pb2.SchedulerMessage(seq=message.seq, error=scheduler_pb2.StreamError(
+                code=code.name, message=str(error) or type(error).__name__))

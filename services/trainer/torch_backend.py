@@ -109,8 +109,6 @@ class TorchBackend(TrainBackend):
 
     # ---- the GRPO step ---------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, config: TrainerConfig) -> dict[str, float]:
-        import torch
-
         started = time.perf_counter()
         world, hook = _world_size(), self.gradient_hook
         share = hook.share() if hook is not None else HybridShare()

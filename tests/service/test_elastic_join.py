@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import subprocess
@@ -31,7 +30,6 @@ from libra.services.trainer.elastic.core_hooks import ElasticCore
 from libra.services.trainer.elastic.manifest import HybridState
 from libra.services.trainer.elastic.work import split, widened_groups
 from libra.services.trainer.server import TrainerService
-from libra.services.trainer.servicer import TrainerServicer
 from libra.services.trainer.torch_backend import TorchBackend
 from libra.v1 import common_pb2, trainer_pb2 as P, trainer_pb2_grpc
 from tests.service.helpers import code_of, run_config
@@ -57,7 +55,7 @@ def _meta(rid: str) -> common_pb2.RequestMeta:
     return common_pb2.RequestMeta(request_id=rid)
 
 
-def _wait(predicate, timeout: float = 120.0, tick=lambda: time.sleep(0.05)) -> None:
+def _wait(predicate, timeout: float = 600.0, tick=lambda: time.sleep(0.05)) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"
@@ -69,7 +67,8 @@ def test_trainer_rpcs_drive_a_hybrid_process_through_join_and_release(redis_url,
     service = TrainerService(run_config(redis_url, run_id, tmp_path))
     backend = TorchBackend(_config(), seed=0)
     backend.load(model_dir)
-    core = ElasticCore(backend, snapshot_root=str(tmp_path / "snapshots"), verify_lockstep=True)
+    core = ElasticCore(backend, snapshot_root=str(tmp_path / "snapshots"), verify_lockstep=True,
+                       join_timeout_s=600.0)
     backend.gradient_hook = core
     service.elastic = ElasticControl(core, store)
     host = ServiceHost("trainer", service.service_names(), 0, "127.0.0.1")
@@ -104,10 +103,9 @@ def test_trainer_rpcs_drive_a_hybrid_process_through_join_and_release(redis_url,
                                 "--replica-id", "h1"])
     try:
         active = train_one()  # admission applied
-        for _ in range(300):  # connect, build, snapshot, load, catch up (the core keeps stepping)
-            if "h1" in active.active_replicas:
-                break
-            arun(asyncio.sleep(0.1))
+        deadline = time.monotonic() + 600  # a loaded CI machine starts processes slowly
+        while "h1" not in active.active_replicas and time.monotonic() < deadline:
+            arun(asyncio.sleep(0.1))  # connect, build, snapshot, load, catch up (the core keeps stepping)
             active = train_one()
         assert list(active.active_replicas) == ["core-0", "h1"] and "h1" in active.acknowledged_by
         assert active.hybrids[0].state == P.HYBRID_STATE_ACTIVE and active.membership_epoch == 1
@@ -147,7 +145,7 @@ def _core_rank(rank: int, world: int, model_dir: str, port: int, out: str) -> No
     backend = TorchBackend(_config(), seed=0)
     backend.load(model_dir)
     core = ElasticCore(backend, dp_rank=rank, core_ranks=world, snapshot_root=f"{out}-snapshots-{rank}",
-                       grad_deadline_s=30.0, verify_lockstep=True)
+                       grad_deadline_s=120.0, join_timeout_s=600.0, verify_lockstep=True)
     backend.gradient_hook = core
     groups_at_start = _pg_state()
     processes: dict[str, subprocess.Popen] = {}
@@ -190,7 +188,7 @@ def _core_rank(rank: int, world: int, model_dir: str, port: int, out: str) -> No
         core.end_step()
 
     step = 0
-    while step < 40 and len(core.manifest.hybrids if core.manifest else ()) < 2:
+    while step < 200 and len(core.manifest.hybrids if core.manifest else ()) < 2:
         step += 1
         one_step(step)
     for _ in range(2):
@@ -230,7 +228,7 @@ def test_two_core_ranks_over_gloo_with_a_hybrid_on_each_rank(model_dir, tmp_path
     assert hybrids[steps - 2] == {"h-b": 1} and hybrids[steps] == {}  # h-a released, h-b failed
     assert zero["exit_codes"]["h-a"] == 0 and one["exit_codes"]["h-b"] == -signal.SIGKILL
     assert not zero["failures"] and [(s, r) for s, r, _ in one["failures"]] == [(steps - 1, "h-b")]
-    assert one["seconds"][steps - 1] < 30.0  # finished without it, well within the deadline
+    assert one["seconds"][steps - 1] < 120.0  # finished without it (SIGKILL: no need to wait for the deadline)
     assert all(torch.equal(a, b) for a, b in zip(zero["params"], one["params"]))
 
     reference = TorchBackend(_config(), seed=0)

@@ -59,25 +59,27 @@ def test_raw_session_answers_routes_and_acknowledges_reports(redis_url, run_id, 
 
     async def talk():
         call = stub.Session()
-        await call.write(spb.GatewayMessage(seq=1, route=spb.RouteRequest(
-            meta=meta("r1"), trajectory_id="t1", prompt_tokens=4, max_new_tokens=8)))
+        msg = lambda seq, **body: spb.GatewayMessage(seq=seq, **body)
+        await call.write(spb.GatewayBatch(messages=[msg(1, route=spb.RouteRequest(
+            meta=meta("r1"), trajectory_id="t1", prompt_tokens=4, max_new_tokens=8))]))
         route = await call.read()
-        await call.write(spb.GatewayMessage(seq=2, turn=spb.TurnReport(meta=meta("d1"), trajectory_id="t1",
-                                                                      worker_id="w-a", output_tokens=8)))
-        await call.write(spb.GatewayMessage(seq=3))  # no body
-        empty = await call.read()
-        await call.write(spb.GatewayMessage(seq=4, tool_return=spb.ToolReturnReport(meta=meta("x1"),
-                                                                                    trajectory_id="t1", tool="calc")))
-        no_status = await call.read()
-        await call.write(spb.GatewayMessage(seq=5, finish=spb.FinishReport(meta=meta("f1"), trajectory_id="t1")))
+        await call.write(spb.GatewayBatch(messages=[
+            msg(2, turn=spb.TurnReport(meta=meta("d1"), trajectory_id="t1", worker_id="w-a", output_tokens=8)),
+            msg(3),  # no body
+            msg(4, tool_return=spb.ToolReturnReport(meta=meta("x1"), trajectory_id="t1", tool="calc"))]))
+        errors = await call.read()
+        await call.write(spb.GatewayBatch(messages=[msg(5, finish=spb.FinishReport(meta=meta("f1"), trajectory_id="t1"))]))
         ack = await asyncio.wait_for(call.read(), 5)  # nothing to answer: a bare acknowledgement follows
         await call.done_writing()
-        return route, empty, no_status, ack
-    route, empty, no_status, ack = arun(talk())
-    assert route.seq == 1 and route.route.worker_id == "w-a" and route.processed_seq >= 1
-    assert empty.seq == 3 and empty.error.code == "INVALID_ARGUMENT" and "body" in empty.error.message
-    assert no_status.seq == 4 and no_status.error.code == "INVALID_ARGUMENT" and "status" in no_status.error.message
-    assert ack.seq == 0 and ack.processed_seq == 5
+        return route, errors, ack
+    route, errors, ack = arun(talk())
+    assert route.processed_seq == 1 and [a.seq for a in route.answers] == [1]
+    assert route.answers[0].route.worker_id == "w-a"
+    assert errors.processed_seq == 4 and [a.seq for a in errors.answers] == [3, 4]  # one batch, both answers
+    empty, no_status = errors.answers
+    assert empty.error.code == "INVALID_ARGUMENT" and "body" in empty.error.message
+    assert no_status.error.code == "INVALID_ARGUMENT" and "status" in no_status.error.message
+    assert not ack.answers and ack.processed_seq == 5
     stats = arun(stub.GetStats(spb.GetStatsRequest()))
     assert stats.active_trajectories == 0
     arun(running.stop())

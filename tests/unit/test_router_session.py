@@ -18,12 +18,14 @@ class HeldCall:
 
     def __init__(self):
         self.written: list[int] = []
+        self.writes = 0
         self.gate = asyncio.Event()
         self.answers: asyncio.Queue = asyncio.Queue()
 
-    async def write(self, message):
+    async def write(self, batch):
         await self.gate.wait()
-        self.written.append(message.seq)
+        self.written.extend(m.seq for m in batch.messages)
+        self.writes += 1
 
     def cancel(self):
         self.answers.put_nowait(None)
@@ -63,8 +65,11 @@ def test_a_message_numbered_during_the_resend_is_written_once_in_order():
         for _ in range(20):
             await asyncio.sleep(0)
         assert call.written == [1, 2, 3]  # each once, in seq order
-        call.answers.put_nowait(spb.SchedulerMessage(seq=1, processed_seq=1, route=spb.RouteDecision(worker_id="w")))
-        call.answers.put_nowait(spb.SchedulerMessage(seq=3, processed_seq=3, route=spb.RouteDecision(worker_id="w")))
+        assert call.writes == 2  # the resend of seq 1, then 2 and 3 together in one batch
+        call.answers.put_nowait(spb.SchedulerBatch(processed_seq=1, answers=[
+            spb.SchedulerMessage(seq=1, route=spb.RouteDecision(worker_id="w"))]))
+        call.answers.put_nowait(spb.SchedulerBatch(processed_seq=3, answers=[
+            spb.SchedulerMessage(seq=3, route=spb.RouteDecision(worker_id="w"))]))
         assert (await asyncio.wait_for(first, 5)).route.worker_id == "w"
         assert (await asyncio.wait_for(second, 5)).route.worker_id == "w"
         assert await session.flush(1.0)
@@ -84,7 +89,7 @@ def test_unacknowledged_messages_are_resent_in_order_on_a_new_stream():
         for _ in range(10):
             await asyncio.sleep(0)
         assert stub.calls[0].written == [1, 2]
-        stub.calls[0].answers.put_nowait(spb.SchedulerMessage(processed_seq=1))  # the report was applied
+        stub.calls[0].answers.put_nowait(spb.SchedulerBatch(processed_seq=1))  # the report was applied
         stub.calls[0].answers.put_nowait(None)  # then the stream ends (a scheduler restart)
         while len(stub.calls) < 2:
             await asyncio.sleep(0.01)
@@ -92,8 +97,36 @@ def test_unacknowledged_messages_are_resent_in_order_on_a_new_stream():
         for _ in range(10):
             await asyncio.sleep(0)
         assert stub.calls[1].written == [2]  # only what was not acknowledged
-        stub.calls[1].answers.put_nowait(spb.SchedulerMessage(seq=2, processed_seq=2,
-                                                             route=spb.RouteDecision(worker_id="w2")))
+        stub.calls[1].answers.put_nowait(spb.SchedulerBatch(processed_seq=2, answers=[
+            spb.SchedulerMessage(seq=2, route=spb.RouteDecision(worker_id="w2"))]))
         assert (await asyncio.wait_for(pending, 5)).route.worker_id == "w2"
+        await session.close()
+    asyncio.run(scenario())
+
+
+def test_a_report_posted_while_the_flusher_writes_is_not_stranded():
+    async def scenario():
+        stub = Stub()
+        session = SchedulerSession(stub)
+        first = asyncio.ensure_future(session.request(route=spb.RouteRequest(trajectory_id="a")))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        call = stub.calls[0]
+        call.gate.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        call.gate.clear()  # writes hold again
+        session.post(turn=spb.TurnReport(trajectory_id="a", worker_id="w"))  # seq 2: the flusher starts writing
+        for _ in range(5):
+            await asyncio.sleep(0)
+        session.post(tool_return=spb.ToolReturnReport(trajectory_id="a", tool="t"))  # seq 3, during that write
+        call.gate.set()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert call.written == [1, 2, 3]
+        call.answers.put_nowait(spb.SchedulerBatch(processed_seq=3, answers=[
+            spb.SchedulerMessage(seq=1, route=spb.RouteDecision(worker_id="w"))]))
+        await asyncio.wait_for(first, 5)
+        assert await session.flush(1.0)
         await session.close()
     asyncio.run(scenario())

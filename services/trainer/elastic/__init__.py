@@ -26,11 +26,18 @@ so a restarted trainer knows it.
   gradient arrived), ``hybrids`` (every known hybrid: state, dp_rank, endpoint, reason when
   FAILED) and ``lane_endpoints`` (index = core data-parallel rank, value HOST:PORT).
 
-States of a hybrid (HybridState): JOINING (admitted, waiting for the process to connect) →
-SNAPSHOT (the core wrote/is writing a snapshot at a step boundary, the hybrid is loading it while
-the core keeps stepping) → ACTIVE (caught up; in every manifest from ``active_from_step``) →
-RELEASED. Any failure — the process never connects within ``join_timeout_s`` (120 s), the snapshot
-write or fetch fails, the hybrid misses a step's gradient deadline (``grad_deadline_s``, 60 s), or
+Before the first boundary after AdmitHybrid, GetStepManifest(step=0) already lists the replica as
+JOINING with its endpoint when the core has one data-parallel rank (with several, the rank is
+assigned at that boundary).
+
+States of a hybrid (HybridState): JOINING (admitted; its process connects, is told the model
+directory and config, builds model and optimizer and reports ``prepared``) → SNAPSHOT (at the next
+boundary the core copies its state and writes shards in a thread while it keeps stepping; the
+hybrid loads them, then replays the gradients of the steps since, streamed to it as they happen)
+→ ACTIVE (at most one step behind at a boundary: it trains in every manifest from
+``active_from_step``) → RELEASED. Any failure — the process does not connect and build its model
+within ``join_timeout_s`` (120 s), more than ``max_catch_up_steps`` (64) steps pass before it
+loads the snapshot, the snapshot write or fetch fails, the hybrid misses a step's gradient deadline (``grad_deadline_s``, 60 s), or
 its connection drops — makes it FAILED with a ``reason``, rolls the whole replica back (snapshot
 files and retained gradients dropped, never again in a manifest) and the core carries on. The
 coordinator may re-admit it with a new generation.
@@ -47,9 +54,15 @@ path arrive over the side channel. Exit codes: 0 released; 2 bad arguments; 3 jo
 rolled back (not admitted, snapshot fetch failed, catch-up failed); 4 lost the core (connection
 closed, or marked failed after a missed deadline).
 
+Device note: the side channel is TCP with tensors staged through pinned host memory on GPUs
+(device-agnostic, no process group). On GPUs it moves about 1 GB/s: fine for the join itself,
+but every active step ships the fp32 gradient both ways (see docs/benchmarks.md, "Elastic hybrid
+join"); a device-to-device path (CUDA IPC on one host) is the next step.
+
 Modules: ``manifest`` (pure membership state machine and the frozen per-step manifest),
 ``side_channel`` (framed TCP messages, the core's lane endpoint, the hybrid's client),
 ``snapshot`` (asynchronous sharded snapshot of model + optimizer), ``core_hooks`` (the gradient
 injector the training backends call between backward and the data-parallel all-reduce),
-``hybrid`` (the hybrid replica process), ``work`` (widened batches: whole groups per replica).
+``hybrid`` (the hybrid replica process), ``work`` (widened batches: whole groups per replica),
+``control`` (the trainer service's RPC semantics and Redis persistence).
 """

@@ -86,7 +86,7 @@ class ElasticCore(GradientHook):
         self.verify_lockstep = verify_lockstep
         self._digest = ""
         self.membership = membership or Membership(core_ranks, catch_up_patience=catch_up_patience)
-        self.endpoint = LaneEndpoint(host, port)
+        self.endpoint = LaneEndpoint(host, port, send_timeout_s=grad_deadline_s)
         self.lane_endpoints = _all_gather(self.endpoint.address)  # one collective, once, at start
         self.manifest: StepManifest | None = None
         self.history: collections.OrderedDict[int, tuple[StepManifest, set[str]]] = collections.OrderedDict()
@@ -96,8 +96,8 @@ class ElasticCore(GradientHook):
         self._slices: dict[str, TrainBatch] = {}
         self._retained: dict[int, tuple[Any, dict[str, Any]]] = {}  # step -> (final gradient, config)
         self._snapshots: dict[str, str] = {}
-        self._sent_upto: dict[str, int] = {}
-        self._prepare_sent: set[str] = set()  # last kept gradient queued to each catching-up hybrid
+        self._sent_upto: dict[str, int] = {}  # last kept gradient queued to each catching-up hybrid
+        self._prepare_sent: set[str] = set()
         self._contributors: list[str] = []
         self._acks: set[str] = set()
         self._step_started = 0.0
@@ -107,6 +107,7 @@ class ElasticCore(GradientHook):
     # -- control (thread-safe; the servicer calls these) ----------------------------------------
     def admit(self, replica_id: str, generation: int = 0) -> None:
         self._failing.discard(replica_id)  # a re-admitted replica may fail again
+        self._first_seen.pop(replica_id, None)
         self._add_event({"kind": "admit", "replica_id": replica_id, "generation": generation})
 
     def release(self, replica_id: str, generation: int = 0) -> None:
@@ -164,10 +165,10 @@ class ElasticCore(GradientHook):
                 continue
             if self.endpoint.link(record.replica_id) is not None and not record.connected:
                 self._add_event({"kind": "connected", "replica_id": record.replica_id})
-            elif not record.connected:
-                first = self._first_seen.setdefault(record.replica_id, now)
-                if now - first > self.join_timeout_s:
-                    self._fail(record.replica_id, f"the hybrid did not connect within {self.join_timeout_s} s")
+            first = self._first_seen.setdefault(record.replica_id, now)
+            if now - first > self.join_timeout_s:  # never connected, or never built its model
+                self._fail(record.replica_id, f"the hybrid did not connect and build its model within "
+                                              f"{self.join_timeout_s} s (join_timeout_s)")
         with self._lock:
             events, self._events = self._events, []
         for replica in self._acks:

@@ -173,6 +173,13 @@ def _endpoint_from_trainer(trainer: str, run_id: str, replica_id: str, wait_s: f
             time.sleep(0.5)
 
 
+def _preload_model_code() -> Any:
+    """Import the model code before connecting: seconds that must not sit inside the join."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m libra.services.trainer.elastic.hybrid",
                                      description="Run one hybrid training replica beside the core group.")
@@ -190,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     from libra.services.trainer.elastic.side_channel import HybridLink
 
     torch.set_num_threads(args.threads)
-    import transformers  # noqa: F401 - imported before connecting: seconds that must not delay the join
-
+    _preload_model_code()
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))
     try:

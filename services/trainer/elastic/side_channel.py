@@ -55,70 +55,84 @@ class Frame:
 
 @dataclass
 class Encoded:
-    """A frame ready to go: header bytes, payload bytes, and (GPU) the event its host copy waits for.
+    """A frame ready to go: header bytes and either host bytes or a device tensor to stage.
 
-    Encoding happens in the caller's thread and sending in a sender thread that then only waits
-    and calls `sendall` (both release the GIL), so a sender never competes with the training loop
-    for the interpreter. A CUDA tensor is copied to pinned host memory on a side stream that
-    waits for the producing stream: the training stream is never synchronised.
+    Encoding happens in the caller's thread and costs nothing on the training stream: a CUDA
+    tensor only gets an event recorded after it. The sender (the link's outbox thread, or the
+    caller under the write lock) copies it into a reusable pinned host buffer on a side stream
+    that waits for that event, then `sendall`s it; the training stream is never synchronised and
+    host memory is pinned once per link, not once per frame.
     """
 
     head: bytes
     payload: Any = b""
-    ready: Any = None  # torch.cuda.Event or None
+    device_tensor: Any = None
+    ready: Any = None  # torch.cuda.Event recorded after the tensor was produced
 
 
-_COPY_STREAMS: dict[Any, Any] = {}
+class Staging:
+    """One reusable pinned host buffer and copy stream (used under one writer at a time)."""
 
+    def __init__(self) -> None:
+        self.buffer: Any = None
+        self.stream: Any = None
 
-def _host_view(tensor: Any) -> tuple[Any, Any]:
-    import torch
+    def host_bytes(self, tensor: Any, ready: Any) -> Any:
+        import torch
 
-    t = tensor.detach()
-    if t.device.type != "cuda":
-        return t.contiguous(), None
-    stream = _COPY_STREAMS.setdefault(t.device, torch.cuda.Stream(t.device))
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    stream.wait_stream(torch.cuda.current_stream(t.device))
-    with torch.cuda.stream(stream):
-        host.copy_(t, non_blocking=True)
-    t.record_stream(stream)  # the caching allocator must not reuse t before the copy is done
-    ready = torch.cuda.Event()
-    ready.record(stream)
-    return host, ready
+        flat = tensor.reshape(-1)
+        if self.buffer is None or self.buffer.numel() < flat.numel() or self.buffer.dtype != flat.dtype:
+            self.buffer = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
+            self.stream = torch.cuda.Stream(flat.device)
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            self.buffer[: flat.numel()].copy_(flat, non_blocking=True)
+        self.stream.synchronize()
+        return memoryview(self.buffer[: flat.numel()].view(torch.uint8).numpy())
 
 
 def encode(kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> Encoded:
     import torch
 
     body = dict(header or {}, kind=kind)
-    payload: Any = b""
-    ready = None
+    frame = Encoded(b"")
+    size = 0
     if tensor is not None:
-        host, ready = _host_view(tensor)
-        body.update(dtype=str(host.dtype).removeprefix("torch."), shape=list(host.shape))
-        payload = memoryview(host.reshape(-1).view(torch.uint8).numpy())  # any dtype, bf16 too; no copy
+        t = tensor.detach()
+        body.update(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
+        size = t.numel() * t.element_size()
+        if t.device.type == "cuda":
+            frame.device_tensor, frame.ready = t.contiguous(), torch.cuda.Event()
+            frame.ready.record(torch.cuda.current_stream(t.device))
+        else:  # any dtype, bf16 too; a view, no copy
+            frame.payload = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
     encoded = json.dumps(body).encode()
-    return Encoded(_HEADER.pack(len(encoded)) + encoded + _PAYLOAD.pack(len(payload)), payload, ready)
+    frame.head = _HEADER.pack(len(encoded)) + encoded + _PAYLOAD.pack(size)
+    return frame
 
 
-def send_encoded(sock: socket.socket, frame: Encoded) -> None:
-    if frame.ready is not None:
-        frame.ready.synchronize()
+def send_encoded(sock: socket.socket, frame: Encoded, staging: Staging | None = None) -> None:
+    payload = frame.payload
+    if frame.device_tensor is not None:
+        payload = (staging or Staging()).host_bytes(frame.device_tensor, frame.ready)
     sock.sendall(frame.head)
-    if len(frame.payload):
-        sock.sendall(frame.payload)
+    if len(payload):
+        sock.sendall(payload)
 
 
-def send_frame(sock: socket.socket, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> None:
-    send_encoded(sock, encode(kind, header, tensor))
+def send_frame(sock: socket.socket, kind: str, header: dict[str, Any] | None = None, tensor: Any = None,
+               staging: Staging | None = None) -> None:
+    send_encoded(sock, encode(kind, header, tensor), staging)
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytearray:
     buffer = bytearray(size)
     view, got = memoryview(buffer), 0
     while got < size:
-        count = sock.recv_into(view[got:], size - got)  # few calls: each one needs the GIL
+        try:
+            count = sock.recv_into(view[got:], size - got)  # few calls: each one needs the GIL
+        except socket.timeout:
+            continue  # the timeout bounds sends only; an idle peer is not a dead one
         if not count:
             raise ConnectionError("side channel closed by the peer")
         got += count
@@ -148,6 +162,7 @@ class _Link:
         self.sock, self.replica_id = sock, replica_id
         self.lock = threading.Lock()  # open flag and queueing
         self.write_lock = threading.Lock()  # one frame on the socket at a time
+        self.staging = Staging()  # used under write_lock
         self.grads: queue.Queue[Frame] = queue.Queue()
         self.outbox: queue.Queue[Encoded | None] = queue.Queue()
         self.open = True
@@ -185,7 +200,7 @@ class _Link:
             if not self.open:
                 return False
             try:
-                send_encoded(self.sock, frame)
+                send_encoded(self.sock, frame, self.staging)
                 return True
             except OSError:
                 self.open = False
@@ -206,7 +221,10 @@ class _Link:
 class LaneEndpoint:
     """The listening socket of one core rank; hybrids of that rank connect here."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, send_timeout_s: float | None = None):
+        # A hybrid that stops reading must not block the core: a send that cannot finish within
+        # send_timeout_s fails (the caller marks the hybrid failed and the link is dropped).
+        self.send_timeout_s = send_timeout_s
         self._server = socket.create_server((host, port))
         # A wildcard bind is advertised under this host's name (hybrids need an address to dial).
         advertised = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
@@ -224,6 +242,7 @@ class LaneEndpoint:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.send_timeout_s)
             threading.Thread(target=self._read, args=(sock,), daemon=True).start()
 
     def _read(self, sock: socket.socket) -> None:
@@ -309,10 +328,11 @@ class HybridLink:
         self.sock = socket.create_connection(parse_address(endpoint), timeout=timeout_s)
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.staging = Staging()
         send_frame(self.sock, "hello", {"replica_id": replica_id})
 
     def send(self, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> None:
-        send_frame(self.sock, kind, header, tensor)
+        send_frame(self.sock, kind, header, tensor, self.staging)
 
     def recv(self) -> Frame:
         return recv_frame(self.sock)
