@@ -80,8 +80,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"libra plan needs {', '.join(missing)} (or `libra plan explain --config FILE`)")
 
     try:
-        decision = preflight(load_model(args.model), load_gpu(args.cluster), load_trace(args.trace), args.gpus,
-                             args.top_k)
+        trace = load_trace(args.trace)
+        if args.batch:  # one training step's sequences, drawn from a longer trace (e.g. a whole recorded run)
+            import random
+
+            if args.batch > len(trace):
+                raise ConfigError(f"--batch {args.batch} is larger than the trace ({len(trace)} sequences)")
+            trace = random.Random(0).sample(trace, args.batch)
+        decision = preflight(load_model(args.model), load_gpu(args.cluster), trace, args.gpus, args.top_k)
     except InvalidArgument as error:
         raise ConfigError(str(error)) from None
     print(f"chosen: {decision.candidates[0].note}")
@@ -197,8 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="preflight: choose an allocation for a cluster, model and trace")
     plan.add_argument("--cluster", help="hardware description, e.g. configs/hardware/h200-141g.yaml (required)")
     plan.add_argument("--model", help="model description, e.g. configs/models/qwen3-14b.yaml (required)")
-    plan.add_argument("--trace", help="length trace: JSON lines or CSV of prompt_tokens,output_tokens (required)")
+    plan.add_argument("--trace", help="length trace: JSON lines or CSV of prompt_tokens,output_tokens, or a "
+                      "run's RUN_DIR/trace.jsonl (required)")
     plan.add_argument("--gpus", type=int, help="GPU budget shared by training and rollout (required)")
+    plan.add_argument("--batch", type=int, default=0,
+                      help="sequences per training step, drawn (seed 0) from the trace; default: the whole trace "
+                      "is one step (a recorded run's trace.jsonl holds many steps: pass e.g. --batch 1024)")
     plan.add_argument("--top-k", type=int, default=5, help="alternatives to show")
     plan.set_defaults(func=cmd_plan)
     plan_sub = plan.add_subparsers(dest="plan_command")

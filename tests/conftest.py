@@ -80,3 +80,23 @@ def new_store(redis_url: str, run_id: str, arun: Callable) -> Iterator[Callable[
 def store(new_store: Callable, arun: Callable) -> Any:
     """A StateStore for this test's run, connected on this test's event loop."""
     return arun(new_store())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leaked_process_group() -> Iterator[None]:
+    """A module that builds a backend in this process (Megatron's world of one) leaves torch's
+    default process group behind; a later test that forks ranks would inherit it. Tear it down
+    after each module."""
+    yield
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if "megatron.core" in sys.modules:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -37,7 +37,9 @@ def check_trace(trace: Sequence[tuple[int, int]], source: str = "trace") -> list
 
 
 def load_trace(path: str | pathlib.Path) -> list[tuple[int, int]]:
-    """A trace file: JSON lines {"prompt_tokens": P, "output_tokens": O} or CSV lines P,O."""
+    """A trace file: JSON lines {"prompt_tokens": P, "output_tokens": O}, CSV lines P,O, or the
+    `trace.jsonl` a run recorded (libra/trace_record.py): each completed trajectory counts as
+    (prompt + tool-result tokens, all generated tokens)."""
     pairs = []
     try:
         lines = pathlib.Path(path).read_text().splitlines()
@@ -50,7 +52,13 @@ def load_trace(path: str | pathlib.Path) -> list[tuple[int, int]]:
         try:
             if line.startswith("{"):
                 item = json.loads(line)
-                pairs.append((int(item["prompt_tokens"]), int(item["output_tokens"])))
+                if "outputs" in item:  # a run's recorded trajectory (RUN_DIR/trace.jsonl): whole-trajectory totals
+                    if item.get("status", "completed") != "completed":
+                        continue
+                    tools = sum(int(t.get("payload_tokens", 0)) for t in item.get("tools", []))
+                    pairs.append((int(item["prompt_tokens"]) + tools, sum(int(o) for o in item["outputs"])))
+                else:
+                    pairs.append((int(item["prompt_tokens"]), int(item["output_tokens"])))
             else:
                 prompt, output = line.split(",")[:2]
                 pairs.append((int(prompt), int(output)))

@@ -55,3 +55,17 @@ def test_libra_plan_prints_the_choice_and_exits_2_on_bad_input(tmp_path):
     bad.write_text("5,0\n")
     failed = subprocess.run(base + ["--trace", str(bad)], capture_output=True, text=True, timeout=120)
     assert failed.returncode == 2 and "output_tokens=0" in failed.stderr
+
+
+def test_a_recorded_run_trace_is_a_preflight_trace(tmp_path):
+    import json
+
+    from libra.services.planner.preflight import load_trace
+
+    lines = [{"trajectory_id": "a", "prompt_id": "1", "prompt_tokens": 40, "outputs": [10, 20],
+              "tools": [{"name": "calc", "status": "success", "payload_tokens": 5}], "status": "completed"},
+             {"trajectory_id": "b", "prompt_id": "1", "prompt_tokens": 40, "outputs": [7], "tools": [],
+              "status": "failed"}]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    assert load_trace(path) == [(45, 30)]  # failed trajectories are left out
