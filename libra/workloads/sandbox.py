@@ -127,6 +127,13 @@ for blocked, child, stash in p["reveal"]:
     mount("-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", blocked)
     os.makedirs(child, exist_ok=True)
     mount("--move", stash, child)
+for path in p["keep"]:
+    # The interpreter or its environment lives under /tmp (e.g. a checkout's .venv there): show it
+    # at the same place on the new /tmp, read-only.
+    target = os.path.join(box, os.path.relpath(path, "/tmp"))
+    os.makedirs(target, exist_ok=True)
+    mount("--bind", path, target)
+    mount("-o", "remount,bind,ro", target)
 mount("--move", box, "/tmp")
 for path in ("/dev/shm", "/var/tmp"):
     if os.path.isdir(path):
@@ -199,6 +206,15 @@ def _reveal_list(stash_root: pathlib.Path) -> list[list[str]]:
     return reveal
 
 
+def _under_tmp() -> list[str]:
+    """The interpreter's directories that live under /tmp, which the sandbox's own /tmp would hide."""
+    paths = {pathlib.Path(sys.base_prefix).resolve(), pathlib.Path(sys.prefix).resolve(),
+             pathlib.Path(os.path.realpath(sys.executable)).parent, pathlib.Path(sys.executable).parent.resolve()}
+    tmp = pathlib.Path("/tmp").resolve()
+    under = sorted(str(path) for path in paths if tmp in path.parents)
+    return [path for path in under if not any(path.startswith(other + "/") for other in under)]  # outermost only
+
+
 def _rlimits(limits: SandboxLimits) -> dict[str, list[int]]:
     """(soft, hard) per limit; CPU time gets SIGXCPU at the soft limit, SIGKILL a second later."""
     mib = 1024 * 1024
@@ -263,6 +279,7 @@ async def _run_namespaced(argv: list[str], scratch: pathlib.Path, stage: pathlib
     (scratch / "box").mkdir()
     params = {"status": str(scratch / "status.json"), "box": str(scratch / "box"), "source": str(stage),
               "uid": _next_uid(), "disk_mb": limits.disk_mb, "reveal": _reveal_list(scratch),
+              "keep": _under_tmp(),
               "rlimits": _rlimits(limits), "argv": argv, "env": _env(env)}
     command = ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
                sys.executable, "-I", "-c", _LAUNCHER, json.dumps(params)]
