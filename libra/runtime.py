@@ -61,6 +61,10 @@ class Service(abc.ABC):
         """Release connections and child processes."""
 
 
+MAIN_CANCEL_S = 10.0
+"""Seconds a stopping service's main task gets to end once cancelled."""
+
+
 class RunningService:
     """A service started in this event loop (used by `serve` and by service tests)."""
 
@@ -107,8 +111,12 @@ class RunningService:
             await asyncio.wait_for(self.service.drain(), self.service.drain_s)
         if self._main and not self._main.done():
             self._main.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._main
+            done, _ = await asyncio.wait({self._main}, timeout=MAIN_CANCEL_S)
+            if not done:  # a task that ignores cancellation must not hold the shutdown forever
+                _log.error("service main task did not stop after cancellation; closing anyway",
+                           service=self.service.name, waited_s=MAIN_CANCEL_S)
+            elif not self._main.cancelled():
+                self._main.exception()  # retrieve it: the lifecycle has logged it already
         await self.host.stop(grace_s=min(2.0, self.service.drain_s))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.service.close(), 5.0)

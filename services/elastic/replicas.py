@@ -139,13 +139,12 @@ class ReplicaTasks:
         self.cancelling[replica_id] = reason
         task.cancel()
         try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.cancelled():
-                return None
-            raise
+            # asyncio.wait, not shield: our own cancellation (shutdown) must propagate, and a task
+            # that ended cancelled must not be mistaken for it (that swallowed the shutdown).
+            await asyncio.wait({task})
         finally:
             self.cancelling.pop(replica_id, None)
+        return None if task.cancelled() else task.result()
 
     async def close(self) -> None:
         """Stop every task without rolling back (a restarted coordinator resumes from Redis)."""
