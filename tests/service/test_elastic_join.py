@@ -217,8 +217,9 @@ def test_two_core_ranks_over_gloo_with_a_hybrid_on_each_rank(model_dir, tmp_path
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     out = str(tmp_path / "rank")
-    # fork: the ranks inherit the imported torch/transformers (one intra-op thread each, so it is safe).
-    mp.start_processes(_core_rank, args=(2, model_dir, port, out), nprocs=2, join=True, start_method="fork")
+    # spawn, not fork: the test process has threads by now (gRPC, executors, transformers' loader
+    # pool) and a forked child can deadlock on a lock one of them held (seen in CI).
+    mp.start_processes(_core_rank, args=(2, model_dir, port, out), nprocs=2, join=True, start_method="spawn")
     ranks = [torch.load(f"{out}-{r}.pt", weights_only=False) for r in range(2)]
     zero, one = ranks
     assert zero["same_groups"] and one["same_groups"]  # membership changes built no process group

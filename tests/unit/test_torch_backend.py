@@ -189,9 +189,9 @@ def test_data_parallel_update_equals_single_process(model_dir, tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     out = str(tmp_path / "rank0.pt")
-    # fork: the children inherit the imported torch/transformers (spawn re-imports them: ~10 s).
-    # Safe here because every rank runs torch with one intra-op thread (torch_threads=1).
-    mp.start_processes(_data_parallel_rank, args=(2, model_dir, port, out), nprocs=2, join=True, start_method="fork")
+    # spawn, not fork: the test process has threads by now (gRPC, executors, transformers' loader
+    # pool) and a forked child can deadlock on a lock one of them held.
+    mp.start_processes(_data_parallel_rank, args=(2, model_dir, port, out), nprocs=2, join=True, start_method="spawn")
     result = torch.load(out, weights_only=True)
     single = _backend(model_dir)
     metrics = single.train_step(_mixed_batch(), _config())
