@@ -58,6 +58,7 @@ class RolloutService(Service):
         self.runner: AgentRunner | None = None
         self.trace: TraceWriter | None = None
         self.group_joined = False  # the workers are ranks of the trainer's weights group
+        self._group_task: asyncio.Task | None = None  # joining it (weight_sync: group)
         self.accepting, self.playing = True, 0
         self.membership: Membership | None = None
         self._channels: list = []
@@ -307,6 +308,8 @@ class RolloutService(Service):
     async def close(self) -> None:
         if self.gateway is not None:
             await self.gateway.close()
+        if self._group_task is not None and not self._group_task.done():
+            self._group_task.cancel()  # a join still waiting for the trainer: the workers stop anyway
         await self.pool.stop_all()
         if self.runner is not None:
             await self.runner.router.close()

@@ -44,6 +44,7 @@ class TrainerService(Service):
         self._resume.set()
         self._step_lock = asyncio.Lock()
         self.elastic = None  # ElasticControl: hybrid replicas (rank 0 of the core)
+        self._group_task: asyncio.Task | None = None  # opening the weights group (weight_sync: group)
 
     def service_names(self) -> list[str]:
         return [P.DESCRIPTOR.services_by_name["Trainer"].full_name]
