@@ -68,11 +68,11 @@ class SchedulerSession:
     """One `Session` stream, reopened when it breaks; messages stay kept until acknowledged.
 
     Every message is numbered and queued in one deque, so the queue is in seq order; writers take
-    from its head only, under a lock. A Route's caller writes through to its own message and waits
-    for the answer; a report is posted (the caller goes on) and written by a flusher task or by
-    the next Route, whichever comes first. So the stream carries messages in seq order. A background task reads
-    answers and, when the stream breaks, reopens it and resends what the scheduler has not
-    acknowledged.
+    from its head only, under a lock, so the stream carries messages in seq order. A Route's caller
+    writes through to its own message and waits for the answer; a report is posted (the caller
+    goes on) and written by a flusher task or by the next Route, whichever comes first. A
+    background task reads answers and, when the stream breaks, reopens it and resends what the
+    scheduler has not acknowledged.
     """
 
     def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub):

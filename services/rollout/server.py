@@ -201,7 +201,8 @@ class RolloutService(Service):
         await self.store.append_history("turn", T.HistoryRecord(
             kind="turn", timestamp=time.time(), bucket=outcome.bucket, prompt_tokens=context_tokens,
             output_tokens=len(outcome.token_ids), seconds=outcome.seconds, queue_depth=self.queue.qsize(),
-            active_rollouts=self.playing, tp=self._tp_of(outcome.worker_id), batch=self._inflight_of(outcome.worker_id)))
+            active_rollouts=self.playing, tp=self._tp_of(outcome.worker_id),
+            batch=self._inflight_of(outcome.worker_id)))
 
     def _tp_of(self, worker_id: str) -> int:
         worker = self.pool.workers.get(worker_id)
