@@ -26,7 +26,6 @@ Start: `python -m libra.services.rollout.hf_engine --model DIR --port P --device
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import queue
 import threading
@@ -379,156 +378,9 @@ def _pad_left(tensor: Any, width: int, dim: int) -> Any:
 
 
 # ---- HTTP surface (aiohttp) ---------------------------------------------------------------
-def build_app(engine: HFEngine, tokenizer: Any = None) -> Any:
-    """The aiohttp application serving `engine` with vLLM's endpoints (the subset Libra uses)."""
-    import torch
-    from aiohttp import web
-
-    async def run_in_engine(job: Callable[[], Any]) -> Any:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-
-        def done(result: Any, error: BaseException | None) -> None:
-            loop.call_soon_threadsafe(_settle, future, result, error)
-
-        engine.control(job, done)
-        return await future
-
-    async def generate(prompt: list[int], body: dict[str, Any]) -> Request:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-        temperature, top_p = float(body.get("temperature", 1.0)), float(body.get("top_p", 1.0))
-        max_tokens = int(body.get("max_tokens") or 16)
-        if temperature < 0 or not 0 < top_p <= 1 or max_tokens < 1:
-            raise ValueError("temperature must be >= 0, top_p in (0, 1] and max_tokens >= 1")
-        seed = body.get("seed")
-        generator = None
-        if seed is not None and temperature > 0:
-            generator = torch.Generator(device=engine.device)
-            generator.manual_seed(int(seed))
-        request = Request(list(prompt), max_tokens, temperature, top_p,
-                          frozenset(int(t) for t in body.get("stop_token_ids") or []), generator,
-                          lambda r: loop.call_soon_threadsafe(_settle, future, r, None))
-        engine.submit(request)
-        return await future
-
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else ""
-
-    async def completions(http: web.Request) -> web.Response:
-        body = await http.json()
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                return _error(400, "this engine has no tokenizer; send the prompt as token ids")
-            prompt = tokenizer(prompt).input_ids
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
-            return _error(400, "prompt must be a non-empty list of token ids (or a string)")
-        try:
-            done = await generate(prompt, body)
-        except ValueError as error:
-            return _error(400, str(error))
-        if done.error:
-            return _error(500, done.error)
-        choice = {"index": 0, "text": decode(done.generated), "token_ids": done.generated,
-                  "logprobs": {"token_logprobs": done.logprobs, "tokens": [str(t) for t in done.generated]},
-                  "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}
-        return web.json_response({"object": "text_completion", "model": SERVED_MODEL_NAME, "choices": [choice],
-                                  "usage": _usage(done), "libra_policy_versions": done.versions})
-
-    async def chat(http: web.Request) -> web.Response:
-        body = await http.json()
-        if tokenizer is None:
-            return _error(400, "this engine has no tokenizer; chat needs one")
-        try:
-            prompt = tokenizer.apply_chat_template(body.get("messages") or [], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=False)
-            done = await generate(list(prompt), body)
-        except ValueError as error:
-            return _error(400, str(error))
-        if done.error:
-            return _error(500, done.error)
-        content = [{"token": decode([t]), "logprob": lp} for t, lp in zip(done.generated, done.logprobs)]
-        choice = {"index": 0, "message": {"role": "assistant", "content": decode(done.generated)},
-                  "logprobs": {"content": content}, "token_ids": done.generated,
-                  "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}
-        return web.json_response({"object": "chat.completion", "model": SERVED_MODEL_NAME, "choices": [choice],
-                                  "usage": _usage(done), "libra_policy_versions": done.versions})
-
-    methods: dict[str, Callable[..., Any]] = {
-        "libra_load_weights": lambda path, version: run_in_engine(lambda: engine.load_from_disk(path, version)),
-        "libra_receive_weights": lambda version: run_in_engine(lambda: engine.receive_weights(version)),
-        "libra_policy_version": lambda: _value(engine.version),
-        # joining blocks until every rank is there; it does not touch the model, so not in the decode thread
-        "libra_join_weights_group": lambda *args: asyncio.to_thread(engine.join_weights_group, *args),
-    }
-
-    async def collective_rpc(http: web.Request) -> web.Response:
-        body = await http.json()
-        method = methods.get(body.get("method"))
-        if method is None:
-            return _error(400, f"unknown method {body.get('method')!r}; known: {sorted(methods)}")
-        try:
-            result = await method(*(body.get("args") or []))
-        except (TypeError, ValueError) as error:
-            return _error(400, f"{type(error).__name__}: {error}")
-        return web.json_response({"results": [result]})
-
-    async def health(_: web.Request) -> web.Response:
-        if not engine.alive:
-            return _error(503, "the decode thread died")
-        if engine.dirty:
-            return _error(503, f"weights are inconsistent: {engine.dirty}; restart this worker")
-        return web.Response(text="")
-
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": SERVED_MODEL_NAME, "object": "model"}]})
-
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text=f"libra:num_requests_running {engine.running}\n"
-                                 f"libra:policy_version {engine.version}\n")
-
-    async def pause(http: web.Request) -> web.Response:
-        engine.pause(True)
-        return web.json_response({"paused": True})
-
-    async def resume(_: web.Request) -> web.Response:
-        engine.pause(False)
-        return web.json_response({"paused": False})
-
-    app = web.Application(client_max_size=64 * 2**20)
-    app.add_routes([web.post("/v1/completions", completions), web.post("/v1/chat/completions", chat),
-                    web.post("/collective_rpc", collective_rpc), web.get("/health", health),
-                    web.get("/v1/models", models), web.get("/metrics", metrics),
-                    web.post("/pause", pause), web.post("/resume", resume)])
-    return app
-
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-async def _value(value: Any) -> Any:
-    return value
-
-
-def _usage(done: Request) -> dict[str, int]:
-    return {"prompt_tokens": len(done.prompt), "completion_tokens": len(done.generated),
-            "total_tokens": len(done.prompt) + len(done.generated)}
-
-
-def _error(status: int, message: str) -> Any:
-    from aiohttp import web
-
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
-
-
 def main(argv: list[str] | None = None) -> int:
+    from libra.services.rollout import hf_server  # the HTTP layer (imports this module's engine)
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="HF model directory (config, safetensors, tokenizer)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -562,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                       args.logprobs_mode, args.policy_version, args.tensor_parallel_size)
     _log().info("hf engine serving", model=args.model, device=args.device, port=args.port, version=args.policy_version)
     try:
-        web.run_app(build_app(engine, tokenizer), host=args.host, port=args.port, print=None,
+        web.run_app(hf_server.build_app(engine, tokenizer), host=args.host, port=args.port, print=None,
                     access_log=None, handle_signals=True)
     finally:
         engine.stop()
