@@ -377,7 +377,7 @@ def _pad_left(tensor: Any, width: int, dim: int) -> Any:
     return torch.cat([torch.zeros(shape, dtype=tensor.dtype, device=tensor.device), tensor], dim=dim)
 
 
-# ---- HTTP surface (aiohttp) ---------------------------------------------------------------
+# ---- command line: build the engine, serve hf_server.build_app -----------------------------
 def main(argv: list[str] | None = None) -> int:
     from libra.services.rollout import hf_server  # the HTTP layer (imports this module's engine)
 
