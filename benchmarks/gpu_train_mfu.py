@@ -9,6 +9,7 @@ CUDA memory or process groups:
     torch         the plain torch backend (HF model, bf16 params, SDPA, AdamW) on 1 GPU: the baseline
     megatron-local    MegatronBackend, Megatron's stock local layer spec (unfused attention), 1 GPU
     megatron-sdpa     MegatronBackend with the torch-SDPA core attention (megatron_specs), 1 GPU
+    megatron-sdpa-unfused  the same without Megatron's fused SwiGLU / cross entropy (fused_kernels: false)
     megatron-sdpa-tp2 the same with tensor parallelism 2 over 2 GPUs (torchrun)
     megatron-sdpa-dp2 the same with data parallelism 2 (distributed optimizer) over 2 GPUs
 
@@ -108,7 +109,7 @@ def trainer_config(args: argparse.Namespace, spec: str, tp: int):
     from libra.services.trainer.config import TrainerConfig
 
     return TrainerConfig(lr=1e-5, micro_batch_size=args.micro, max_grad_norm=1.0,
-                         megatron={"tensor_parallel": tp, "layer_spec": spec})
+                         megatron={"tensor_parallel": tp, "layer_spec": spec, "fused_kernels": args.fused})
 
 
 def _device() -> str:
@@ -279,6 +280,7 @@ def main_all(args: argparse.Namespace) -> None:
                 str(pathlib.Path(__file__).resolve())]
     runs = [("create", script, ["--worker", "create"]),
             ("megatron-sdpa", script, ["--worker", "megatron", "--spec", "sdpa"]),
+            ("megatron-sdpa-unfused", script, ["--worker", "megatron", "--spec", "sdpa", "--no-fused"]),
             ("megatron-local", script, ["--worker", "megatron", "--spec", "local"]),
             ("torch", script, ["--worker", "torch"]),
             ("megatron-sdpa-tp2", torchrun, ["--worker", "megatron", "--spec", "sdpa", "--tp", "2"]),
@@ -327,6 +329,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--spec", choices=["sdpa", "local"], default="sdpa")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--checkpoint-check", action="store_true")
+    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
+                        help="trainer.megatron.fused_kernels (fused SwiGLU and cross entropy)")
     parser.add_argument("--run-timeout", type=int, default=240)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=2048)

@@ -25,6 +25,8 @@ class MegatronConfig(Section):
     layer_spec: Literal["sdpa", "local"] = Field(
         "sdpa", description="layer spec: sdpa (torch fused attention) or local (Megatron's unfused attention)")
     bf16: bool = Field(True, description="bf16 parameters and activations on GPUs (CPU always runs fp32)")
+    fused_kernels: bool = Field(
+        True, description="on GPUs, Megatron's torch.compile-fused SwiGLU and cross entropy (off: plain kernels)")
     distributed_optimizer: bool = Field(
         True, description="shard Adam states over data parallelism on GPUs (false for elastic hybrid replicas)")
 

@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 
     from libra.services.trainer.config import TrainerConfig
 
-CHECKPOINT_FORMAT = 1
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".safetensors.index.json", ".bin.index.json")
 
 
@@ -112,7 +111,7 @@ class MegatronBackend(TrainBackend):
         settings = self.config.megatron
         tconfig = convert.transformer_config(
             hf_config, tp=settings.tensor_parallel, bf16=bf16, use_cpu_initialization=not self._cuda,
-            calculate_per_token_loss=True)
+            calculate_per_token_loss=True, **_fusions(settings.fused_kernels and self._cuda))
         # perform_initialization stays on although the HF weights replace the random ones: it is also
         # what marks each parameter tensor-parallel or replicated, which grad-norm clipping relies on.
         model = GPTModel(
@@ -435,138 +434,18 @@ class MegatronBackend(TrainBackend):
         rt.barrier()
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
-        """A Megatron distributed checkpoint in `<path>.dcp/`, then the small marker file `path`.
+        """A Megatron distributed checkpoint (model + optimizer in model space): `megatron_checkpoint`."""
+        from libra.services.trainer import megatron_checkpoint
 
-        The marker (format, extra, RNG, the directory's name) is written last and atomically, so a
-        checkpoint exists exactly when its marker does; checkpoint directories whose marker was
-        deleted (the trainer prunes old markers) are removed here.
-        """
-        import torch
-        from megatron.core import dist_checkpointing
-
-        directory = f"{path}.dcp"
-        staging = f"{directory}.partial"
-        if rt.rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            os.makedirs(staging)
-        rt.barrier()
-        dist_checkpointing.save(self._sharded_state_dict(), staging)
-        rt.barrier()
-        if rt.rank() == 0:
-            shutil.rmtree(directory, ignore_errors=True)
-            os.rename(staging, directory)
-            marker = {"format": CHECKPOINT_FORMAT, "backend": "megatron", "directory": os.path.basename(directory),
-                      "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "extra": dict(extra)}
-            from libra.services.trainer.torch_backend import _atomic_torch_save
-
-            _atomic_torch_save(marker, path)
-            _prune_orphans(os.path.dirname(os.path.abspath(path)))
-        rt.barrier()
+        megatron_checkpoint.save(self, path, extra)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        import torch
-        from megatron.core import dist_checkpointing
+        from libra.services.trainer import megatron_checkpoint
 
-        marker = torch.load(path, map_location="cpu", weights_only=True)
-        if marker.get("format") != CHECKPOINT_FORMAT or marker.get("backend") != "megatron":
-            raise ValueError(f"{path}: not a Megatron-backend checkpoint of format {CHECKPOINT_FORMAT}")
-        directory = os.path.join(os.path.dirname(os.path.abspath(path)), marker["directory"])
-        loaded = dist_checkpointing.load(self._sharded_state_dict(loading=True), directory)
-        if self._ddp is None:
-            _load_state(self.model, {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")})
-            self._optimizer.load_state_dict(_torch_optimizer_state(loaded, self._optimizer, self.model))
-        else:
-            _load_state(self.model, loaded["model"])
-            self._optimizer.load_state_dict(loaded["optimizer"])
-        torch.set_rng_state(marker["rng"]["torch"])
-        version, internal, gauss = marker["rng"]["python"]
-        random.setstate((version, tuple(internal), gauss))
-        return marker["extra"]
-
-    def _sharded_state_dict(self, loading: bool = False) -> dict[str, Any]:
-        """Model (and on CUDA, distributed-optimizer) sharded state; on CPU the AdamW moments per parameter."""
-        import torch
-
-        model_sd = self.model.sharded_state_dict()
-        if self._ddp is not None:
-            # fully_reshardable: the optimizer state is stored per parameter in model space, so a
-            # checkpoint loads into any DP size (a joining replica's snapshot changes DP).
-            metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
-            return {"model": model_sd, "optimizer": self._optimizer.sharded_state_dict(
-                model_sd, is_loading=loading, metadata=metadata)}
-        # Torch AdamW (CPU path): its moments have each parameter's shape and TP sharding, so they
-        # are stored as sharded tensors beside the parameter they belong to.
-        state: dict[str, Any] = {f"model.{k}": v for k, v in _flatten(model_sd).items()}
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        params = [p for group in self._optimizer.param_groups for p in group["params"]]
-        for p in params:
-            name = names[id(p)]
-            template = state.get(f"model.{name}")
-            moments = self._optimizer.state.get(p) or _zero_moments(p)
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[f"optim.{name}.{key}"] = _like(template, moments[key], name, key)
-        # AdamW steps every parameter each step: one step count serves them all.
-        steps = [self._optimizer.state[p]["step"] for p in params if p in self._optimizer.state]
-        step = (steps[0] if steps else torch.zeros(())).reshape(1).float()
-        state["optim.step"] = _like(None, step, "optim", "step")
-        return state
+        return megatron_checkpoint.load(self, path)
 
 
-# ---- helpers: checkpoints ----------------------------------------------------------------------
-
-def _flatten(sd: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in sd.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _zero_moments(p: Any) -> dict[str, Any]:
-    import torch
-
-    return {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p), "step": torch.zeros(())}
-
-
-def _like(template: Any, data: Any, name: str, what: str) -> Any:
-    """A ShardedTensor for an optimizer moment `what` of parameter `name`, sharded as the parameter.
-
-    A plain ShardedTensor template (layers share one key, offset along the layer axis) is copied.
-    Megatron describes some parameters by a factory instead (the fused gate/up fc1 under TP); their
-    moments are stored whole per TP rank under a key of their own, saved by DP rank 0.
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    data = data.detach().clone()
-    if template is None or not hasattr(template, "global_shape"):
-        key = f"optim.{name}.{what}.tp{ps.get_tensor_model_parallel_rank()}"
-        return ShardedTensor.from_rank_offsets(key, data, replica_id=ps.get_data_parallel_rank())
-    return ShardedTensor(key=f"optim.{template.key}.{what}", data=data, dtype=data.dtype,
-                         local_shape=template.local_shape, global_shape=template.global_shape,
-                         global_offset=template.global_offset, axis_fragmentations=template.axis_fragmentations,
-                         replica_id=template.replica_id, prepend_axis_num=template.prepend_axis_num)
-
-
-def _torch_optimizer_state(loaded: dict[str, Any], optimizer: Any, model: Any) -> dict[str, Any]:
-    """AdamW's state_dict with the moments read from a loaded checkpoint (params in group order)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = optimizer.state_dict()
-    state["state"] = {index: {"exp_avg": loaded[f"optim.{names[id(p)]}.exp_avg"],
-                              "exp_avg_sq": loaded[f"optim.{names[id(p)]}.exp_avg_sq"],
-                              "step": loaded["optim.step"].reshape(()).clone()}  # AdamW bumps each in place
-                      for index, p in enumerate(params)}
-    return state
-
-
-def _prune_orphans(directory: str) -> None:
-    for found in glob.glob(os.path.join(directory, "*.dcp")):
-        if not os.path.exists(found[: -len(".dcp")]):
-            shutil.rmtree(found, ignore_errors=True)
-
+# ---- helpers ------------------------------------------------------------------------------------
 
 def _copy_non_weight_files(model_dir: str, out_dir: str) -> None:
     """config.json, tokenizer and generation files of the source directory (weights are ours)."""
@@ -583,3 +462,11 @@ def _load_state(model: Any, state: dict[str, Any]) -> None:
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"Megatron state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def _fusions(on: bool) -> dict[str, Any]:
+    """Megatron's fused SwiGLU (torch.compile) and native fused vocab-parallel cross entropy.
+
+    GPU only: on CPU torch.compile would need a C++ toolchain and buys nothing for tiny models.
+    """
+    return {"bias_activation_fusion": on, "cross_entropy_loss_fusion": on, "cross_entropy_fusion_impl": "native"}

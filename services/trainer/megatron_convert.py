@@ -108,7 +108,7 @@ def transformer_config(hf_config: Any, tp: int = 1, pp: int = 1, bf16: bool = Fa
 
     shape = model_shape(hf_config)
     check_parallel(shape, tp, pp)
-    return TransformerConfig(
+    settings = dict(
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
         num_query_groups=shape.groups, kv_channels=shape.head_dim, ffn_hidden_size=shape.intermediate,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -119,8 +119,8 @@ def transformer_config(hf_config: Any, tp: int = 1, pp: int = 1, bf16: bool = Fa
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        **overrides,
     )
+    return TransformerConfig(**{**settings, **overrides})
 
 
 def rope_theta(hf_config: Any) -> float:
