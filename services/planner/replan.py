@@ -23,19 +23,9 @@ last evaluation that searched). A gated decision is returned with its reason; `r
 when it repeats the previous gated decision (same trigger, same gate), so a persistent signal does
 not flood the decision log.
 
-Acceptance (per step: the predicted step time max(T_train, T_rollout) of the same recent trace
-under the calibrated model, for the plan in force and for the best candidate):
-
-    gain_s = (predicted_current_s - predicted_new_s) * horizon_steps
-    net_s  = gain_s - transition_cost_s
-    apply iff net_s > 0 and net_s / (predicted_current_s * horizon_steps) >= min_gain_ratio
-
-Transition cost (`transition_cost_s`): the side that changes stalls while its GPUs drain, start
-new processes and load state; both sides change in parallel, so the cost is the larger stall.
-  training   layout changed: drain_s + process_start_s + (bf16 weights + fp32 master/Adam shard)
-             per GPU / load_gbps          (a synchronous job: the whole side stalls)
-  rollout    instances removed or added: (drain_s + process_start_s + weights per GPU / load_gbps)
-             x the share of rollout GPUs whose instance changes (the others keep serving)
+Acceptance and the transition cost are priced in transition.py: apply iff the predicted gain
+over `horizon_steps`, less the cost of moving, is positive and at least `min_gain_ratio` of the
+predicted time (both in its module docstring).
 """
 
 from __future__ import annotations
@@ -54,6 +44,7 @@ from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.cost_train import Layout
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.search import Candidate, SearchConfig, search
+from libra.services.planner.transition import accept, same_plan, transition_cost_s
 
 TRIGGERS = ("interval", "queue", "active", "rejected", "ratio")
 
@@ -134,28 +125,6 @@ class ReplanDecision:
     inputs: dict = field(default_factory=dict)
     record: bool = True  # False: a repeat of the previous gated decision (not worth storing again)
     trace: list[tuple[int, int]] = field(default_factory=list)  # the lengths searched
-
-
-def transition_cost_s(old: Candidate | None, new: Candidate, model: ModelSpec, settings: ReplanSettings) -> float:
-    """Seconds of lost progress when moving from `old` to `new` (see the module docstring)."""
-    if old is None:
-        return 0.0
-    load_bps = settings.load_gbps * 1e9
-    train = 0.0
-    if old.layout != new.layout:
-        l = new.layout
-        state = model.total_params * (model.bytes_per_param + 12.0 / l.dp) / (l.tp * l.pp)
-        train = settings.drain_s + settings.process_start_s + state / load_bps
-    before, after = Counter(dict(old.rollout)), Counter(dict(new.rollout))
-    added, removed = after - before, before - after
-    changed = max(sum(tp * n for tp, n in added.items()), sum(tp * n for tp, n in removed.items()))
-    rollout = 0.0
-    if changed:
-        # the narrowest new instance loads the most weight bytes per GPU (all load in parallel)
-        per_gpu = model.weight_bytes / min(added) if added else 0.0
-        share = min(1.0, changed / max(1, new.rollout_gpus, old.rollout_gpus))
-        rollout = (settings.drain_s + settings.process_start_s + per_gpu / load_bps) * share
-    return max(train, rollout)
 
 
 class Replanner:
@@ -356,7 +325,7 @@ class Replanner:
         current = self.predict(self._current, trace)
         base.current = Candidate(self._current.layout, self._current.rollout, current[0], current[1])
         base.predicted_current_s = current[2]
-        if _same_plan(self._current, best):
+        if same_plan(self._current, best):
             base.reason = f"not applied: the plan in force is already the best ({best.step_s:.2f}s per step)"
             return base
         cost = transition_cost_s(self._current, best, self.model, self.settings)
@@ -366,29 +335,8 @@ class Replanner:
             base.reason = f"the plan in force cannot run the recent trace; moving to {best.describe()}"
             base.gain_s = math.inf
             return base
-        return _accept(base, current[2], best.step_s, cost, self.settings)
-
-
-def _accept(decision: ReplanDecision, current_s: float, new_s: float, cost: float,
-            settings: ReplanSettings) -> ReplanDecision:
-    horizon = settings.horizon_steps
-    gain = (current_s - new_s) * horizon
-    net = gain - cost
-    ratio = net / (current_s * horizon) if current_s > 0 else 0.0
-    decision.gain_s = gain
-    numbers = (f"predicted {current_s:.2f}s -> {new_s:.2f}s per step; gain {gain:.1f}s over {horizon} steps, "
-               f"transition {cost:.1f}s, net {net:.1f}s ({ratio:.1%})")
-    if net <= 0:
-        decision.reason = f"not applied: gain does not pay for the transition ({numbers})"
-    elif ratio < settings.min_gain_ratio:
-        decision.reason = f"not applied: net gain below min_gain_ratio {settings.min_gain_ratio:.1%} ({numbers})"
-    else:
-        decision.applied, decision.reason = True, f"applied: {numbers}"
-    return decision
-
-
-def _same_plan(a: Candidate, b: Candidate) -> bool:
-    return a.layout == b.layout and tuple(sorted(a.rollout)) == tuple(sorted(b.rollout))
+        base.applied, base.gain_s, base.reason = accept(current[2], best.step_s, cost, self.settings)
+        return base
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -19,10 +19,11 @@ from libra.errors import ConfigError, InvalidArgument
 from libra.services.planner import plan_control, traces
 from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.hardware import GpuSpec, ModelSpec
+from libra.services.planner.plan_control import StepRecord
 from libra.services.planner.replan import ReplanSettings
 from libra.services.planner.search import SearchConfig
-from libra.services.planner.simulator import SimConfig, SimResult, Simulator
-from libra.services.planner.plan_control import StepRecord
+from libra.services.planner.sim_result import SimResult
+from libra.services.planner.simulator import SimConfig, Simulator
 
 PLANNERS = ("static", "tp2", "online")
 

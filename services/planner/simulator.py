@@ -22,7 +22,8 @@ prefix forest, LA-MLFQ's history); a trajectory in flight starts afresh in it.
 
 Resolution. Engines are pooled (`sim_instances.pool`) above `max_workers`, and a trace entry may
 stand for `copies` trajectories; both are exact at small scale (1) and reported in the result.
-Deterministic: no wall clock in the simulated time; randomness lives in the trace.
+Deterministic: no wall clock in the simulated time; randomness lives in the trace. What a run
+reports (`SimResult`, `PlanChangeRecord`) is in `sim_result`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from pydantic import Field
@@ -45,6 +45,7 @@ from libra.services.planner.plan_control import Controller, StepRecord
 from libra.services.planner.preflight import to_plan
 from libra.services.planner.search import Candidate, SearchConfig
 from libra.services.planner.sim_instances import SimInstance, Unit, pool
+from libra.services.planner.sim_result import PlanChangeRecord, SimResult
 from libra.services.planner.traces import Trace
 from libra.services.scheduler.config import SchedulerConfig
 from libra.services.scheduler.core import Policy, Turn, Worker, make_policy
@@ -71,45 +72,6 @@ class SimConfig(Section):
     sync_latency_s: float = Field(0.5, ge=0, le=3600, description="fixed cost of one weight sync")
     max_workers: int = Field(256, ge=1, le=1_000_000, description="engines simulated one by one; above this "
                                                                   "they are pooled")
-
-
-@dataclass
-class PlanChangeRecord:
-    step: int
-    time_s: float
-    ready_s: float
-    transition_s: float
-    before: str
-    after: str
-    reason: str
-    moved_turns: int
-
-
-@dataclass
-class SimResult:
-    steps: list[StepRecord]
-    makespan_s: float
-    trajectories: int
-    output_tokens: int
-    plan_changes: list[PlanChangeRecord]
-    first_plan: str
-    last_plan: str
-    routes: int
-    reasons: Counter
-    peak_kv: float
-    pooled: int  # largest number of engines behind one simulated worker
-    copies: int
-    wall_s: float  # seconds this run took on this machine (the initial plan's search included)
-    cpu_s: float  # CPU seconds of this process for the run (less sensitive to a shared machine)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def trajectories_per_s(self) -> float:
-        return self.trajectories / self.makespan_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.makespan_s
 
 
 class Simulator:

@@ -120,7 +120,7 @@ class AgentRunner:
                 if budget <= 0:
                     finish = "budget"
                     break
-                outcome = await self._model_turn(trajectory, state, turn, budget)
+                outcome = await self.model_turn(trajectory, state, turn, budget)
                 action = episode.parse_turn(self.tokenizer.decode(outcome.token_ids, skip_special_tokens=False))
                 if isinstance(action, FinalAnswer):
                     answer, finish = action, "answer"
@@ -131,9 +131,12 @@ class AgentRunner:
                 reward = await reward
         finally:
             await episode.close()
-        return self._fill(trajectory, state, reward, finish)
+        return self.fill_result(trajectory, state, reward, finish)
 
-    async def _model_turn(self, trajectory, state: Playback, turn: int, budget: int) -> TurnOutcome:
+    async def model_turn(self, trajectory, state: Playback, turn: int, budget: int) -> TurnOutcome:
+        """One routed model turn of at most `budget` tokens on `state`'s ids, retried on another worker
+        when one is unavailable; the tokens are appended to `state` (trained) and the scheduler told.
+        `play` and the OpenAI gateway (an external harness's turns) both generate through it."""
         exclude: list[str] = []
         for attempt in range(self.config.turn_retries + 1):
             decision = await self.router.route(trajectory.trajectory_id, trajectory.prompt_id, turn, len(state.ids),
@@ -182,7 +185,8 @@ class AgentRunner:
         await self.router.tool_returned(trajectory.trajectory_id, result.tool, status, len(tool_ids))
 
     @staticmethod
-    def _fill(trajectory, state: Playback, reward: float, finish: str) -> common_pb2.Trajectory:
+    def fill_result(trajectory, state: Playback, reward: float, finish: str) -> common_pb2.Trajectory:
+        """Write the played `state`, `reward` and `finish` reason into `trajectory`, marked COMPLETED."""
         trajectory.prompt_length = state.prompt_length
         del trajectory.token_ids[:], trajectory.loss_mask[:], trajectory.logprobs[:], trajectory.versions[:]
         del trajectory.tool_events[:]

@@ -11,8 +11,8 @@
 Continuous batching, lite: the running batch keeps one KV cache per layer ([B, heads, L, dim],
 left-padded, with a [B, L] mask and explicit positions); new requests are prefilled together and
 padded into it between steps, finished rows are dropped, and columns no row needs are trimmed.
-Weight loads run in the decode thread between two steps, so running requests keep their KV cache
-and their next tokens come from the new weights: no request is dropped.
+Weight loads (hf_weights.py) run in the decode thread between two steps, so running requests
+keep their KV cache and their next tokens come from the new weights: no request is dropped.
 
 The HTTP surface is the subset of vLLM's that `EngineClient` uses: token ids in and out,
 per-token log-probs ("processed": of the distribution sampled from, as vLLM's default), stop on
@@ -29,11 +29,11 @@ import argparse
 import os
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-SERVED_MODEL_NAME = "policy"
+from libra.services.rollout.hf_weights import HFWeightLoads
+
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 
 
@@ -56,8 +56,9 @@ class Request:
     error: str | None = None  # set when the engine failed the request (the HTTP answer is a 500)
 
 
-class HFEngine:
-    """A causal LM from a HF directory, batched decoding in one thread, weight loads between steps."""
+class HFEngine(HFWeightLoads):
+    """A causal LM from a HF directory, batched decoding in one thread, weight loads (`HFWeightLoads`)
+    between steps."""
 
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32", max_model_len: int = 2048,
                  max_num_seqs: int = 64, logprobs_mode: str = "processed_logprobs", policy_version: int = 0,
@@ -247,91 +248,11 @@ class HFEngine:
                 request.versions.append(self.version)
                 request.done(request)
 
-    # ---- weights (decode thread, between steps) ------------------------------------------
-    def load_from_disk(self, path: str, version: int) -> dict[str, Any]:
-        """Load the safetensors directory `path` as `version`; {"error"} leaves the weights alone."""
-        import torch
-        from safetensors import SafetensorError, safe_open
-
-        from libra.services.rollout.vllm_ext import safetensors_files
-
-        started = time.perf_counter()
-        try:
-            version = _check_version(version)
-            files = safetensors_files(path)
-            state = self.model.state_dict()
-            for file in files:  # check every name and shape before the model is touched
-                with safe_open(str(file), framework="pt") as handle:
-                    for name in handle.keys():
-                        shape = tuple(handle.get_slice(name).get_shape())
-                        if name not in state or tuple(state[name].shape) != shape:
-                            raise ValueError(f"{file.name}: tensor {name} {list(shape)} does not fit this model")
-        except (OSError, ValueError, SafetensorError) as error:
-            return {"error": f"{type(error).__name__}: {error}"}
-        count = 0
-        with torch.no_grad():
-            for file in files:
-                with safe_open(str(file), framework="pt", device=str(self.device)) as handle:
-                    for name in handle.keys():
-                        state[name].copy_(handle.get_tensor(name))
-                        count += 1
-        self.version = version
-        self.dirty = None  # a complete weight set: consistent again after a half-received version
-        return {"version": version, "seconds": time.perf_counter() - started, "tensors": count}
-
-    def join_weights_group(self, host: str, port: int, rank: int, world_size: int, backend: str,
-                           timeout_s: float, bucket_mb: int) -> dict[str, Any]:
-        """Become rank `rank` of the weights group (blocks until every rank has joined)."""
-        from libra.services.rollout.weight_sync import WeightsGroup
-
-        self.weights_group = WeightsGroup(host, int(port), int(rank), int(world_size), backend,
-                                          device=str(self.device), timeout_s=float(timeout_s),
-                                          bucket_bytes=int(bucket_mb) * 2**20)
-        return {"rank": int(rank), "world_size": int(world_size), "backend": backend}
-
-    def receive_weights(self, version: int) -> dict[str, Any]:
-        """Receive `version` from the weights group straight into the parameters."""
-        import torch
-
-        from libra.services.rollout.weight_sync import WeightSyncError
-
-        if self.weights_group is None:
-            return {"error": "FailedPrecondition: this engine has not joined a weights group"}
-        version = _check_version(version)
-        started = time.perf_counter()
-        params = dict(self.model.named_parameters())
-        count, misfits = 0, []
-        try:
-            with torch.no_grad():
-                for name, tensor in self.weights_group.receive(version, targets=params):
-                    count += 1
-                    if params.get(name) is not tensor:  # unknown name, or another shape/dtype
-                        misfits.append(f"{name} {str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}")
-        except WeightSyncError as error:
-            if self.weights_group.broken or count:
-                self.dirty = f"version {version} arrived partly: {error}"
-            return {"error": f"WeightSyncError: {error}"}
-        except Exception as error:  # noqa: BLE001 - half-loaded weights: refuse to serve from now on
-            self.dirty = f"version {version} arrived partly: {type(error).__name__}: {error}"
-            raise
-        if misfits:
-            self.dirty = f"version {version} does not fit this model: {misfits[:5]}"
-            return {"error": f"ValueError: the trainer sent tensors this model cannot hold: {misfits[:5]}"}
-        self.version = version
-        return {"version": version, "seconds": time.perf_counter() - started, "tensors": count}
-
 
 def _log() -> Any:
     from libra import log as liblog
 
     return liblog.get("libra.rollout.hf_engine")
-
-
-def _check_version(version: int | str) -> int:
-    value = int(version)
-    if value < 0:
-        raise ValueError(f"policy version must be >= 0, got {value}")
-    return value
 
 
 def _sample_one(logits: Any, request: Request, mode: str) -> tuple[int, float]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from libra.services.rollout.hf_engine import SERVED_MODEL_NAME, HFEngine, Request
+from libra.services.rollout.hf_engine import HFEngine, Request
+from libra.services.rollout.vllm_worker import SERVED_MODEL_NAME  # what the launcher's readiness check asks for
+
 
 def build_app(engine: HFEngine, tokenizer: Any = None) -> Any:
     """The aiohttp application serving `engine` with vLLM's endpoints (the subset Libra uses)."""

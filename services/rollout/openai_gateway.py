@@ -22,13 +22,17 @@ turn. While the endpoint is on, the built-in runner plays nothing: every queued 
 a claim. A claimed trajectory not finished within `claim_timeout_s` is recorded FAILED (its group
 is then dropped by the trainer, like any failed group). What a harness has sent is held in memory:
 after a rollout restart, unfinished trajectories are queued again and must be claimed afresh.
+
+This module owns the endpoint's lifecycle and the external trajectories (claim, turns, finish);
+what a request body must hold and the error body are openai_protocol.py's. Model turns go through
+the agent runner's `model_turn`, results through its `fill_result`, so an external trajectory is
+recorded exactly as a built-in one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import time
 import uuid
@@ -39,24 +43,14 @@ from aiohttp import web
 from libra import log as liblog
 from libra.errors import InvalidArgument, LibraError, NotFound, Unavailable
 from libra.services.rollout.agent import TOOL_STATUS_PB, AgentRunner, Playback
+from libra.services.rollout.openai_protocol import (HEADER, HttpError, bad_request, check_messages, error_response,
+                                                    new_messages, new_prompt, read_json, requested_max_tokens)
 from libra.v1 import common_pb2
 from libra.workloads.base import ToolStatus
 
 _log = liblog.get("libra.rollout.openai")
 T = common_pb2
-HEADER = "X-Libra-Trajectory"
-ROLES = ("system", "user", "assistant", "tool")
 MAX_CLAIM_WAIT_S = 30.0
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, kind: str):
-        super().__init__(message)
-        self.status, self.kind = status, kind
-
-
-def bad_request(message: str) -> HttpError:
-    return HttpError(400, message, "invalid_request_error")
 
 
 @dataclasses.dataclass
@@ -74,35 +68,6 @@ class ExternalTrajectory:
     @property
     def turns(self) -> int:
         return self.state.turns if self.state else 0
-
-
-def check_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list of {role, content}")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            raise bad_request(f"messages[{index}].role must be one of {', '.join(ROLES)}")
-        if not isinstance(message.get("content"), str):
-            raise bad_request(f"messages[{index}].content must be a string (tool_calls and content parts are not "
-                              "supported: put the call in the content)")
-        if message.get("libra_tool_status", "success") not in [s.value for s in ToolStatus]:
-            raise bad_request(f"messages[{index}].libra_tool_status must be success, failure or timeout")
-    return messages
-
-
-def new_messages(record: list[dict[str, str]], messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages after the record; 400 when the request does not repeat the record exactly."""
-    if len(messages) <= len(record):
-        raise bad_request(f"messages must repeat the trajectory's {len(record)} recorded messages and add at least one")
-    for index, (seen, sent) in enumerate(zip(record, messages)):
-        if seen["role"] != sent["role"] or seen["content"] != sent["content"]:
-            raise bad_request(f"messages[{index}] differs from the trajectory's record (a trajectory is append-only; "
-                              "send earlier messages and assistant replies exactly as returned)")
-    added = messages[len(record):]
-    if any(m["role"] == "assistant" for m in added):
-        raise bad_request("new messages must not include assistant messages: the model writes those")
-    return added
 
 
 class OpenAIGateway:
@@ -154,19 +119,19 @@ class OpenAIGateway:
         try:
             return await handler(request)
         except HttpError as error:
-            return _error(error.status, str(error), error.kind)
+            return error_response(error.status, str(error), error.kind)
         except NotFound as error:
-            return _error(404, str(error), "not_found_error")
+            return error_response(404, str(error), "not_found_error")
         except InvalidArgument as error:
-            return _error(400, str(error), "invalid_request_error")
+            return error_response(400, str(error), "invalid_request_error")
         except (Unavailable, asyncio.TimeoutError) as error:
-            return _error(503, f"no worker could serve the turn: {error}", "service_unavailable")
+            return error_response(503, f"no worker could serve the turn: {error}", "service_unavailable")
         except LibraError as error:
-            return _error(500, str(error), "server_error")
+            return error_response(500, str(error), "server_error")
 
     # -- claiming --------------------------------------------------------------------------------
     async def claim(self, request: web.Request) -> web.Response:
-        body = await _json(request, allow_empty=True)
+        body = await read_json(request, allow_empty=True)
         count, wait_s = body.get("count", 1), body.get("wait_s", 0.0)
         if not isinstance(count, int) or not 1 <= count <= 1024:
             raise bad_request("count must be an integer in 1..1024")
@@ -218,7 +183,7 @@ class OpenAIGateway:
 
     # -- model turns -----------------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.Response:
-        body = await _json(request)
+        body = await read_json(request)
         tid, external = self._external(request, body)
         messages = check_messages(body)
         async with external.lock:
@@ -239,24 +204,13 @@ class OpenAIGateway:
         return web.json_response(self._answer("chat.completion", choice, external, outcome))
 
     async def completions(self, request: web.Request) -> web.Response:
-        body = await _json(request)
+        body = await read_json(request)
         tid, external = self._external(request, body)
         prompt = body.get("prompt")
         async with external.lock:
             if external.mode not in ("", "completions"):
                 raise bad_request("this trajectory is driven through /v1/chat/completions; keep using it")
-            if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-                record = external.state.ids if external.state else []
-                if len(prompt) <= len(record) or prompt[:len(record)] != record:
-                    raise bad_request(f"prompt token ids must extend the trajectory's {len(record)} recorded ids")
-                segments = [(list(prompt[len(record):]), None)]
-            elif isinstance(prompt, str) and prompt:
-                if len(prompt) <= len(external.text) or not prompt.startswith(external.text):
-                    raise bad_request("prompt must extend the trajectory's text so far (the earlier prompt plus "
-                                      "each completion exactly as returned)")
-                segments = [(prompt[len(external.text):], None)]
-            else:
-                raise bad_request("prompt must be a non-empty string or a list of token ids (one prompt)")
+            segments = [(new_prompt(prompt, external.state.ids if external.state else [], external.text), None)]
             outcome, text = await self._turn(tid, external, segments, body)
             external.mode = "completions"
             external.text = prompt + text if isinstance(prompt, str) else external.text
@@ -266,17 +220,7 @@ class OpenAIGateway:
     async def _turn(self, tid: str, external: ExternalTrajectory, segments: list, body: dict[str, Any]):
         """Append the new segments (masked), then one routed model turn; returns (outcome, its text)."""
         cfg = self.service.cfg
-        if body.get("stream"):
-            raise bad_request("stream is not supported")
-        if body.get("n", 1) != 1:
-            raise bad_request("n must be 1 (a GRPO group is several trajectories, each claimed on its own)")
-        for name, ours in (("temperature", cfg.temperature), ("top_p", cfg.top_p)):
-            if body.get(name) is not None and float(body[name]) != ours:
-                raise bad_request(f"{name} must be {ours} (rollout.{name}: behaviour log-probs must match the "
-                                  "trainer's) or left out")
-        asked = body.get("max_completion_tokens", body.get("max_tokens")) or cfg.max_new_tokens
-        if not isinstance(asked, int) or asked < 1:
-            raise bad_request("max_tokens must be a positive integer")
+        asked = requested_max_tokens(body, cfg.temperature, cfg.top_p, cfg.max_new_tokens)
         if external.turns >= cfg.max_turns:
             raise bad_request(f"the trajectory has used its {cfg.max_turns} turns (rollout.max_turns); finish it")
         ids = self._tokenize(external, segments)
@@ -288,7 +232,7 @@ class OpenAIGateway:
                   len(external.state.events)) if external.state else (None, 0, 0, 0)
         await self._append(external, ids, segments)
         try:
-            outcome = await self.runner._model_turn(external.trajectory, external.state, external.turns, budget)
+            outcome = await self.runner.model_turn(external.trajectory, external.state, external.turns, budget)
         except BaseException:  # the turn did not happen: the record stays as it was, the harness may retry
             state, length, masked, events = before
             if state is not None:
@@ -339,7 +283,7 @@ class OpenAIGateway:
     # -- finishing -------------------------------------------------------------------------------
     async def finish(self, request: web.Request) -> web.Response:
         tid = request.match_info["trajectory_id"]
-        body = await _json(request)
+        body = await read_json(request)
         reward = body.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise bad_request("reward must be a finite number")
@@ -364,7 +308,7 @@ class OpenAIGateway:
             return external.trajectory
         traj = external.trajectory
         if external.state is not None:
-            AgentRunner._fill(traj, external.state, reward, "external")
+            AgentRunner.fill_result(traj, external.state, reward, "external")
         if error or external.state is None:
             traj.status, traj.error, traj.finished_at = T.TRAJECTORY_STATUS_FAILED, error or "no model turn", time.time()
             self.service.counters["failed"] += 1
@@ -390,20 +334,3 @@ class OpenAIGateway:
                                   "token_ids": list(state.ids) if state else [],
                                   "prompt_length": state.prompt_length if state else 0,
                                   "loss_mask": list(state.mask) if state else []})
-
-
-async def _json(request: web.Request, allow_empty: bool = False) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw and allow_empty:
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as error:
-        raise bad_request(f"the body is not JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise bad_request("the body must be a JSON object")
-    return body
-
-
-def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)

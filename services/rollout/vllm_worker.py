@@ -34,7 +34,7 @@ from libra.errors import FailedPrecondition
 from libra.services.rollout.config import WorkerConfig
 from libra.services.rollout.vllm_ext import INITIAL_VERSION_ENV
 
-SERVED_MODEL_NAME = "policy"
+SERVED_MODEL_NAME = "policy"  # what every engine serves the policy as (hf_server too): readiness asks for it
 EXTENSION_CLS = "libra.services.rollout.vllm_ext.LibraWorkerExtension"
 POLL_INTERVAL_S = 0.5
 

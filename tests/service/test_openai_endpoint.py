@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from libra.redis_server import free_port
-from libra.services.rollout.openai_gateway import HttpError, check_messages, new_messages
+from libra.services.rollout.openai_protocol import HttpError, check_messages, new_messages
 
 GROUPS, SAMPLES = 2, 2
 

@@ -12,9 +12,9 @@ from libra.errors import ConfigError
 from libra.services.planner.cost_train import Layout
 from libra.services.planner.hardware import gpu_named, model_named
 from libra.services.planner.preflight import load_trace
-from libra.services.planner.replan import (ReplanSettings, Replanner, StepObservation, candidate_from_plan,
-                                           transition_cost_s)
+from libra.services.planner.replan import ReplanSettings, Replanner, StepObservation, candidate_from_plan
 from libra.services.planner.search import Candidate, SearchConfig, search
+from libra.services.planner.transition import transition_cost_s
 from libra.v1 import common_pb2
 
 MODEL, GPU = model_named("qwen3-4b"), gpu_named("h200-141g")
