@@ -32,7 +32,7 @@ for item in "$@"; do
         sync) step sync 180 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 --bucket-mb 256 --out "$OUT/sync.json" ;;
         mfu) step mfu 330 python3 benchmarks/gpu_train_mfu.py --out "$OUT/mfu" --only megatron-sdpa,megatron-sdpa-unfused --run-timeout 150 ;;
         mfu16) step mfu16 200 python3 benchmarks/gpu_train_mfu.py --out "$OUT/mfu16" --only megatron-sdpa --micro 16 --run-timeout 170 ;;
-        pp) step pp 200 python3 benchmarks/gpu_train_mfu.py --out "$OUT/pp" --only megatron-sdpa-pp2 --run-timeout 170 ;;
+        pp) step pp 200 python3 benchmarks/gpu_train_mfu.py --out "$OUT/pp" --only megatron-sdpa-pp2 --micro 4 --run-timeout 170 ;;
         elastic) step elastic 300 python3 benchmarks/elastic_join.py --device cuda:0 --hybrid-device cuda:1 --hidden 1024 \
                      --layers 8 --vocab 32000 --seq-len 512 --groups 4 --threads 4 --json "$OUT/elastic.json" ;;
         *) echo "unknown item $item" ;;

@@ -11,6 +11,7 @@ CUDA memory or process groups:
     megatron-sdpa     MegatronBackend with the torch-SDPA core attention (megatron_specs), 1 GPU
     megatron-sdpa-unfused  the same without Megatron's fused SwiGLU / cross entropy (fused_kernels: false)
     megatron-sdpa-tp2 the same with tensor parallelism 2 over 2 GPUs (torchrun)
+    megatron-sdpa-pp2 the same with pipeline parallelism 2 over 2 GPUs (1F1B schedule)
     megatron-sdpa-dp2 the same with data parallelism 2 (distributed optimizer) over 2 GPUs
 
 FLOPs per token, the usual dense-transformer count (Narayanan et al. 2021; PaLM appendix B):
@@ -109,7 +110,8 @@ def trainer_config(args: argparse.Namespace, spec: str, tp: int):
     from libra.services.trainer.config import TrainerConfig
 
     return TrainerConfig(lr=1e-5, micro_batch_size=args.micro, max_grad_norm=1.0,
-                         megatron={"tensor_parallel": tp, "layer_spec": spec, "fused_kernels": args.fused})
+                         megatron={"tensor_parallel": tp, "pipeline_parallel": args.pp, "layer_spec": spec,
+                                   "fused_kernels": args.fused})
 
 
 def _device() -> str:
@@ -137,6 +139,14 @@ def time_steps(backend, args: argparse.Namespace, train_batch, config) -> dict:
         losses.append(backend.train_step(train_batch, config)["loss"])
     _sync()
     seconds = (time.perf_counter() - started) / args.steps
+    if args.profile:  # one more step under the profiler: where the GPU time goes, by kernel
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            backend.train_step(train_batch, config)
+            _sync()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70),
+              flush=True)
     memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     return {"step_seconds": seconds, "losses": losses, "max_memory_gib": memory}
 
@@ -154,7 +164,7 @@ def run_megatron(args: argparse.Namespace) -> dict:
     from megatron.core import parallel_state as ps
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    result = {"load_seconds": load_seconds, "parameters": backend.num_parameters(), "dp": dp, "tp": args.tp,
+    result = {"load_seconds": load_seconds, "parameters": backend.num_parameters(), "dp": dp, "tp": args.tp, "pp": args.pp,
               "gpus": torch.distributed.get_world_size()}
     result.update(time_steps(backend, args, batch(args, shard=dp_rank), config))
     result["tokens_per_step"] = args.batch * args.seq * dp
@@ -266,7 +276,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def shape_args(args: argparse.Namespace) -> list[str]:
     keys = ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "seq", "micro", "batch", "steps", "warmup")
-    out = []
+    out = ["--profile"] if args.profile else []
     for key in keys:
         out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return out + ["--model-dir", args.model_dir, "--out", args.out, "--scratch", args.scratch]
@@ -284,6 +294,7 @@ def main_all(args: argparse.Namespace) -> None:
             ("megatron-local", script, ["--worker", "megatron", "--spec", "local"]),
             ("torch", script, ["--worker", "torch"]),
             ("megatron-sdpa-tp2", torchrun, ["--worker", "megatron", "--spec", "sdpa", "--tp", "2"]),
+            ("megatron-sdpa-pp2", torchrun, ["--worker", "megatron", "--spec", "sdpa", "--pp", "2"]),
             ("megatron-sdpa-dp2", torchrun, ["--worker", "megatron", "--spec", "sdpa", "--tp", "1", "--checkpoint-check"])]
     selected = set(args.only.split(",")) if args.only else None
     for name, launcher, extra in runs:
@@ -328,7 +339,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--only", default="", help="comma-separated run names (default: all)")
     parser.add_argument("--spec", choices=["sdpa", "local"], default="sdpa")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--checkpoint-check", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one extra step")
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
                         help="trainer.megatron.fused_kernels (fused SwiGLU and cross entropy)")
     parser.add_argument("--run-timeout", type=int, default=240)

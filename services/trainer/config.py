@@ -21,7 +21,8 @@ class MegatronConfig(Section):
     """Settings of the Megatron-Core backend (trainer.backend = megatron)."""
 
     tensor_parallel: int = Field(1, ge=1, le=64, description="tensor-parallel size (must divide attention and KV heads)")
-    pipeline_parallel: int = Field(1, ge=1, le=1, description="pipeline-parallel size (only 1 is implemented)")
+    pipeline_parallel: int = Field(
+        1, ge=1, le=64, description="pipeline-parallel stages (must divide num_hidden_layers; 1F1B schedule)")
     layer_spec: Literal["sdpa", "local"] = Field(
         "sdpa", description="layer spec: sdpa (torch fused attention) or local (Megatron's unfused attention)")
     bf16: bool = Field(True, description="bf16 parameters and activations on GPUs (CPU always runs fp32)")
@@ -35,7 +36,7 @@ class TrainerConfig(Section):
     """GRPO hyper-parameters, staleness bound, checkpoints."""
 
     backend: Literal["torch", "megatron"] = Field(
-        "torch", description="training backend (torch: plain PyTorch, CPU or DDP; megatron: Megatron-Core, TP x DP)")
+        "torch", description="training backend (torch: plain PyTorch, CPU or DDP; megatron: Megatron-Core, TP x PP x DP)")
     megatron: MegatronConfig = Field(default_factory=MegatronConfig, description="Megatron-Core backend settings")
     steps: int = Field(30, ge=1, le=10_000_000, description="GRPO steps to run")
     groups_per_step: int = Field(8, ge=1, le=1_000_000, description="prompt groups per training batch")

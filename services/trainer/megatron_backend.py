@@ -1,8 +1,9 @@
 """The Megatron-Core training backend: an HF Llama/Qwen2/Qwen3 model as a Megatron GPTModel.
 
-Owns: the process-group layout (TP × DP; PP is refused for now), the GPTModel built from the HF
-config (`megatron_convert`), its optimizer, the GRPO step (the same `policy_loss` as the torch
-backend), HF weight publication, distributed checkpoints, and the elastic gradient hook.
+Owns: the process-group layout (TP × PP × DP), this rank's stage of the GPTModel built from the
+HF config (`megatron_convert`), its optimizer, the GRPO step (the same `policy_loss` as the torch
+backend, run through Megatron's pipeline schedule by `megatron_pipeline`), HF weight publication,
+distributed checkpoints (`megatron_checkpoint`), and the elastic gradient hook.
 Must not know: Redis, gRPC, how batches are assembled.
 
 Two execution paths, one model:
@@ -12,11 +13,11 @@ Two execution paths, one model:
     CPU   fp32, no Megatron DDP (its buffers and the distributed optimizer are CUDA-only): one
           flattened all-reduce over the DP group and torch AdamW — the torch backend's scheme.
 
-Each rank is called with its DP replica's shard of the step's batch; the ranks of one TP group
-must be handed the same shard. Every rank's loss is divided by (global loss tokens N / W), W the
-replicas of the step, and the DP sum of gradients is divided by W, so the update is the
-token-level mean over the whole batch (Megatron DDP runs with calculate_per_token_loss, i.e. it
-sums and leaves the scaling to us).
+Each rank is called with its DP replica's shard of the step's batch; the ranks of one
+model-parallel group (TP × PP: every rank of the replica) must be handed the same shard. Every
+rank's loss is divided by (global loss tokens N / W), W the replicas of the step, and the DP sum
+of gradients is divided by W, so the update is the token-level mean over the whole batch
+(Megatron DDP runs with calculate_per_token_loss, i.e. it sums and leaves the scaling to us).
 
     backward (all micro-batches) ─▶ gradient_hook.inject(flat local grad) ─▶ ×1/W ─▶ DP reduce
         ─▶ gradient_hook.deliver(reduced grad) ─▶ clip ─▶ optimizer step
@@ -24,8 +25,10 @@ sums and leaves the scaling to us).
 `gradient_hook` is `backend.GradientHook`, the elastic pool's backend-neutral injection point, with
 the torch backend's arithmetic. Delivering the reduced gradient to hybrids needs it whole on each
 core rank, which the distributed optimizer (reduce-scatter) does not give: with a hook set on GPUs,
-`trainer.megatron.distributed_optimizer` must be false. `save_checkpoint` (model + optimizer, the
-Megatron distributed checkpoint format) is the snapshot a joining replica loads.
+`trainer.megatron.distributed_optimizer` must be false. A hybrid computes the whole model's
+gradient, a pipeline stage only its part: with `pipeline_parallel` > 1 setting a hook is refused.
+`save_checkpoint` (model + optimizer, the Megatron distributed checkpoint format) is the snapshot
+a joining replica loads.
 
 CPU (tests, tiny runs): Megatron-Core assumes CUDA in a few helpers; `megatron_runtime.
 patch_megatron_for_cpu` adapts exactly those, and only when torch has no CUDA.
@@ -36,18 +39,16 @@ sharded state fails there (docs/benchmarks.md, Megatron section); the CPU checkp
 
 from __future__ import annotations
 
-import glob
 import os
 import random
 import shutil
 import time
-from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
+from libra.services.trainer import megatron_pipeline as pipeline
 from libra.services.trainer import megatron_runtime as rt
-from libra.services.trainer.backend import HybridShare, TrainBackend, TrainBatch, pack
-from libra.services.trainer.grpo import policy_loss
+from libra.services.trainer.backend import GradientHook, HybridShare, TrainBackend, TrainBatch
 
 if TYPE_CHECKING:
     import torch
@@ -65,13 +66,27 @@ class MegatronBackend(TrainBackend):
         self.seed = seed
         self.layer_spec = layer_spec or config.megatron.layer_spec
         self.model_dir: str | None = None
-        self.gradient_hook = None  # backend.GradientHook: elastic hybrid replicas' injection point
+        self._hook: GradientHook | None = None  # elastic hybrid replicas' injection point
         self.shape: Any = None
         self._hf_config: Any = None
         self._model: Any = None  # the GPTModel (inside the DDP wrapper on CUDA)
         self._ddp: Any = None
         self._optimizer: Any = None
         self._cuda = False
+        self._parameters = 0
+
+    @property
+    def gradient_hook(self) -> GradientHook | None:
+        return self._hook
+
+    @gradient_hook.setter
+    def gradient_hook(self, hook: GradientHook | None) -> None:
+        pp = self.config.megatron.pipeline_parallel
+        if hook is not None and pp > 1:
+            raise FailedPrecondition(
+                f"elastic hybrid replicas add whole-model gradients, but trainer.megatron.pipeline_parallel={pp} "
+                "leaves each core rank one stage's: set pipeline_parallel=1 to use hybrid replicas")
+        self._hook = hook
 
     # ---- loading -------------------------------------------------------------------------
     def load(self, model_dir: str) -> None:
@@ -86,23 +101,25 @@ class MegatronBackend(TrainBackend):
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         shape = convert.model_shape(hf_config)
         convert.check_parallel(shape, settings.tensor_parallel, settings.pipeline_parallel)
-        if settings.pipeline_parallel != 1:
-            raise ValueError("trainer.megatron.pipeline_parallel > 1 is not implemented yet; use 1")
         self._cuda = torch.cuda.is_available()
         if not self._cuda:
             torch.set_num_threads(self.config.torch_threads)
             rt.patch_megatron_for_cpu()
-        rt.init_parallel(settings.tensor_parallel, self._cuda)
+        rt.init_parallel(settings.tensor_parallel, self._cuda, settings.pipeline_parallel)
         torch.manual_seed(self.seed)
         random.seed(self.seed)
         bf16 = self._cuda and settings.bf16
         self.shape, self._hf_config, self.model_dir = shape, hf_config, model_dir
         model = self._build(hf_config, bf16)
-        self._load_hf_weights(model, model_dir)
+        _load_state(model, pipeline.stage_state(model, model_dir, shape, settings.tensor_parallel, rt.tp_rank()))
         self._model = model
+        self._parameters = pipeline.count_parameters(model, settings.tensor_parallel, self._device())
         self._build_optimizer(bf16)
 
     def _build(self, hf_config: Any, bf16: bool) -> Any:
+        """This rank's stage: the embedding on the first, its share of the layers, the final norm
+        and LM head on the last (with PP = 1, all of it)."""
+        from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
 
         from libra.services.trainer import megatron_convert as convert
@@ -110,33 +127,30 @@ class MegatronBackend(TrainBackend):
 
         settings = self.config.megatron
         tconfig = convert.transformer_config(
-            hf_config, tp=settings.tensor_parallel, bf16=bf16, use_cpu_initialization=not self._cuda,
-            calculate_per_token_loss=True, **_fusions(settings.fused_kernels and self._cuda))
+            hf_config, tp=settings.tensor_parallel, pp=settings.pipeline_parallel, bf16=bf16,
+            use_cpu_initialization=not self._cuda, calculate_per_token_loss=True,
+            **_fusions(settings.fused_kernels and self._cuda))
+        # Activations cross stages with their shape: micro-batches differ in width and size. (Set after
+        # construction: TransformerConfig refuses it for MoE's allgather dispatcher, which is its
+        # default even for a dense model like this one.)
+        tconfig.variable_seq_lengths = settings.pipeline_parallel > 1
         # perform_initialization stays on although the HF weights replace the random ones: it is also
         # what marks each parameter tensor-parallel or replicated, which grad-norm clipping relies on.
         model = GPTModel(
             config=tconfig, transformer_layer_spec=layer_spec(self.layer_spec, self.shape.qk_norm),
             vocab_size=self.shape.vocab, max_sequence_length=hf_config.max_position_embeddings,
-            pre_process=True, post_process=True, share_embeddings_and_output_weights=self.shape.tied,
+            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=self.shape.tied,
             position_embedding_type="rope", rotary_base=convert.rope_theta(hf_config),
         )
         model.eval()  # no dropout: the policy ratio compares two passes of one function
+        if bf16:
+            # Megatron builds its linears in params_dtype but the torch norms (no Apex/TE here) in
+            # fp32. Everything in bf16, as Megatron's Float16Module does: a bf16 norm runs torch's
+            # fused RMSNorm kernel, and the distributed optimizer maps masters to parameters only
+            # when a group is not a mix of fp32 and bf16 parameters.
+            model.bfloat16()
         return model
-
-    def _load_hf_weights(self, model: Any, model_dir: str) -> None:
-        from safetensors.torch import load_file
-
-        from libra.services.trainer import megatron_convert as convert
-
-        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-        if not files:
-            raise ValueError(f"MegatronBackend.load: no *.safetensors weights in {model_dir!r}")
-        hf: dict[str, Any] = {}
-        for name in files:
-            hf.update(load_file(name))
-        tp, rank = self.config.megatron.tensor_parallel, rt.tp_rank()
-        state = convert.hf_to_megatron(hf, self.shape, tp=tp, rank=rank)
-        _load_state(model, state)
 
     def _build_optimizer(self, bf16: bool) -> None:
         import torch
@@ -157,6 +171,13 @@ class MegatronBackend(TrainBackend):
             params_dtype=torch.bfloat16 if bf16 else torch.float32, clip_grad=self.config.max_grad_norm,
             use_distributed_optimizer=sharded)
         self._optimizer = get_megatron_optimizer(opt_config, [self._ddp])
+        # Without Transformer Engine or Apex, Megatron falls back to torch AdamW in its multi-tensor
+        # (foreach) form; its fused CUDA kernel does the same update in one pass over the fp32
+        # masters. Set before the first step, which creates the state on the device it needs.
+        for inner in getattr(self._optimizer, "chained_optimizers", None) or [self._optimizer]:
+            for group in inner.optimizer.param_groups:
+                if "fused" in group:
+                    group["foreach"], group["fused"] = False, True
 
     @property
     def model(self) -> Any:
@@ -165,47 +186,28 @@ class MegatronBackend(TrainBackend):
         return self._model
 
     def num_parameters(self) -> int:
-        """Parameters of the full model (TP shards summed; replicated norms counted once)."""
-        total = 0
-        for p in self.model.parameters():
-            sharded = getattr(p, "tensor_model_parallel", False)
-            total += p.numel() * (self.config.megatron.tensor_parallel if sharded else 1)
-        return total
+        """Parameters of the whole model (all stages, TP shards summed, replicated norms once), counted at load."""
+        if self._model is None:
+            raise FailedPrecondition("MegatronBackend: call load(model_dir) first")
+        return self._parameters
 
     # ---- forward ---------------------------------------------------------------------------
-    def _forward(self, sequences: list) -> tuple[Any, torch.Tensor]:
-        """Packed batch and the (B, T−1) float32 log-probs of each next token (vocab-parallel CE)."""
+    def _device(self) -> Any:
         import torch
 
-        packed = pack(sequences)
-        device = torch.cuda.current_device() if self._cuda else "cpu"
-        input_ids = packed.input_ids.to(device)
-        batch, width = input_ids.shape
-        positions = torch.arange(width, device=device).unsqueeze(0).expand(batch, width)
-        labels = torch.zeros_like(input_ids)
-        labels[:, :-1] = input_ids[:, 1:]
-        # SDPA applies the causal mask itself; the local spec takes it as a tensor (True = hidden).
-        mask = None
-        if self.layer_spec == "local":
-            mask = torch.ones((width, width), dtype=torch.bool, device=device).triu(1)[None, None]
-        runner = self._ddp if self._ddp is not None else self.model
-        # With labels, GPTModel returns the per-token cross entropy −log p(label), vocab-parallel in fp32.
-        loss = runner(input_ids=input_ids, position_ids=positions, attention_mask=mask, labels=labels)
-        return packed, -loss[:, :-1].float()
+        return torch.cuda.current_device() if self._cuda else "cpu"
+
+    def _micro_batches(self, batch: TrainBatch, size: int) -> list[pipeline.Micro]:
+        # SDPA applies the causal mask itself; the local spec takes it as a tensor.
+        return pipeline.micro_batches(batch, size, self._device(), causal_mask=self.layer_spec == "local")
+
+    def _runner(self) -> Any:
+        return self._ddp if self._ddp is not None else self.model
 
     def compute_logprobs(self, batch: TrainBatch) -> list[torch.Tensor]:
-        return [lp.cpu() for lp in self._logprobs(batch, self.config.micro_batch_size)]
-
-    def _logprobs(self, batch: TrainBatch, micro_batch_size: int) -> list[torch.Tensor]:
-        import torch
-
-        out: list[torch.Tensor] = []
-        with torch.no_grad():
-            for micro in batch.micro_batches(micro_batch_size):
-                packed, logprobs = self._forward(micro)
-                mask = packed.response_mask.to(logprobs.device)
-                out.extend(row[m] for row, m in zip(logprobs, mask))
-        return out
+        """Collective over the model-parallel group; every stage gets the last stage's log-probs."""
+        local = pipeline.logprobs(self._runner(), self._micro_batches(batch, self.config.micro_batch_size))
+        return [lp.cpu() for lp in pipeline.share_logprobs(local, batch, self._device())]
 
     # ---- the GRPO step ---------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, config: TrainerConfig) -> dict[str, float]:
@@ -276,12 +278,14 @@ class MegatronBackend(TrainBackend):
         return self._optimizer
 
     def accumulate_gradients(self, batch: TrainBatch, config: TrainerConfig, token_count: float) -> dict[str, float]:
-        """Zeroed gradients, then every micro-batch's gradient of Σ token loss / token_count; metric sums."""
-        old = self._logprobs(batch, config.micro_batch_size) if config.recompute_logprobs else None
+        """Zeroed gradients, then every micro-batch's gradient of Σ token loss / token_count; metric
+        sums (equal on every stage). Recomputed old log-probs are needed on the last stage only."""
+        micros = self._micro_batches(batch, config.micro_batch_size)
+        old = pipeline.logprobs(self._runner(), micros) if config.recompute_logprobs else None
         self._set_hyper_parameters(config)
         self._zero_grad()
-        sums = self._accumulate(batch, config, old, token_count=token_count)
-        self._sum_qk_norm_gradients()
+        sums = pipeline.accumulate(self._runner(), micros, config, old, token_count=token_count)
+        pipeline.finish_model_parallel_grads(self.model, main_grad=self._ddp is not None)
         return sums
 
     def flat_gradients(self) -> torch.Tensor:
@@ -299,24 +303,9 @@ class MegatronBackend(TrainBackend):
                 raise FloatingPointError("step_optimizer: the optimizer skipped the update (non-finite gradients)")
             return float(grad_norm)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = rt.clip_tp_aware(params, config.max_grad_norm)
+        grad_norm = rt.clip_model_parallel(params, config.max_grad_norm)
         self._optimizer.step()
         return grad_norm
-
-    def _sum_qk_norm_gradients(self) -> None:
-        """Qwen3's q/k norms are replicated over TP but each rank applies them to its own heads only,
-        so each rank holds part of their gradient: sum it over the TP group (other replicated
-        weights — the layer norms — see the full hidden state and already agree)."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        if self.config.megatron.tensor_parallel == 1 or not self.shape.qk_norm:
-            return
-        for name, p in self.model.named_parameters():
-            if "q_layernorm" in name or "k_layernorm" in name:
-                grad = p.main_grad if self._ddp is not None else p.grad
-                if grad is not None:
-                    dist.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
 
     def local_gradient(self) -> torch.Tensor:
         """This rank's gradient as one flat tensor (Megatron DDP's grad buffers, else every .grad)."""
@@ -350,30 +339,6 @@ class MegatronBackend(TrainBackend):
         for p in self.model.parameters():
             p.grad = None
 
-    def _accumulate(self, batch: TrainBatch, config: TrainerConfig, old: list | None,
-                    token_count: float) -> dict[str, float]:
-        import torch
-
-        sums: dict[str, float] = defaultdict(float)
-        done = 0
-        for micro in batch.micro_batches(config.micro_batch_size):
-            packed, new = self._forward(micro)
-            device = new.device
-            behaviour = packed.behaviour_logprobs.to(device)
-            old_grid = behaviour
-            if old is not None:
-                old_grid = torch.zeros_like(new)
-                old_grid[packed.response_mask.to(device)] = torch.cat(old[done: done + len(micro)]).to(device)
-            done += len(micro)
-            loss, metrics = policy_loss(
-                new, old_grid, behaviour, packed.advantages.to(device), packed.loss_mask.to(device),
-                config.clip_low, config.clip_high, config.tis_cap, config.kl_coef, token_count=token_count)
-            loss.backward()
-            sums["loss"] += float(loss.detach())
-            for name, value in metrics.items():
-                sums[name] += float(value)
-        return sums
-
     def _set_hyper_parameters(self, config: TrainerConfig) -> None:
         # Per step, so a changed config on resume takes effect; Megatron's groups carry wd_mult
         # (0 for biases and norms), which is kept.
@@ -389,33 +354,13 @@ class MegatronBackend(TrainBackend):
 
     def hf_named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of the whole model on this device, for the weights group; collective over
-        TP, and only the rank that holds the full weights (DP 0, TP 0) gets a non-empty list."""
+        DP replica 0 (TP and PP), and only global rank 0 (DP 0, TP 0, first stage) gets a non-empty list."""
         hf = self.hf_state_dict(to_cpu=False)
         return sorted(hf.items()) if hf is not None else []
 
     def hf_state_dict(self, to_cpu: bool = True) -> dict[str, torch.Tensor] | None:
-        """The full HF state dict on DP rank 0 / TP rank 0 (None elsewhere); collective over TP."""
-        import torch
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        from libra.services.trainer import megatron_convert as convert
-
-        local = {k: v.detach() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
-        tp = self.config.megatron.tensor_parallel
-        shards = [local]
-        if tp > 1:
-            group = ps.get_tensor_model_parallel_group()
-            shards = []
-            for name in sorted(local):
-                gathered = [torch.empty_like(local[name]) for _ in range(tp)]
-                dist.all_gather(gathered, local[name].contiguous(), group=group)
-                shards.append((name, gathered))
-            shards = [{name: g[r] for name, g in shards} for r in range(tp)]
-        if rt.tp_rank() != 0 or ps.get_data_parallel_rank() != 0:
-            return None
-        move = (lambda t: t.cpu()) if to_cpu else (lambda t: t)
-        return convert.megatron_to_hf([{k: move(v) for k, v in s.items()} for s in shards], self.shape)
+        """The whole model's HF state dict on global rank 0 (None elsewhere); collective over DP replica 0."""
+        return pipeline.hf_state_dict(self.model, self.shape, to_cpu, self._device())
 
     def save_weights(self, out_dir: str) -> None:
         from safetensors.torch import save_file

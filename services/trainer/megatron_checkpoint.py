@@ -196,6 +196,13 @@ class _MegatronOptimizers(_Adapter):
         sharded = [o for o in inner if _distributed(o)]
         self.dp_group = sharded[0].data_parallel_group if sharded else None
         self.owner: dict[int, Any] = {}
+        # Model parameter -> its fp32 master shard, paired as Megatron's own main-to-model copy pairs them.
+        self.shard: dict[int, Any] = {}
+        for opt in sharded:
+            for models, shards in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                                   (opt.model_fp32_groups, opt.shard_fp32_groups)):
+                for model_group, shard_group in zip(models, shards):
+                    self.shard.update((id(m), s) for m, s in zip(model_group, shard_group))
         for name, p in _parameters(backend):
             found = [o for o in inner if _owns(o, p)]
             if len(found) > 1 or (not found and not sharded):
@@ -209,8 +216,13 @@ class _MegatronOptimizers(_Adapter):
         if opt is None:
             return {}, 0, 0
         if _distributed(opt):
-            tensors = opt._get_main_param_and_optimizer_states(p)
+            main = self.shard[id(p)]
             piece = opt._get_model_param_range_map(p)["param"]
+            if piece.end - piece.start != main.numel():
+                raise RuntimeError(f"megatron checkpoint: the master shard of a {tuple(p.shape)} parameter has "
+                                   f"{main.numel()} elements, its range {piece.start}:{piece.end}")
+            tensors = {"param": main}
+            tensors.update((k, v) for k, v in opt.optimizer.state.get(main, {}).items() if k in MOMENTS)
             return tensors, piece.start, piece.end
         main = getattr(p, "main_param", p)
         tensors = {"param": main.view(-1)}
@@ -257,6 +269,12 @@ class _MegatronOptimizers(_Adapter):
     def set_states(self, states: dict[str, dict[str, Any]], step: float) -> None:
         import torch
 
+        with torch.no_grad():  # masters are leaves that require grad
+            self._set_states(states, step)
+
+    def _set_states(self, states: dict[str, dict[str, Any]], step: float) -> None:
+        import torch
+
         for opt in self.inner:
             if _distributed(opt):
                 if not opt.optimizer.state:
@@ -297,10 +315,11 @@ def _init_torch_state(optimizer: Any) -> None:
     import torch
 
     for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")  # these keep `step` beside the parameter
         for p in group["params"]:
             state = optimizer.state[p]
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
                 for k in MOMENTS:
                     state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
 

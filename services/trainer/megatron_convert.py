@@ -175,17 +175,26 @@ def hf_to_megatron(hf: dict[str, Tensor], shape: Shape, tp: int = 1, rank: int =
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def megatron_to_hf(shards: list[dict[str, Tensor]], shape: Shape) -> dict[str, Tensor]:
-    """HF tensors from the state dicts of all TP ranks (index = TP rank) of an unsplit pipeline."""
+def megatron_to_hf(shards: list[dict[str, Tensor]], shape: Shape, layer_offset: int = 0,
+                   layers: int | None = None, first: bool = True, last: bool = True) -> dict[str, Tensor]:
+    """HF tensors from the state dicts of all TP ranks (index = TP rank) of one pipeline stage.
+
+    The stage holds `layers` layers from `layer_offset` on (default: the whole model), the
+    embedding if `first`, the final norm and LM head if `last`; a last stage's copy of a tied
+    embedding is not written (the first stage's is the HF tensor).
+    """
     import torch
 
     tp = len(shards)
-    hf: dict[str, Tensor] = {"model.embed_tokens.weight": torch.cat([s["embedding.word_embeddings.weight"] for s in shards])}
-    for layer in range(shape.layers):
-        src, dst = f"decoder.layers.{layer}.", f"model.layers.{layer}."
-        first = shards[0]
-        hf[dst + "input_layernorm.weight"] = first[src + "input_layernorm.weight"]
-        hf[dst + "post_attention_layernorm.weight"] = first[src + "pre_mlp_layernorm.weight"]
+    layers = shape.layers if layers is None else layers
+    hf: dict[str, Tensor] = {}
+    if first:
+        hf["model.embed_tokens.weight"] = torch.cat([s["embedding.word_embeddings.weight"] for s in shards])
+    for local in range(layers):
+        src, dst = f"decoder.layers.{local}.", f"model.layers.{local + layer_offset}."
+        rank0 = shards[0]
+        hf[dst + "input_layernorm.weight"] = rank0[src + "input_layernorm.weight"]
+        hf[dst + "post_attention_layernorm.weight"] = rank0[src + "pre_mlp_layernorm.weight"]
         attn = dst + "self_attn."
         q, k, v = _split_qkv([s[src + "self_attention.linear_qkv.weight"] for s in shards], shape)
         hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"] = q, k, v
@@ -193,16 +202,17 @@ def megatron_to_hf(shards: list[dict[str, Tensor]], shape: Shape) -> dict[str, T
             q, k, v = _split_qkv([s[src + "self_attention.linear_qkv.bias"] for s in shards], shape)
             hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"] = q, k, v
         if shape.qk_norm:
-            hf[attn + "q_norm.weight"] = first[src + "self_attention.q_layernorm.weight"]
-            hf[attn + "k_norm.weight"] = first[src + "self_attention.k_layernorm.weight"]
+            hf[attn + "q_norm.weight"] = rank0[src + "self_attention.q_layernorm.weight"]
+            hf[attn + "k_norm.weight"] = rank0[src + "self_attention.k_layernorm.weight"]
         hf[attn + "o_proj.weight"] = torch.cat([s[src + "self_attention.linear_proj.weight"] for s in shards], dim=1)
         fc1 = [s[src + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
         hf[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in fc1])
         hf[dst + "mlp.up_proj.weight"] = torch.cat([u for _, u in fc1])
         hf[dst + "mlp.down_proj.weight"] = torch.cat([s[src + "mlp.linear_fc2.weight"] for s in shards], dim=1)
-    hf["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"]
-    if not shape.tied:
-        hf["lm_head.weight"] = torch.cat([s["output_layer.weight"] for s in shards])
+    if last:
+        hf["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"]
+        if not shape.tied:
+            hf["lm_head.weight"] = torch.cat([s["output_layer.weight"] for s in shards])
     assert tp >= 1
     return {k: v.contiguous() for k, v in hf.items()}
 

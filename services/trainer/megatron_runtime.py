@@ -1,8 +1,12 @@
 """Megatron-Core's process groups, the few collectives the trainer adds, and its CPU adaptations.
 
-Owns: joining torch.distributed and building Megatron's TP × DP groups (once per process), sums
-over the data-parallel group, TP-aware gradient clipping for the CPU path, and the patches that let
-Megatron-Core run where torch has no CUDA. Must not know: models, batches, the GRPO loss.
+Owns: joining torch.distributed and building Megatron's TP × PP × DP groups (once per process),
+sums over the data-parallel group, model-parallel-aware gradient clipping for the CPU path, and the
+patches that let Megatron-Core run where torch has no CUDA. Must not know: models, batches, the
+GRPO loss.
+
+Rank layout (Megatron's default order tp-cp-ep-dp-pp): global rank = tp + TP·(dp + DP·pp), so
+global rank 0 is TP rank 0 of DP replica 0 on the first pipeline stage.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 from libra.errors import FailedPrecondition
 
 
-def init_parallel(tp: int, cuda: bool) -> None:
+def init_parallel(tp: int, cuda: bool, pp: int = 1) -> None:
     """Join (or create, for one process) torch.distributed, then Megatron's model-parallel groups."""
     import torch
     import torch.distributed as dist
@@ -30,15 +34,17 @@ def init_parallel(tp: int, cuda: bool) -> None:
             store = os.path.join(tempfile.mkdtemp(prefix="libra-megatron-"), "store")
             dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % tp:
-        raise ValueError(f"trainer.megatron.tensor_parallel={tp} does not divide the world size {world}")
+    if world % (tp * pp):
+        raise ValueError(f"trainer.megatron.tensor_parallel={tp} × pipeline_parallel={pp} = {tp * pp} does not "
+                         f"divide the world size {world}; launch a multiple of {tp * pp} ranks")
     if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() != tp:
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
             raise FailedPrecondition(
-                f"Megatron model parallelism is already initialised with TP={ps.get_tensor_model_parallel_world_size()}, "
-                f"not trainer.megatron.tensor_parallel={tp}; one process holds one layout")
+                f"Megatron model parallelism is already initialised with TP={have[0]}, PP={have[1]}, not "
+                f"trainer.megatron.tensor_parallel={tp}, pipeline_parallel={pp}; one process holds one layout")
         return
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if cuda:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
@@ -59,6 +65,18 @@ def tp_rank() -> int:
     from megatron.core import parallel_state as ps
 
     return ps.get_tensor_model_parallel_rank()
+
+
+def pp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size()
+
+
+def last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage()
 
 
 def dp_size() -> int:
@@ -91,19 +109,28 @@ def dp_sum_tensor(tensor: Any) -> Any:
     return tensor
 
 
-def clip_tp_aware(params: list[Any], max_norm: float) -> float:
-    """Clip by the norm of the whole model: TP-sharded grads summed over TP, replicated ones once."""
+def clip_model_parallel(params: list[Any], max_norm: float) -> float:
+    """Clip by the norm of the whole model, every rank of a model-parallel (TP × PP) group alike.
+
+    TP-sharded gradients are summed over TP and PP; replicated ones (norms) are counted once per
+    stage (TP rank 0's); the last stage's copy of a tied embedding (`shared`, kept equal to the
+    first stage's) is not counted, as in Megatron's own clipping.
+    """
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     grads = [p for p in params if p.grad is not None]
-    sharded = sum(float(p.grad.double().pow(2).sum()) for p in grads if getattr(p, "tensor_model_parallel", False))
-    replicated = sum(float(p.grad.double().pow(2).sum()) for p in grads if not getattr(p, "tensor_model_parallel", False))
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        tensor = torch.tensor([sharded], dtype=torch.float64)
-        dist.all_reduce(tensor, group=ps.get_tensor_model_parallel_group())
-        sharded = float(tensor)
+    counted = [p for p in grads if not getattr(p, "shared", False)]
+    sharded = sum(float(p.grad.double().pow(2).sum()) for p in counted if getattr(p, "tensor_model_parallel", False))
+    replicated = sum(float(p.grad.double().pow(2).sum()) for p in counted
+                     if not getattr(p, "tensor_model_parallel", False))
+    group = ps.get_model_parallel_group()
+    if dist.get_world_size(group) > 1:
+        tensor = torch.tensor([sharded, replicated if ps.get_tensor_model_parallel_rank() == 0 else 0.0],
+                              dtype=torch.float64)
+        dist.all_reduce(tensor, group=group)
+        sharded, replicated = float(tensor[0]), float(tensor[1])
     norm = (sharded + replicated) ** 0.5
     scale = max_norm / (norm + 1e-6)
     if scale < 1.0:
@@ -131,11 +158,14 @@ def patch_megatron_for_cpu() -> None:
     """Make Megatron-Core's CUDA assumptions hold on a CPU-only torch; called only without CUDA.
 
     Megatron allocates scratch tensors on `torch.cuda.current_device()` (GlobalMemoryBuffer, the
-    RoPE frequencies, the checkpoint writer's status flags), waits on `torch.cuda.synchronize()`
-    before copying checkpoint tensors out, and swaps CUDA RNG states in
-    `CudaRNGStatesTracker.fork`. With no CUDA each of these raises. Here the current device is the
-    CPU, there is no stream to wait for, and the fork is a no-op (the model runs without dropout,
-    so no random stream is drawn inside it). A CUDA build of torch is never patched.
+    RoPE frequencies, the checkpoint writer's status flags, the pipeline's received activations),
+    waits on `torch.cuda.synchronize()` before copying checkpoint tensors out and after pipeline
+    sends, swaps CUDA RNG states in `CudaRNGStatesTracker.fork`, moves the last stage's copy of a
+    tied embedding with `Tensor.cuda()` before syncing it, and its pipeline schedules count tokens
+    in `torch.zeros(..., device="cuda")`. With no CUDA each of these raises. Here the current
+    device is the CPU, there is no stream to wait for, the fork is a no-op (the model runs without
+    dropout, so no random stream is drawn inside it), `.cuda()` leaves a tensor where it is, and
+    the schedules' "cuda" zeros are CPU zeros. A CUDA build of torch is never patched.
     """
     global PATCHED_
     import contextlib
@@ -148,10 +178,29 @@ def patch_megatron_for_cpu() -> None:
 
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
     @contextlib.contextmanager
     def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):  # noqa: ANN001 - Megatron's signature
         yield
 
     mrandom.CudaRNGStatesTracker.fork = fork
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _TorchOnCpu()
     PATCHED_ = True
+
+
+class _TorchOnCpu:
+    """`torch` as Megatron's pipeline schedules see it without CUDA: `zeros(device="cuda")` is on the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size: Any, device: Any = None, **kwargs: Any) -> Any:
+        import torch
+
+        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)

@@ -132,8 +132,10 @@ def test_configs_megatron_cannot_express_are_refused_by_field():
         convert.model_shape(LlamaConfig(**COMMON, rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                                  "original_max_position_embeddings": 64}))
+    with pytest.raises(ValueError, match="pipeline_parallel=3 does not divide config.json num_hidden_layers=2"):
+        convert.check_parallel(convert.model_shape(LlamaConfig(**COMMON)), tp=1, pp=3)
     with pytest.raises(ValueError, match="pipeline_parallel"):
-        TrainerConfig(megatron={"pipeline_parallel": 2})
+        TrainerConfig(megatron={"pipeline_parallel": 0})
     with pytest.raises(ValueError, match="layer_spec"):
         TrainerConfig(megatron={"layer_spec": "te"})
 
@@ -199,7 +201,7 @@ def test_tensor_parallel_two_ranks_equal_one_rank(model_dirs, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 Megatron path, DDP + distributed optimizer)")
 def test_gpu_bf16_step_and_checkpoint(model_dirs, tmp_path):
-    backend = _megatron(model_dirs["qwen2"], micro_batch_size=2)
+    backend = _megatron(model_dirs["qwen2"])
     batch = _batch()
     for ours, expected in zip(backend.compute_logprobs(batch), _reference(model_dirs["qwen2"], batch)):
         assert torch.allclose(ours, expected, atol=5e-2)  # bf16 weights and activations
