@@ -4,7 +4,7 @@
 # carried in .whl/ (megatron-core 0.19.2 cp312, pydantic, structlog, redis, pytest) and installed
 # into /tmp/site. Results go to $OUT (default /tmp/libra-gpu-out).
 #
-#   bash benchmarks/gpu_session.sh tests sync mfu        # any of: tests sync mfu mfu16 pp elastic e2e
+#   bash benchmarks/gpu_session.sh tests sync mfu        # any of: tests sync mfu mfu16 profile pp elastic
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/libra-gpu-out}
@@ -30,7 +30,10 @@ for item in "$@"; do
     case $item in
         tests) step tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/unit/test_megatron_convert.py ;;
         sync) step sync 180 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 --bucket-mb 256 --out "$OUT/sync.json" ;;
-        mfu) step mfu 330 python3 benchmarks/gpu_train_mfu.py --out "$OUT/mfu" --only megatron-sdpa,megatron-sdpa-unfused --run-timeout 150 ;;
+        mfu) step mfu 420 python3 benchmarks/gpu_train_mfu.py --out "$OUT/mfu" \
+                 --only torch,megatron-sdpa,megatron-sdpa-unfused,megatron-sdpa-tp2 --run-timeout 120 ;;
+        profile) step profile 150 python3 benchmarks/gpu_train_mfu.py --out "$OUT/profile" --only megatron-sdpa \
+                     --steps 2 --profile --run-timeout 140 ;;
         mfu16) step mfu16 200 python3 benchmarks/gpu_train_mfu.py --out "$OUT/mfu16" --only megatron-sdpa --micro 16 --run-timeout 170 ;;
         pp) step pp 200 python3 benchmarks/gpu_train_mfu.py --out "$OUT/pp" --only megatron-sdpa-pp2 --micro 4 --run-timeout 170 ;;
         elastic) step elastic 300 python3 benchmarks/elastic_join.py --device cuda:0 --hybrid-device cuda:1 --hidden 1024 \
