@@ -11,11 +11,14 @@
 The core is D data-parallel ranks (--core-ranks; processes over gloo when D > 1) of the plain
 torch backend with the real `ElasticCore`; the hybrid is the real
 `python -m libra.services.trainer.elastic.hybrid` process.
-The side channel is TCP; on GPUs its tensors are staged through host memory (CPU-staged channel)
-and the core never builds a process group for the hybrid. Every step time includes the boundary
-(membership freeze, snapshot copy) and the full train step.
+Control frames go over the TCP side channel; gradients (the hybrid's, the reduced one back, the
+catch-up) go by --channel: tcp (in the frames; staged through host memory on GPUs), group (a
+private two-rank group per hybrid: NCCL between two GPUs, gloo otherwise), auto (group when both
+are on GPUs, else tcp). The core's own process group is never used for the hybrid. Every step
+time includes the boundary (membership freeze, snapshot copy) and the full train step.
 
     python benchmarks/elastic_join.py                                   # CPU, one core rank
+    python benchmarks/elastic_join.py --channel group                   # CPU, gradients over gloo
     python benchmarks/elastic_join.py --core-ranks 2                    # CPU, two core ranks over gloo
     python benchmarks/elastic_join.py --device cuda:0 --hybrid-device cuda:1 --hidden 1024 --layers 8
 """
@@ -82,6 +85,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-join-steps", type=int, default=1000, help="give up if not active after this many")
     parser.add_argument("--max-catch-up-steps", type=int, default=64,
                         help="gradients the core may keep for a join in progress (device memory)")
+    parser.add_argument("--max-join-s", type=float, default=180.0,
+                        help="give up if not active this many seconds after admission (bounds the run)")
+    parser.add_argument("--channel", choices=("auto", "tcp", "group"), default="auto",
+                        help="how gradients travel: auto (group on two GPUs, else tcp), tcp, group")
+    parser.add_argument("--grad-deadline-s", type=float, default=60.0,
+                        help="a hybrid's gradient (and every pair-group transfer) must arrive within this")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each core rank and the hybrid")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--json", help="also write the results here")
@@ -114,13 +123,14 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, wo
     backend.load(model_dir)
     backend.to(args.device)
     core = ElasticCore(backend, dp_rank=rank, core_ranks=world, snapshot_root=os.path.join(work, "snapshots"),
-                       snapshot_shards=args.shards, max_catch_up_steps=args.max_catch_up_steps)
+                       snapshot_shards=args.shards, max_catch_up_steps=args.max_catch_up_steps,
+                       channel=args.channel, grad_deadline_s=args.grad_deadline_s)
     backend.gradient_hook = core
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    step, rows = 0, []
+    step, rows, channel = 0, [], ""
 
     def one_step(phase: str) -> None:
-        nonlocal step
+        nonlocal step, channel
         step += 1
         began = time.perf_counter()
         manifest = core.begin_step(step)
@@ -131,6 +141,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, wo
         core.end_step()
         sync()
         record = core.membership.hybrid("h-bench")
+        link = core.endpoint.link("h-bench")
+        channel = link.channel if link is not None else channel  # this rank's, if it owns the hybrid
         rows.append({"step": step, "phase": phase, "seconds": time.perf_counter() - began,
                      "state": record.state.value if record else "", "replicas": manifest.replicas})
 
@@ -143,7 +155,10 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, wo
         core.admit("h-bench")
     hybrid = None
     snapshot_at = active_at = None
-    while active_at is None and step - admitted_at < args.max_join_steps:
+    def in_time() -> bool:  # every rank must take the same decision (each step is a collective)
+        return not any(_all_gather(time.monotonic() - started >= args.max_join_s))
+
+    while active_at is None and step - admitted_at < args.max_join_steps and in_time():
         record = core.membership.hybrid("h-bench")
         if rank == 0 and hybrid is None and record is not None:  # started once its core rank is known
             hybrid = subprocess.Popen(
@@ -162,7 +177,10 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, wo
             active_at, active_clock = step, time.monotonic()
             rows[-1]["phase"] = "active"
     if active_at is None:
-        raise SystemExit(f"the hybrid did not become active within {args.max_join_steps} steps")
+        if hybrid is not None:
+            hybrid.kill()
+        raise SystemExit(f"the hybrid did not become active within {args.max_join_steps} steps or "
+                         f"{args.max_join_s} s (--max-join-steps, --max-join-s)")
     for _ in range(args.active_steps - 1):
         one_step("active")
     if rank == 0:
@@ -170,13 +188,24 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, wo
     one_step("released")
     code = hybrid.wait(60) if hybrid is not None else None
     core.close()
+    channels = _all_gather(channel)  # the owning rank knows its link's channel
     if rank == 0:
         report(args, rows, backend.num_parameters(), world, code, admitted_at, snapshot_at, active_at,
-               snapshot_clock, active_clock, started)
+               snapshot_clock, active_clock, started, next((c for c in channels if c), "?"))
+
+
+def _all_gather(value):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def report(args, rows, params, world, code, admitted_at, snapshot_at, active_at, snapshot_clock, active_clock,
-           started) -> None:
+           started, channel) -> None:
     def values(phase: str) -> list[float]:
         return [r["seconds"] for r in rows if r["phase"] == phase]
 
@@ -194,6 +223,7 @@ def report(args, rows, params, world, code, admitted_at, snapshot_at, active_at,
 
     result = {
         "device": args.device, "hybrid_device": args.hybrid_device, "core_ranks": world,
+        "channel_flag": args.channel, "channel": channel,
         "params": params, "steady_step_s": steady,
         "startup_step_s": median("startup"), "join_step_s": median("join"), "active_step_s": median("active"),
         "join_vs_steady": median("join") / steady, "startup_vs_steady": median("startup") / steady,
@@ -205,7 +235,7 @@ def report(args, rows, params, world, code, admitted_at, snapshot_at, active_at,
         "hybrid_exit_code": code, "rows": rows,
     }
     print(f"model: {params / 1e6:.2f} M parameters; {world} core rank(s) on {args.device}, "
-          f"hybrid on {args.hybrid_device}")
+          f"hybrid on {args.hybrid_device}; gradient channel: {channel} (--channel {args.channel})")
     print(f"{'phase':<36}{'median s':>9}{'vs steady':>10}{'mean s':>8}{'vs steady':>10}{'extra s':>8}{'steps':>6}")
     for label, phase in (("steady state (baseline)", "steady"), ("hybrid process starting", "startup"),
                          ("join: snapshot write/load, catch-up", "join"), ("hybrid active (widened batch)", "active")):

@@ -102,6 +102,56 @@ def train_step(model, optimizer, sequences, args) -> dict:
             "loss_tokens": tokens}
 
 
+class TorchTrainer:
+    """The plain loop above: an HF model and torch AdamW on the training device."""
+
+    def __init__(self, args, device, auto_model) -> None:
+        import torch
+
+        self.args = args
+        self.model = auto_model.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device)
+        self.model.config.use_cache = False
+        self.model.eval()  # no dropout: the engine samples without it too
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
+
+    def step(self, sequences) -> dict:
+        return train_step(self.model, self.optimizer, sequences, self.args)
+
+    def named_tensors(self):
+        return self.model.named_parameters()
+
+
+class MegatronTrainer:
+    """The trainer service's Megatron-Core backend (bf16, Megatron DDP + distributed optimizer),
+    publishing its HF-named tensors to the engine over the same weights group."""
+
+    def __init__(self, args, device) -> None:
+        from libra.services.trainer.config import TrainerConfig
+        from libra.services.trainer.megatron_backend import MegatronBackend
+
+        self.config = TrainerConfig(lr=args.lr, micro_batch_size=args.micro_batch, max_grad_norm=1.0,
+                                    clip_low=args.clip_low, clip_high=args.clip_high, backend="megatron")
+        self.backend = MegatronBackend(self.config, seed=args.seed)
+        self.backend.load(args.model)
+
+    def step(self, sequences) -> dict:
+        import torch
+
+        from libra.services.trainer.backend import TrainBatch
+
+        batch = TrainBatch(sequences)
+        # the gap between the engine's sampling log-probs and the trainer's, on the weights it sampled with
+        fresh = self.backend.compute_logprobs(batch)
+        gap = sum(float(((f.float() - torch.tensor(s.behaviour_logprobs)).abs() * torch.tensor(s.loss_mask)).sum())
+                  for f, s in zip(fresh, sequences))
+        metrics = self.backend.train_step(batch, self.config)
+        return {"loss": metrics["loss"], "logprob_gap": gap / max(batch.loss_tokens, 1),
+                "grad_norm": metrics["grad_norm"], "loss_tokens": batch.loss_tokens}
+
+    def named_tensors(self):
+        return self.backend.hf_named_tensors()
+
+
 def start_engine(args, port: int, log_path: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "libra.services.rollout.hf_engine", "--model", args.model, "--port", str(port),
                "--device", args.engine_device, "--dtype", args.dtype, "--max-model-len", str(args.max_total_tokens + 64),
@@ -158,10 +208,10 @@ async def run(args) -> list[dict]:
     try:
         torch.manual_seed(args.seed)
         device = torch.device(args.train_device)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device)
-        model.config.use_cache = False
-        model.eval()  # no dropout: the engine samples without it too
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        if args.trainer == "megatron":
+            trainer = MegatronTrainer(args, device)
+        else:
+            trainer = TorchTrainer(args, device, AutoModelForCausalLM)
         workload = build_workload(CalculatorConfig())
         tokenizer = load_tokenizer(args.model)
         stop_ids = stop_token_ids(tokenizer, workload) + [tokenizer.eos_token_id]
@@ -182,7 +232,7 @@ async def run(args) -> list[dict]:
 
         async def sync(version: int) -> dict:
             report: dict = {}
-            sender = threading.Thread(target=lambda: report.update(r=group.send(model.named_parameters(), version)))
+            sender = threading.Thread(target=lambda: report.update(r=group.send(trainer.named_tensors(), version)))
             began = time.perf_counter()
             sender.start()
             answer = await client._post("/collective_rpc", {"method": "libra_receive_weights", "args": [version]},
@@ -212,7 +262,7 @@ async def run(args) -> list[dict]:
             sequences = [TrainSequence(ids, plen, mask, behaviour, adv)
                          for (ids, plen, mask, behaviour, _), adv in zip(episodes, advantages)]
             began = time.perf_counter()
-            metrics = await asyncio.to_thread(train_step, model, optimizer, sequences, args)
+            metrics = await asyncio.to_thread(trainer.step, sequences)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             train_s = time.perf_counter() - began
@@ -247,6 +297,9 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--max-total-tokens", type=int, default=384)
     parser.add_argument("--backend", default="nccl", choices=("nccl", "gloo"))
+    parser.add_argument("--trainer", default="torch", choices=("torch", "megatron"),
+                        help="torch: an HF model + AdamW in this script; megatron: the Megatron-Core backend "
+                             "(bf16 on GPUs: run the engine with --dtype bfloat16)")
     parser.add_argument("--train-device", default="cuda:0")
     parser.add_argument("--engine-device", default="cuda:1")
     parser.add_argument("--dtype", default="float32")

@@ -2,9 +2,9 @@
 # The GPU checks and benchmarks of the Megatron backend, weight sync and elastic join, as run on the
 # H200 device machine (Python 3.12, torch, transformers; no network). Wheels the machine lacks are
 # carried in .whl/ (megatron-core 0.19.2 cp312, pydantic, structlog, redis, pytest) and installed
-# into /tmp/site. Results go to $OUT (default /tmp/libra-gpu-out).
+# into /tmp/site; e2e also needs the quickstart's warm-started model in .carry/ws_e2e_model. Results go to $OUT (default /tmp/libra-gpu-out).
 #
-#   bash benchmarks/gpu_session.sh tests sync mfu        # any of: tests sync mfu mfu16 profile pp elastic
+#   bash benchmarks/gpu_session.sh tests sync mfu        # any of: tests gputests sync mfu mfu16 profile pp elastic e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/libra-gpu-out}
@@ -29,7 +29,14 @@ step() {  # step NAME TIMEOUT COMMAND...: runs one item, logs to $OUT/NAME.log, 
 for item in "$@"; do
     case $item in
         tests) step tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/unit/test_megatron_convert.py ;;
-        sync) step sync 180 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 --bucket-mb 256 --out "$OUT/sync.json" ;;
+        sync) step sync 120 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 --bucket-mb 256 --out "$OUT/sync.json"
+              step sync-direct 120 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 --bucket-mb 256 \
+                  --direct-mb 8 --out "$OUT/sync-direct.json" ;;
+        syncbuckets) for mb in 512 1024; do
+                         step sync-bucket$mb 120 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 \
+                             --bucket-mb $mb --out "$OUT/sync-bucket$mb.json"
+                     done ;;
+        gputests) step gputests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_elastic_pair_group.py ;;
         mfu) step mfu 420 python3 benchmarks/gpu_train_mfu.py --out "$OUT/mfu" \
                  --only torch,megatron-sdpa,megatron-sdpa-unfused,megatron-sdpa-tp2 --run-timeout 120 ;;
         profile) step profile 150 python3 benchmarks/gpu_train_mfu.py --out "$OUT/profile" --only megatron-sdpa \
@@ -38,6 +45,8 @@ for item in "$@"; do
         pp) step pp 200 python3 benchmarks/gpu_train_mfu.py --out "$OUT/pp" --only megatron-sdpa-pp2 --micro 4 --run-timeout 170 ;;
         elastic) step elastic 300 python3 benchmarks/elastic_join.py --device cuda:0 --hybrid-device cuda:1 --hidden 1024 \
                      --layers 8 --vocab 32000 --seq-len 512 --groups 4 --threads 4 --json "$OUT/elastic.json" ;;
+        e2e) step e2e 240 python3 benchmarks/gpu_e2e_grpo.py --model .carry/ws_e2e_model --trainer megatron \
+                 --dtype bfloat16 --steps 25 --lr 1e-4 --out "$OUT/e2e_megatron" ;;
         *) echo "unknown item $item" ;;
     esac
 done

@@ -73,7 +73,8 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     device = torch.device(args.devices.split(",")[rank])
     dtype = getattr(torch, args.dtype)
     group = WeightsGroup("127.0.0.1", port, rank, 2, args.backend, device=str(device), timeout_s=300,
-                         bucket_bytes=args.bucket_mb * 2**20)
+                         bucket_bytes=args.bucket_mb * 2**20,
+                         direct_bytes=args.direct_mb * 2**20 if args.direct_mb > 0 else None)
     results = []
     version = [0]  # policy versions only grow, across tensor sets too (the store keys are per version)
     for set_name in args.sets.split(","):
@@ -123,7 +124,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
                 tensor.zero_()
         synced()
         record = {"set": set_name, "params": sum(t.numel() for t in tensors.values()), "bytes": total,
-                  "tensors": len(tensors), "bucket_mb": args.bucket_mb, "dtype": args.dtype,
+                  "tensors": len(tensors), "bucket_mb": args.bucket_mb, "direct_mb": args.direct_mb, "dtype": args.dtype,
                   "backend": args.backend, "checksum": checksum(list(tensors.values())),
                   **{f"{k}_s": statistics.median(v) for k, v in timings.items()},
                   **{f"{k}_all_s": v for k, v in timings.items()}}
@@ -147,6 +148,8 @@ def main() -> int:
     parser.add_argument("--devices", default="cuda:0,cuda:1", help="device of rank 0 (sender) and rank 1")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--direct-mb", type=int, default=0,
+                        help="tensors of at least this many MiB are broadcast on their own (0: every tensor through buckets)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="", help="write the JSON result here too")

@@ -95,7 +95,8 @@ def build_app(engine: HFEngine, tokenizer: Any = None) -> Any:
         "libra_receive_weights": lambda version: run_in_engine(lambda: engine.receive_weights(version)),
         "libra_policy_version": lambda: _value(engine.version),
         # joining blocks until every rank is there; it does not touch the model, so not in the decode thread
-        "libra_join_weights_group": lambda *args: asyncio.to_thread(engine.join_weights_group, *args),
+        "libra_join_weights_group": lambda *args: asyncio.to_thread(_join_group, engine, *args),
+        "libra_leave_weights_group": lambda: asyncio.to_thread(_leave_group, engine),
     }
 
     async def collective_rpc(http: web.Request) -> web.Response:
@@ -137,6 +138,24 @@ def build_app(engine: HFEngine, tokenizer: Any = None) -> Any:
                     web.get("/v1/models", models), web.get("/metrics", metrics),
                     web.post("/pause", pause), web.post("/resume", resume)])
     return app
+
+
+def _join_group(engine: HFEngine, host: str, port: int, rank: int, world_size: int, backend: str,
+                timeout_s: float, bucket_mb: int, generation: int = 0) -> dict[str, Any]:
+    """Make the engine rank `rank` of weights-group generation `generation`, closing its old one."""
+    from libra.services.rollout.weight_sync import join_generation
+
+    previous, engine.weights_group = engine.weights_group, None
+    engine.weights_group = join_generation(previous, host, port, rank, world_size, backend, str(engine.device),
+                                           timeout_s, bucket_mb, generation)
+    return {"rank": int(rank), "world_size": int(world_size), "backend": backend, "generation": int(generation)}
+
+
+def _leave_group(engine: HFEngine) -> dict[str, Any]:
+    group, engine.weights_group = engine.weights_group, None
+    if group is not None:
+        group.close()
+    return {"left": group is not None}
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -3,7 +3,9 @@
 ```
  SubmitPrompts ─▶ groups + QUEUED trajectories in Redis ─▶ queue ─▶ N runner tasks
      runner: AgentRunner.play (Route ▸ generate ▸ tools …) ─▶ complete_trajectory (hash + stream, atomic)
- UpdateWeights ─▶ WorkerPool.update_weights (in place, no drain) ─▶ acks in Redis
+ UpdateWeights ─▶ WeightDelivery: disk, or the weights group generation the trainer announced in
+                 Redis (in place, no drain) ─▶ acks in Redis; a worker that missed it leaves routing,
+                 one that caught up comes back
  restart: every QUEUED/RUNNING trajectory of an unfinished group is queued again (none lost,
           none counted twice: a stream entry is written once, when a trajectory completes)
 ```
@@ -29,6 +31,8 @@ from libra.services.rollout.agent import AgentRunner, TurnOutcome
 from libra.services.rollout.membership import Membership
 from libra.services.rollout.router import SchedulerRouter
 from libra.services.rollout.servicer import RolloutServicer
+from libra.services.rollout.weight_delivery import WeightDelivery
+from libra.services.rollout.weights_roster import BLOB as GROUP_BLOB, GroupRecord
 from libra.services.rollout.workers import WorkerPool
 from libra.trace_record import TraceWriter
 from libra.v1 import common_pb2, planner_pb2, planner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
@@ -51,14 +55,13 @@ class RolloutService(Service):
         self.config, self.cfg, self.run_id = config, config.rollout, config.run_id
         self.store = None
         self.pool = WorkerPool(self.cfg.worker, config.run_path / "logs" / "workers")
+        self.weights = WeightDelivery(self.pool)
         self.queue: asyncio.Queue[str] = asyncio.Queue()
         self.queued: set[str] = set()
         self.counters = collections.Counter()
         self.rewards: collections.deque[float] = collections.deque(maxlen=256)
         self.runner: AgentRunner | None = None
         self.trace: TraceWriter | None = None
-        self.group_joined = False  # the workers are ranks of the trainer's weights group
-        self._group_task: asyncio.Task | None = None  # joining it (weight_sync: group)
         self.accepting, self.playing = True, 0
         self.membership: Membership | None = None
         self._channels: list = []
@@ -94,30 +97,12 @@ class RolloutService(Service):
                                   stop_token_ids(tokenizer, workload) + [tokenizer.eos_token_id], self.config.seed)
         self.runner.on_turn = self._record_turn
         await self._start_plan(plan, path, version)
-        if self.cfg.worker.weight_sync == "group":  # the trainer hosts the group; it opens its side at once
-            self._group_task = asyncio.create_task(self._join_weights_group(), name="weights-group")
         await self.membership.forget_others()
         await self._recover()
         if self.cfg.openai_endpoint.enabled:  # an external agent harness drives the trajectories
             from libra.services.rollout.openai_gateway import OpenAIGateway
 
             self.gateway = await OpenAIGateway(self).start()
-
-    async def _join_weights_group(self) -> None:
-        """Make every worker a rank of the trainer's weights group (rank 0 is the trainer).
-
-        Until this returns, versions come over disk; if it fails they keep coming over disk."""
-        worker = self.cfg.worker
-        world = 1 + sum(w.tp for w in self.pool.serving())
-        try:
-            await self.pool.join_weights_group(worker.weights_group_address, 1, world)
-        except Exception as error:  # noqa: BLE001 - disk stays the path; the run goes on
-            _log.error("workers could not join the weights group; weights keep coming over disk",
-                       address=worker.weights_group_address, world_size=world, error=str(error))
-            return
-        self.group_joined = True
-        _log.info("workers joined the weights group", address=worker.weights_group_address, world_size=world,
-                  backend=worker.weights_group_backend)
 
     async def _wait_for_weights(self) -> tuple[int, str]:
         """The latest published policy version (the trainer publishes the warm-started model first)."""
@@ -266,23 +251,29 @@ class RolloutService(Service):
     async def _monitor(self) -> None:
         while True:
             await asyncio.sleep(2.0)
-            for worker in await self.pool.check_health():
-                await self.membership.leave(worker, "unhealthy")
+            await self.pool.check_health()
+            await self._sync_membership()
+
+    async def _sync_membership(self) -> None:
+        """Take workers that failed (dead, or missed a version) out of routing; put back those that caught up."""
+        for worker in self.pool.take_failed():
+            await self.membership.leave(worker, "unhealthy")
+        for worker in self.weights.take_recovered():
+            await self.membership.join(worker)
 
     async def update_weights(self, version: int, path: str, over_group: bool = False) -> list[rollout_pb2.WorkerAck]:
         if not os.path.isdir(path):
             raise InvalidArgument(f"path {path!r} is not a directory of this machine (weights of v{version})")
-        if over_group:
-            if not self.group_joined:
-                raise FailedPrecondition(f"v{version} is being sent over the weights group, but this gateway's "
-                                         "workers have not joined it (rollout.worker.weight_sync is "
-                                         f"{self.cfg.worker.weight_sync!r}); send it over disk")
-            acks = await self.pool.receive_weights(version, fallback_path=path)
+        if over_group:  # the trainer is sending it over the generation it announced in Redis
+            found = await self.store.blob_record(GROUP_BLOB)
+            record = GroupRecord.from_blob(found.generation, found.payload) if found is not None else None
+            acks = await self.weights.over_group(version, path, record)
         else:
-            acks = await self.pool.update_weights(version, path)
+            acks = await self.weights.from_disk(version, path)
         for ack in acks:
             if ack.ok:
                 await self.store.record_worker_ack(version, ack.worker_id, ack.seconds)
+        await self._sync_membership()
         _log.info("weights updated", version=version, ok=sum(a.ok for a in acks), workers=len(acks))
         return acks
 
@@ -309,8 +300,6 @@ class RolloutService(Service):
     async def close(self) -> None:
         if self.gateway is not None:
             await self.gateway.close()
-        if self._group_task is not None and not self._group_task.done():
-            self._group_task.cancel()  # a join still waiting for the trainer: the workers stop anyway
         await self.pool.stop_all()
         if self.runner is not None:
             await self.runner.router.close()

@@ -103,26 +103,37 @@ class LibraWorkerExtension:
                 "tensors": len(counted)}
 
     def libra_join_weights_group(self, host: str, port: int | str, first_rank: int | str, world_size: int | str,
-                                 backend: str, timeout_s: float | str, bucket_mb: int | str) -> dict[str, Any]:
-        """Join the weights group as rank `first_rank` + this worker's TP rank (weight_sync.py).
+                                 backend: str, timeout_s: float | str, bucket_mb: int | str,
+                                 generation: int | str = 0) -> dict[str, Any]:
+        """Join generation `generation` of the weights group as rank `first_rank` + this worker's TP
+        rank, closing the generation it was in (weight_sync.py).
 
         Blocks until every rank has joined, so the trainer (rank 0) joins at the same time.
         """
-        from libra.services.rollout.weight_sync import WeightsGroup
+        from libra.services.rollout.weight_sync import join_generation
 
         rank = int(first_rank) + int(getattr(self, "rank", 0))
-        device = str(getattr(self, "device", "cpu"))
-        self.libra_group = WeightsGroup(host, int(port), rank, int(world_size), backend, device=device,
-                                        timeout_s=float(timeout_s), bucket_bytes=int(bucket_mb) * 2**20)
-        return {"rank": rank, "world_size": int(world_size), "backend": backend}
+        previous, self.libra_group = getattr(self, "libra_group", None), None
+        self.libra_group = join_generation(previous, host, port, rank, world_size, backend,
+                                           str(getattr(self, "device", "cpu")), timeout_s, bucket_mb, generation)
+        return {"rank": rank, "world_size": int(world_size), "backend": backend, "generation": int(generation)}
+
+    def libra_leave_weights_group(self) -> dict[str, Any]:
+        """Close this worker's generation of the weights group (it is no longer in the roster)."""
+        group, self.libra_group = getattr(self, "libra_group", None), None
+        if group is not None:
+            group.close()
+        return {"left": group is not None}
 
     def libra_receive_weights(self, version: int | str) -> dict[str, Any]:
         """Receive `version` from the weights group and load it like a weight directory.
 
         Every TP rank receives the whole set (HF names) and vLLM's layer-wise reload picks its
         shard. A version the sender aborted (a rank missing) answers {"error"} with the weights
-        untouched; a failure mid-transfer raises (the gateway marks the worker unhealthy).
+        untouched; a failure mid-transfer raises (the gateway loads the version from disk instead, and
+        marks the worker unhealthy if that fails too).
         """
+        from libra.errors import FailedPrecondition
         from libra.services.rollout.weight_sync import WeightSyncError
 
         group = getattr(self, "libra_group", None)
@@ -133,8 +144,8 @@ class LibraWorkerExtension:
         stream = group.receive(version)
         try:
             first = next(stream)
-        except WeightSyncError as error:  # aborted before any byte moved: weights unchanged
-            return {"error": f"WeightSyncError: {error}"}
+        except (WeightSyncError, FailedPrecondition) as error:  # aborted or closed before any byte moved
+            return {"error": f"{type(error).__name__}: {error}"}
         counted: list[str] = []
 
         def tensors() -> Iterator[tuple[str, Any]]:

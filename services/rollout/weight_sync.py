@@ -1,9 +1,18 @@
 """The weights group: trainer → rollout workers weight broadcast over NCCL (GPU) or gloo (CPU).
 
-One group per run, created once and reused for every policy version. The trainer is rank 0 and
-each worker engine process (each TP rank of a vLLM worker) is one rank ≥ 1. The group is built
-from its own TCPStore (hosted by the trainer) and a standalone `ProcessGroupNCCL`/`ProcessGroupGloo`,
-never `init_process_group`, so it cannot collide with the trainer's own training group.
+A group has a *generation*: one fixed set of ranks, reused for every policy version until that set
+changes (workers added, drained, failed) or a version fails on it; then the trainer forms the next
+generation and every rank of the old one closes it (weights_roster.py says who decides what). The
+trainer is rank 0 and each worker engine process (each TP rank of a vLLM worker) is one rank ≥ 1.
+All generations meet in one TCPStore hosted by the trainer for the life of its process, each under
+its own key prefix (`libra-weights/g{G}/`), and each is a standalone
+`ProcessGroupNCCL`/`ProcessGroupGloo`, never `init_process_group`, so it cannot collide with the
+trainer's own training group.
+
+Forming generation G: every rank sets `joined/{rank}` and waits for all the others (the trainer
+gives up at once when its caller says the workers will not come, and then writes `abort`, which
+stops the ranks that did come); only then is the process group built, so a rendezvous that cannot
+complete never leaves a rank stuck inside the backend.
 
 One version, as the two sides see it (the store carries the handshake, the group the bytes):
 
@@ -17,130 +26,45 @@ One version, as the two sides see it (the store carries the handshake, the group
       …  (two buffers, reused once their broadcast is done)            …
     wait all v{N}/done/* ─▶ SyncReport                set v{N}/done/{r} = timings
 
-Tensors of at least `direct_bytes` (the big matrices: almost all the bytes) are broadcast one by
-one straight from the trainer's parameter into the worker's, with no copy on either side; the
-many small ones (norms, biases, small projections) are one virtual byte stream (each tensor
-16-byte aligned) cut into fixed-size buckets, so a tensor larger than a bucket spans several and
-the buffers never grow. Direct tensors go first, in layout order, then the buckets. Receivers copy each
-chunk straight into a target tensor (the engine's own parameter) when one is given, else into a
-fresh tensor, and yield every tensor once it is complete.
+All tensors form one virtual byte stream (each tensor 16-byte aligned) cut into fixed-size
+buckets (weight_layout.py), so a tensor larger than a bucket spans several and the buffers never
+grow. Optionally, tensors of at least `direct_bytes` are broadcast one by one straight from the
+trainer's parameter into the worker's, with no copy on either side (they go first, then the
+buckets); it is off by default: on two H200s it was slower than packing (1B-sized set: 61.9% of a
+plain broadcast with 8 MiB direct tensors, 68.5% all in 256 MiB buckets; docs/benchmarks.md) —
+one NCCL call per tensor costs more than the device copies it saves. Receivers copy each chunk straight into a target tensor (the engine's own parameter)
+when one is given, else into a fresh tensor, and yield every tensor once it is complete.
 
-Failure rules: a receiver that does not join a version within the timeout makes the sender abort
-that version *before* any collective starts (the group stays usable; the caller marks the worker
-unhealthy or retries it over the disk path). A failure inside a collective (a receiver that dies
-mid-broadcast) breaks the group: every later call raises until it is rebuilt. On NCCL a dead peer
-is only noticed at the group's timeout. This module knows torch.distributed only: not HTTP, Redis
-or engines.
+Failure rules: a receiver that does not join a version within the timeout, or before the
+sender's `cancel` event is set, makes the sender abort that version *before* any collective
+starts (the group stays usable; the caller retries the version over the disk path). A failure
+inside a collective (a receiver that dies mid-broadcast) breaks the group: every later call raises
+until the next generation replaces it. On NCCL a dead peer is only noticed at the group's timeout.
+This module knows torch.distributed only: not HTTP, Redis or engines.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 from libra.errors import FailedPrecondition, Unavailable
+from libra.services.rollout.weight_layout import DEFAULT_DIRECT_BYTES, Layout, TensorSlot, plan_layout
 
 if TYPE_CHECKING:
     import torch
 
-ALIGN = 16  # bytes; every tensor starts at a multiple, so a bucket slice can be viewed as any dtype
 DEFAULT_BUCKET_BYTES = 256 * 2**20
-DEFAULT_DIRECT_BYTES = 8 * 2**20  # tensors this big are broadcast on their own (no pack/unpack copy)
 BACKENDS = ("nccl", "gloo")
-_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+POLL_S = 0.2  # a wait for other ranks looks at `cancel` and `abort` this often
 
 
 class WeightSyncError(Unavailable):
     """A version could not be delivered: a receiver missed it, or the group broke mid-transfer."""
-
-
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where one tensor lives in the version's byte stream."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    offset: int  # in the packed byte stream; -1 for a tensor broadcast on its own
-    nbytes: int
-
-    @property
-    def direct(self) -> bool:
-        return self.offset < 0
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The tensors of one version and how they are cut into buckets."""
-
-    version: int
-    bucket_bytes: int
-    slots: tuple[TensorSlot, ...]
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes the version moves (direct tensors and the packed stream)."""
-        return sum(s.nbytes for s in self.slots)
-
-    @property
-    def stream_bytes(self) -> int:
-        return max((s.offset + s.nbytes for s in self.slots if not s.direct), default=0)
-
-    @property
-    def direct_slots(self) -> tuple[TensorSlot, ...]:
-        return tuple(s for s in self.slots if s.direct)
-
-    @property
-    def num_buckets(self) -> int:
-        return -(-self.stream_bytes // self.bucket_bytes)
-
-    def overlapping(self, bucket: int) -> Iterator[tuple[TensorSlot, int, int]]:
-        """(slot, start, end) byte ranges of the stream that bucket `bucket` holds, per tensor."""
-        low, high = bucket * self.bucket_bytes, (bucket + 1) * self.bucket_bytes
-        for slot in self.slots:
-            if slot.direct:
-                continue
-            start, end = max(low, slot.offset), min(high, slot.offset + slot.nbytes)
-            if start < end:
-                yield slot, start, end
-
-    def to_json(self) -> str:  # offset -1 marks a direct tensor
-        return json.dumps({"version": self.version, "bucket_bytes": self.bucket_bytes,
-                           "slots": [[s.name, list(s.shape), s.dtype, s.offset, s.nbytes] for s in self.slots]})
-
-    @staticmethod
-    def from_json(text: str) -> "Layout":
-        raw = json.loads(text)
-        return Layout(raw["version"], raw["bucket_bytes"],
-                      tuple(TensorSlot(n, tuple(shape), d, o, b) for n, shape, d, o, b in raw["slots"]))
-
-
-def plan_layout(named: Iterable[tuple[str, "torch.Tensor"]], version: int, bucket_bytes: int,
-                direct_bytes: int | None = None) -> Layout:
-    """Lay `named` tensors out: those of at least `direct_bytes` (None: never) broadcast on their
-    own, the rest in a byte stream (16-byte aligned) for `bucket_bytes` buckets."""
-    if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
-        raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes}")
-    slots, offset, seen = [], 0, set()
-    for name, tensor in named:
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
-            raise ValueError(f"tensor {name!r} has dtype {dtype}, which the weights group does not carry")
-        if name in seen:
-            raise ValueError(f"tensor {name!r} appears twice in the weight set")
-        seen.add(name)
-        nbytes = tensor.numel() * tensor.element_size()
-        if direct_bytes is not None and nbytes >= direct_bytes:
-            slots.append(TensorSlot(name, tuple(tensor.shape), dtype, -1, nbytes))
-            continue
-        slots.append(TensorSlot(name, tuple(tensor.shape), dtype, offset, nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
-    if not slots:
-        raise ValueError("the weight set holds no tensors")
-    return Layout(int(version), int(bucket_bytes), tuple(slots))
 
 
 def _bytes_of(tensor: "torch.Tensor") -> "torch.Tensor":
@@ -165,12 +89,28 @@ class SyncReport:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+def open_store(host: str, port: int | str, is_master: bool, timeout_s: float) -> Any:
+    """The TCPStore every generation meets in: hosted by the trainer (`is_master`), a client elsewhere.
+
+    wait_for_workers=False: the trainer must not block until workers exist."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, int(port), None, is_master=is_master,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
 class WeightsGroup:
-    """This process's membership of the weights group (rank 0: trainer, ranks ≥ 1: workers)."""
+    """This process's rank in one generation of the weights group (rank 0: trainer, ≥ 1: workers).
+
+    Building it is the rendezvous: it returns once every rank of `generation` has joined, raises
+    WeightSyncError when they do not within `timeout_s` (or, on rank 0, once `cancel` is set).
+    `store`: the trainer's long-lived TCPStore (`open_store`); None connects a client of its own.
+    """
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
                  device: str = "cpu", timeout_s: float = 60.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 direct_bytes: int | None = DEFAULT_DIRECT_BYTES):
+                 direct_bytes: int | None = DEFAULT_DIRECT_BYTES, generation: int = 0, store: Any = None,
+                 cancel: threading.Event | None = None):
         import torch
         import torch.distributed as dist
 
@@ -182,28 +122,75 @@ class WeightsGroup:
         if backend == "nccl" and not str(device).startswith("cuda"):
             raise ValueError(f"the nccl backend needs a cuda device, got {device!r}; use gloo on CPU")
         self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.generation = int(generation)
         self.device = torch.device(device)
         self.timeout_s, self.bucket_bytes = float(timeout_s), int(bucket_bytes)
         self.direct_bytes = direct_bytes
         self.broken: str | None = None
-        timeout = datetime.timedelta(seconds=timeout_s)
-        # wait_for_workers=False: the trainer must not block until workers exist; the process
-        # group's own rendezvous (below) waits for every rank with the timeout.
-        self.store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout,
-                                   wait_for_workers=False)
-        pg_store = dist.PrefixStore("libra-weights/pg", self.store)
-        self.keys = dist.PrefixStore("libra-weights/v", self.store)
-        if backend == "nccl":
-            torch.cuda.set_device(self.device)
-            options = dist.ProcessGroupNCCL.Options()
-            try:
-                options._timeout = timeout
-            except AttributeError:  # older torch: the options carry no timeout; NCCL's default applies
-                pass
-            self.group = dist.ProcessGroupNCCL(pg_store, rank, world_size, options)
-        else:
-            self.group = dist.ProcessGroupGloo(pg_store, rank, world_size, timeout)
+        self.group: Any = None
         self._buffers: list[Any] = []
+        self.store = store if store is not None else open_store(host, port, rank == 0, timeout_s)
+        root = f"libra-weights/g{self.generation}"
+        self.keys = dist.PrefixStore(root, self.store)
+        try:
+            self.keys.set(f"joined/{rank}", "1")  # wait for every rank before the backend connects
+            self._await("joined/{}", range(world_size), self.timeout_s, cancel, f"generation {self.generation}")
+            pg_store = dist.PrefixStore(f"{root}/pg", self.store)
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if backend == "nccl":
+                torch.cuda.set_device(self.device)
+                options = dist.ProcessGroupNCCL.Options()
+                try:
+                    options._timeout = timeout
+                except AttributeError:  # older torch: the options carry no timeout; NCCL's default applies
+                    pass
+                self.group = dist.ProcessGroupNCCL(pg_store, rank, world_size, options)
+            else:
+                self.group = dist.ProcessGroupGloo(pg_store, rank, world_size, timeout)
+        except Exception as error:
+            if rank == 0:  # the ranks that did come stop waiting at once
+                try:
+                    self.keys.set("abort", f"{type(error).__name__}: {error}")
+                except Exception:  # noqa: BLE001 - the store itself failed; they time out instead
+                    pass
+            raise
+
+    def close(self) -> None:
+        """Leave this generation: shut the process group down, free the buffers. Idempotent."""
+        group, self.group = self.group, None
+        self._buffers.clear()
+        self.broken = self.broken or f"generation {self.generation} was closed"
+        if group is not None:
+            try:
+                group.shutdown()
+            except Exception:  # noqa: BLE001 - best effort: a peer may be gone already
+                pass
+
+    def _await(self, key: str, ranks: Iterable[int], timeout_s: float, cancel: threading.Event | None,
+               what: str) -> None:
+        """Wait until `key.format(r)` is set for every rank r; WeightSyncError naming the missing
+        ranks when `timeout_s` passes, `cancel` is set, or (on a worker) the trainer aborted."""
+        ranks = list(ranks)
+        keys = [key.format(r) for r in ranks]
+        deadline = time.monotonic() + timeout_s
+        while not self._has(keys, what):
+            if self.rank != 0 and self._has(["abort"], what):
+                raise WeightSyncError(f"the trainer gave up on {what}: {self.keys.get('abort').decode()}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or (cancel is not None and cancel.is_set()):
+                missing = [r for r, k in zip(ranks, keys) if not self._has([k], what)]
+                why = f"within {timeout_s:.0f}s" if remaining <= 0 else "before the receivers were done (cancelled)"
+                raise WeightSyncError(f"ranks {missing} did not join {what} {why}")
+            try:
+                self.keys.wait(keys, datetime.timedelta(seconds=min(POLL_S, remaining)))
+            except Exception:  # noqa: BLE001 - the store raises when a short wait times out: look again
+                pass
+
+    def _has(self, keys: list[str], what: str) -> bool:
+        try:
+            return self.keys.check(keys)
+        except Exception as error:  # noqa: BLE001 - the trainer's store is gone (it stopped or restarted)
+            raise WeightSyncError(f"the weights group's store failed while waiting for {what}: {error}") from error
 
     # ---- shared --------------------------------------------------------------------------
     def _buffer(self, index: int) -> "torch.Tensor":
@@ -222,8 +209,8 @@ class WeightsGroup:
 
     def _check(self) -> None:
         if self.broken:
-            raise FailedPrecondition(f"the weights group is broken ({self.broken}); rebuild it (restart "
-                                     f"the workers' group membership) or publish over the disk path")
+            raise FailedPrecondition(f"the weights group is broken ({self.broken}); the next generation "
+                                     f"replaces it, until then versions go over the disk path")
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -240,12 +227,13 @@ class WeightsGroup:
 
     # ---- sender (rank 0) -----------------------------------------------------------------
     def send(self, named: Iterable[tuple[str, "torch.Tensor"]], version: int,
-             join_timeout_s: float | None = None) -> SyncReport:
+             join_timeout_s: float | None = None, cancel: threading.Event | None = None) -> SyncReport:
         """Broadcast `named` tensors as `version` to every receiver; return its timings.
 
-        Raises WeightSyncError naming the ranks that did not join within `join_timeout_s` (the
-        version is aborted before any byte moves; the group stays usable), or when a collective
-        fails (the group is then broken).
+        Raises WeightSyncError naming the ranks that did not join within `join_timeout_s` or before
+        `cancel` was set (the version is aborted before any byte moves; the group stays usable), or
+        when a collective fails (the group is then broken). `cancel` only matters until every
+        receiver has joined: a transfer under way is never cut.
         """
         if self.rank != 0:
             raise FailedPrecondition("only rank 0 (the trainer) sends weights")
@@ -253,7 +241,7 @@ class WeightsGroup:
         tensors = dict(named)
         layout = plan_layout(tensors.items(), version, self.bucket_bytes, self.direct_bytes)
         started = time.perf_counter()
-        self._await_receivers(version, join_timeout_s)
+        self._await_receivers(version, join_timeout_s, cancel)
         self.keys.set(f"{version}/meta", layout.to_json())
         handshake = time.perf_counter() - started
         started = time.perf_counter()
@@ -282,17 +270,14 @@ class WeightsGroup:
         self._forget(version - 2)
         return report
 
-    def _await_receivers(self, version: int, timeout_s: float | None) -> None:
-        keys = [f"{version}/ready/{r}" for r in range(1, self.world_size)]
-        timeout = datetime.timedelta(seconds=self.timeout_s if timeout_s is None else timeout_s)
+    def _await_receivers(self, version: int, timeout_s: float | None, cancel: threading.Event | None) -> None:
         try:
-            self.keys.wait(keys, timeout)
-        except Exception as error:  # noqa: BLE001 - the store raises a plain RuntimeError/DistStoreError on timeout
-            missing = [r for r, key in zip(range(1, self.world_size), keys) if not self.keys.check([key])]
-            reason = f"ranks {missing} did not join version {version} within {timeout.total_seconds():.0f}s"
-            self.keys.set(f"{version}/meta", json.dumps({"abort": reason}))
-            raise WeightSyncError(f"{reason}; the version was aborted before any transfer (mark those "
-                                  f"workers unhealthy or load the version from disk)") from error
+            self._await(f"{version}/ready/{{}}", range(1, self.world_size),
+                        self.timeout_s if timeout_s is None else timeout_s, cancel, f"version {version}")
+        except WeightSyncError as error:
+            self.keys.set(f"{version}/meta", json.dumps({"abort": str(error)}))
+            raise WeightSyncError(f"{error}; the version was aborted before any transfer (load it from "
+                                  f"disk on those workers)") from error
 
     def _collect_done(self, version: int) -> dict[int, dict[str, float]]:
         keys = [f"{version}/done/{r}" for r in range(1, self.world_size)]
@@ -382,3 +367,14 @@ def _bytes_of_inplace(tensor: "torch.Tensor") -> "torch.Tensor":
     import torch
 
     return tensor.data.view(-1).view(torch.uint8)
+
+
+def join_generation(previous: WeightsGroup | None, host: str, port: int | str, rank: int | str,
+                    world_size: int | str, backend: str, device: str, timeout_s: float | str,
+                    bucket_mb: int | str, generation: int | str) -> WeightsGroup:
+    """A worker rank's move to `generation`: close the generation it was in, then join the new one
+    (blocks until every rank is there). Arguments may arrive as strings (over /collective_rpc)."""
+    if previous is not None:
+        previous.close()
+    return WeightsGroup(host, int(port), int(rank), int(world_size), backend, device=device,
+                        timeout_s=float(timeout_s), bucket_bytes=int(bucket_mb) * 2**20, generation=int(generation))

@@ -2,15 +2,12 @@
 
 ```
  plan buckets ─▶ WorkerPool.start ─▶ VllmWorkerProcess | HfWorkerProcess × replicas ─▶ ready ─▶ register
- UpdateWeights(v) ─▶ every serving worker loads v between decode steps ─▶ ack (Redis) ─▶ version_of(worker) = v
-   disk:  load_weights(weights/vN)       missed → retried once → else UNHEALTHY
-   group: join_weights_group (once) ─▶ receive_weights(v) while the trainer sends (rank 0)
-          missed (sender aborted, rank gone) → v retried from disk → else UNHEALTHY
+ UpdateWeights(v) ─▶ weight_delivery.py (disk, or the weights group) ─▶ ack (Redis) ─▶ version_of(worker) = v
  monitor: a dead or unhealthy worker is deregistered; its turns are retried elsewhere by the runner
 ```
 The engine comes from rollout.worker.engine: vllm (TP from the plan's bucket) or hf (TP 1 only).
 A worker never serves older weights than `version_of` says: a worker that cannot load a version
-is marked unhealthy (and deregistered by the monitor), never left serving the previous one.
+is marked unhealthy (and deregistered), never left serving the previous one as if it were new.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +23,9 @@ from libra.errors import NotFound, Unavailable
 from libra.plans import Plan
 from libra.redis_server import free_port
 from libra.services.rollout.config import WorkerConfig
-from libra.v1 import common_pb2, rollout_pb2
+from libra.v1 import common_pb2
 
 _log = liblog.get("libra.rollout")
-WEIGHT_RETRIES = 1  # a worker that misses a version is retried this many times, then marked unhealthy
 
 
 def _hf_worker_class() -> type:
@@ -82,7 +77,8 @@ class PoolWorker:
     state: int = common_pb2.WORKER_STATE_STARTING
     inflight: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
-    reported: bool = False  # its failure was returned by check_health (the gateway deregistered it)
+    reported: bool = False  # its failure was returned by take_failed (the gateway deregistered it)
+    missed: int = 0  # a version it could not load (0: none): unhealthy until a later one reaches it
 
     def to_proto(self) -> common_pb2.WorkerInfo:
         return common_pb2.WorkerInfo(worker_id=self.worker_id, bucket=self.bucket, address=self.process.base_url,
@@ -148,93 +144,17 @@ class WorkerPool:
             if worker.inflight == 0:
                 worker.drained.set()
 
-    async def update_weights(self, version: int, path: str) -> list[rollout_pb2.WorkerAck]:
-        """Load `path` as `version` on every serving worker, concurrently, without draining.
-
-        A worker that misses the version is retried (WEIGHT_RETRIES times), then marked unhealthy:
-        it never goes on serving older weights than the version the pool says it holds.
-        """
-        from libra.services.rollout.engine_client import WeightSetError
-
-        async def one(worker: PoolWorker) -> rollout_pb2.WorkerAck:
-            started = time.monotonic()
-            for attempt in range(WEIGHT_RETRIES + 1):
-                try:
-                    await worker.client.load_weights(path, version)
-                    break
-                except Exception as error:  # noqa: BLE001 - reported per worker; retried, then unhealthy
-                    if attempt < WEIGHT_RETRIES and not isinstance(error, WeightSetError):
-                        _log.warning("weight update failed; retrying", worker=worker.worker_id, version=version,
-                                     error=str(error))
-                        continue
-                    return self._missed(worker, version, error)
-            worker.version = version
-            return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=version, ok=True,
-                                        seconds=time.monotonic() - started)
-        return list(await asyncio.gather(*(one(w) for w in self.serving())))
-
-    def _missed(self, worker: PoolWorker, version: int, error: BaseException) -> rollout_pb2.WorkerAck:
-        worker.state = common_pb2.WORKER_STATE_UNHEALTHY
-        _log.error("weight update failed; worker marked unhealthy", worker=worker.worker_id, version=version,
-                   error=str(error))
-        return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=worker.version, ok=False,
-                                     error=f"{type(error).__name__}: {error}")
-
-    async def join_weights_group(self, address: str, first_rank: int, world_size: int) -> list[PoolWorker]:
-        """Make every serving worker a rank of the weights group (ranks first_rank, first_rank + 1, ...).
-
-        Called while the trainer (rank 0) creates its side; returns the workers in rank order.
-        """
-        host, port = address.rsplit(":", 1)
-        workers = sorted(self.serving(), key=lambda w: w.worker_id)
-        firsts = [first_rank + sum(w.tp for w in workers[:i]) for i in range(len(workers))]  # one rank per TP rank
-        if first_rank + sum(w.tp for w in workers) > world_size:
-            raise ValueError(f"{len(workers)} workers ({sum(w.tp for w in workers)} TP ranks) from rank {first_rank} "
-                             f"do not fit a weights group of {world_size}")
-        c = self.config
-        await asyncio.gather(*(collective_rpc(w.client, "libra_join_weights_group",
-                                              [host, int(port), first, world_size, c.weights_group_backend,
-                                               c.weights_sync_timeout_s, c.weights_bucket_mb],
-                                              timeout=c.weights_sync_timeout_s + 30)
-                               for first, w in zip(firsts, workers)))
-        return workers
-
-    async def receive_weights(self, version: int, fallback_path: str | None = None) -> list[rollout_pb2.WorkerAck]:
-        """Have every serving worker receive `version` from the weights group (the trainer sends).
-
-        When the group cannot deliver the version to a worker (the sender aborts a version for
-        everyone when one rank is missing), the version is retried over the disk path
-        (`fallback_path`) for that worker; a worker that still misses it is marked unhealthy.
-        """
-        async def one(worker: PoolWorker) -> rollout_pb2.WorkerAck:
-            started = time.monotonic()
-            try:
-                results = await collective_rpc(worker.client, "libra_receive_weights", [version],
-                                               timeout=self.config.weights_sync_timeout_s + 600)
-                errors = [r["error"] for r in results if isinstance(r, dict) and "error" in r]
-                if errors:
-                    raise Unavailable(errors[0])
-            except Exception as error:  # noqa: BLE001 - per worker: retried from disk, else unhealthy
-                if fallback_path is None or not worker.process.alive:
-                    return self._missed(worker, version, error)
-                _log.warning("weights group missed a version; loading it from disk", worker=worker.worker_id,
-                             version=version, error=str(error))
-                try:
-                    await worker.client.load_weights(fallback_path, version)
-                except Exception as disk_error:  # noqa: BLE001
-                    return self._missed(worker, version, disk_error)
-            worker.version = version
-            return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=version, ok=True,
-                                        seconds=time.monotonic() - started)
-        return list(await asyncio.gather(*(one(w) for w in self.serving())))
-
     async def check_health(self) -> list[PoolWorker]:
-        """Mark dead or unresponsive workers unhealthy; return the ones that failed since the last
-        call (those found now, and those a weight update marked unhealthy), each once."""
+        """Mark dead or unresponsive workers unhealthy; return `take_failed()`."""
         for worker in self.serving():
             if not worker.process.alive or not await worker.client.health():
                 worker.state = common_pb2.WORKER_STATE_UNHEALTHY
                 _log.error("worker unhealthy", worker=worker.worker_id, alive=worker.process.alive)
+        return self.take_failed()
+
+    def take_failed(self) -> list[PoolWorker]:
+        """The workers that became unhealthy since the last call (found by check_health, or by a
+        weight update they missed), each once: the gateway takes them out of routing."""
         failed = [w for w in self.workers.values() if w.state == common_pb2.WORKER_STATE_UNHEALTHY and not w.reported]
         for worker in failed:
             worker.reported = True

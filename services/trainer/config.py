@@ -32,6 +32,15 @@ class MegatronConfig(Section):
         True, description="shard Adam states over data parallelism on GPUs (false for elastic hybrid replicas)")
 
 
+class TrainerElasticConfig(Section):
+    """The core rank's side of the elastic hybrid pool."""
+
+    channel: Literal["auto", "tcp", "group"] = Field(
+        "auto", description="how gradients travel between a core rank and its hybrids: group (a private two-rank "
+                            "NCCL group per hybrid on GPUs, gloo on CPU), tcp (the CPU-staged side channel), "
+                            "auto (group when both are on GPUs, else tcp); control frames always use TCP")
+
+
 class TrainerConfig(Section):
     """GRPO hyper-parameters, staleness bound, checkpoints."""
 
@@ -54,6 +63,8 @@ class TrainerConfig(Section):
     checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="steps between checkpoints (stream entries are acked at checkpoints)")
     torch_threads: int = Field(1, ge=1, le=512, description="intra-op threads of the CPU backend")
     warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="supervised warm start")
+    elastic: TrainerElasticConfig = Field(default_factory=TrainerElasticConfig,
+                                          description="elastic hybrid replicas: the side channel")
 
     @model_validator(mode="after")
     def _clip(self) -> "TrainerConfig":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 import time
 
 from prometheus_client import Gauge, Histogram
@@ -166,29 +167,58 @@ class GrpoLoop:
     async def publish_to_workers(self, version: int) -> float:
         """Ask rollout to load `version` on every worker; returns the seconds it took.
 
-        Over the weights group when it is open (rollout.worker.weight_sync: group): the broadcast
-        and rollout's receive run together, and a worker that misses the version loads it from
-        disk. If the group fails, it is dropped and every later version goes over disk."""
+        Over the weights group when rollout.worker.weight_sync is group (a worker the group misses
+        gets the version from disk within rollout's reply), else, or when that fails, over disk."""
         path = await self.store.weights_path(version)
         started = time.monotonic()
-        meta = common_pb2.RequestMeta(request_id=f"weights-v{version}", run_id=self.config.run_id)
-        if self.model.weights_group is not None:
-            request = rollout_pb2.UpdateWeightsRequest(meta=meta, version=version, path=path, over_group=True)
-            sent, reply = await asyncio.gather(self.model.send_weights(version),
-                                               self.rollout.UpdateWeights(request, timeout=600),
-                                               return_exceptions=True)
-            if not isinstance(sent, BaseException) and not isinstance(reply, BaseException):
-                self._check_acks(version, reply)
-                return time.monotonic() - started
-            _log.error("weights group failed; this and later versions go over disk", version=version,
-                       send_error=str(sent) if isinstance(sent, BaseException) else "",
-                       rollout_error=str(reply) if isinstance(reply, BaseException) else "")
-            self.model.weights_group = None
-            meta = common_pb2.RequestMeta(request_id=f"weights-v{version}-disk", run_id=self.config.run_id)
+        if self.config.rollout.worker.weight_sync == "group" and await self._publish_over_group(version, path):
+            return time.monotonic() - started
+        suffix = "-disk" if self.config.rollout.worker.weight_sync == "group" else ""
+        meta = common_pb2.RequestMeta(request_id=f"weights-v{version}{suffix}", run_id=self.config.run_id)
         reply = await self.rollout.UpdateWeights(
             rollout_pb2.UpdateWeightsRequest(meta=meta, version=version, path=path), timeout=600)
         self._check_acks(version, reply)
         return time.monotonic() - started
+
+    async def _publish_over_group(self, version: int, path: str) -> bool:
+        """Send `version` on the weights group while rollout receives it; False: it must go over disk.
+
+        The generation follows rollout's serving workers (a new one when they change, or when the
+        last one failed a version). Rollout's reply ends the wait for ranks that never came."""
+        from libra.services.rollout.weights_roster import Roster
+
+        try:
+            listed = await self.rollout.ListWorkers(rollout_pb2.ListWorkersRequest(run_id=self.config.run_id),
+                                                    timeout=30)
+            roster = Roster.of((w.worker_id, w.tp) for w in listed.workers
+                               if w.state == common_pb2.WORKER_STATE_SERVING)
+            record = await self.model.plan_weights_round(version, roster) if roster else None
+        except Exception as error:  # noqa: BLE001 - the version still goes out, over disk
+            _log.error("no weights-group generation for this version; it goes over disk", version=version,
+                       error=str(error))
+            return False
+        if record is None:
+            return False
+        cancel = threading.Event()
+        send = asyncio.create_task(self.model.send_weights(version, cancel))
+        meta = common_pb2.RequestMeta(request_id=f"weights-v{version}", run_id=self.config.run_id)
+        request = rollout_pb2.UpdateWeightsRequest(meta=meta, version=version, path=path, over_group=True)
+        try:
+            reply = await self.rollout.UpdateWeights(request, timeout=600)
+        except Exception as error:  # noqa: BLE001 - inspected below
+            reply = error
+        finally:
+            cancel.set()  # rollout is done with this version: a rank that has not joined never will
+        sent = (await asyncio.gather(send, return_exceptions=True))[0]
+        if isinstance(sent, BaseException):
+            _log.warning("the weights group missed this version (rollout loaded it from disk); the next version "
+                         "forms a new generation", version=version, generation=record.generation, error=str(sent))
+        if isinstance(reply, BaseException):
+            _log.error("rollout failed the update over the weights group; sending the version over disk",
+                       version=version, error=str(reply))
+            return False
+        self._check_acks(version, reply)
+        return True
 
     @staticmethod
     def _check_acks(version: int, reply) -> None:

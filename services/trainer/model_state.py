@@ -60,7 +60,9 @@ class ModelState:
         self.base_dir = self.root / "model" / "base"
         self.checkpoints = self.root / "checkpoints"
         self.stopping = threading.Event()  # set on SIGTERM: the warm start stops at its next step
-        self.weights_group = None  # the trainer's side of the weights group, once open (weight_sync: group)
+        self.weights_group = None  # rank 0 of the current weights-group generation, once formed (weight_sync: group)
+        self._group_record = None  # that generation (GroupRecord), announced in Redis; None: form a new one
+        self._group_store = None  # the TCPStore every generation meets in, hosted here for the process's life
 
     def latest_checkpoint(self) -> pathlib.Path | None:
         found = [(int(m.group(1)), p) for p in self.checkpoints.glob("step*.pt") if (m := CHECKPOINT_RE.match(p.name))]
@@ -121,35 +123,72 @@ class ModelState:
         return str(out), time.monotonic() - started
 
     # ---- the weights group (rollout.worker.weight_sync: group) ------------------------------
-    async def open_weights_group(self, world_size: int) -> Any:
-        """Host the weights group as rank 0 (created once; returns when every worker rank joined).
+    async def plan_weights_round(self, version: int, roster: Any) -> Any:
+        """The generation `version` goes on (a GroupRecord), announcing a new one in Redis when the
+        roster changed or there is no usable one (services/rollout/weights_roster.py).
 
-        The rollout gateway makes its workers join at the same time (WorkerPool.join_weights_group).
+        Call it before asking rollout for the version: rollout reads the announcement."""
+        from libra.services.rollout.weight_sync import open_store
+        from libra.services.rollout.weights_roster import BLOB, GroupRecord, reform_reason
+
+        current = self._group_record.roster if self._group_record is not None else None
+        reason = reform_reason(current, roster)
+        if reason is None:
+            return self._group_record
+        self.close_weights_group()
+        worker = self.config.rollout.worker
+        if self._group_store is None:
+            host, port = worker.weights_group_address.rsplit(":", 1)
+            self._group_store = await asyncio.to_thread(open_store, host, port, True, worker.weights_sync_timeout_s)
+        previous = await self.store.blob_record(BLOB)
+        generation = await self.store.save_blob(BLOB, GroupRecord.payload(version, roster),
+                                                expected_generation=previous.generation if previous else 0)
+        self._group_record = GroupRecord(generation, version, roster)
+        _log.info("weights group: new generation", generation=generation, version=version,
+                  world_size=roster.world_size, workers=roster.ids, reason=reason)
+        return self._group_record
+
+    async def send_weights(self, version: int, cancel: threading.Event | None = None) -> Any:
+        """Broadcast the current weights as `version` on the planned generation (forming it first
+        when it is new, while rollout's workers join); returns its SyncReport.
+
+        Run it concurrently with rollout's UpdateWeights over the group and set `cancel` when that
+        returns. On any failure the generation is dropped: the next version forms a new one.
         """
         from libra.services.rollout.weight_sync import WeightsGroup
 
-        worker = self.config.rollout.worker
-        host, port = worker.weights_group_address.rsplit(":", 1)
-        device = str(getattr(self.backend, "device", "cpu"))
-        self.weights_group = await asyncio.to_thread(
-            WeightsGroup, host, int(port), 0, world_size, worker.weights_group_backend, device=device,
-            timeout_s=worker.weights_sync_timeout_s, bucket_bytes=worker.weights_bucket_mb * 2**20)
-        return self.weights_group
-
-    async def send_weights(self, version: int) -> Any:
-        """Broadcast the current weights as `version` over the weights group; returns its SyncReport.
-
-        Run it concurrently with the workers' receive (rollout UpdateWeights over the group); the
-        disk copy from `publish` stays the fallback for a worker that misses the version.
-        """
-        group = getattr(self, "weights_group", None)
-        if group is None:
-            raise FailedPrecondition("no weights group: call open_weights_group first (rollout.worker.weight_sync: group)")
+        record = self._group_record
+        if record is None:
+            raise FailedPrecondition("no weights-group generation: call plan_weights_round first")
         named = getattr(self.backend, "hf_named_tensors", None)  # backends whose own names are not HF's
         tensors = list(named()) if named is not None else list(self.backend.model.named_parameters())
-        report = await asyncio.to_thread(group.send, [(n, t.detach()) for n, t in tensors], version)
-        _log.info("weights sent over the group", version=version, gbps=round(report.gbps, 2), seconds=round(report.seconds, 4))
+        worker = self.config.rollout.worker
+        try:
+            if self.weights_group is None:
+                host, port = worker.weights_group_address.rsplit(":", 1)
+                self.weights_group = await asyncio.to_thread(
+                    WeightsGroup, host, int(port), 0, record.roster.world_size, worker.weights_group_backend,
+                    device=str(getattr(self.backend, "device", "cpu")), timeout_s=worker.weights_sync_timeout_s,
+                    bucket_bytes=worker.weights_bucket_mb * 2**20, generation=record.generation,
+                    store=self._group_store, cancel=cancel)
+            report = await asyncio.to_thread(self.weights_group.send, [(n, t.detach()) for n, t in tensors],
+                                             version, None, cancel)
+        except Exception:
+            self.close_weights_group()
+            raise
+        _log.info("weights sent over the group", version=version, generation=record.generation,
+                  world_size=record.roster.world_size, gbps=round(report.gbps, 2), seconds=round(report.seconds, 4),
+                  receivers=len(report.receivers))
         return report
+
+    def close_weights_group(self, release_store: bool = False) -> None:
+        """Drop the current generation (the next version forms a new one); with `release_store`,
+        also stop hosting the store (shutdown)."""
+        group, self.weights_group, self._group_record = self.weights_group, None, None
+        if group is not None:
+            group.close()
+        if release_store:
+            self._group_store = None
 
     def _prune_weights(self, keep_from: int) -> None:
         for path in (self.root / "weights").glob("v*"):

@@ -19,7 +19,7 @@ from libra.services.trainer.model_state import ModelState, make_backend
 from libra.services.trainer.plot import reward_curve
 from libra.services.trainer.servicer import TrainerServicer
 from libra.services.trainer.status import TrainerStatus
-from libra.v1 import common_pb2, elastic_pb2, elastic_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from libra.v1 import common_pb2, elastic_pb2, elastic_pb2_grpc, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from libra.workloads.base import build_workload
 
 _log = liblog.get("libra.trainer")
@@ -44,7 +44,6 @@ class TrainerService(Service):
         self._resume.set()
         self._step_lock = asyncio.Lock()
         self.elastic = None  # ElasticControl: hybrid replicas (rank 0 of the core)
-        self._group_task: asyncio.Task | None = None  # opening the weights group (weight_sync: group)
 
     def service_names(self) -> list[str]:
         return [P.DESCRIPTOR.services_by_name["Trainer"].full_name]
@@ -94,26 +93,9 @@ class TrainerService(Service):
         await self.status.set(P.TRAINER_PHASE_WAITING_FOR_PEERS, "rollout workers, elastic coordinator")
         await wait_for_peers({"rollout": self.config.address_of("rollout"),
                               "elastic": self.config.address_of("elastic")})
-        if self.config.rollout.worker.weight_sync == "group":
-            # Rollout's workers are joining the group now (each blocks in the join until every rank
-            # is there, this one included): open our side alongside, before anything waits on them.
-            self._group_task = asyncio.create_task(self._open_weights_group(rollout), name="weights-group")
         await self._register_member()
         await self.loop.publish_to_workers(version)
         await self.set_health(True)
-
-    async def _open_weights_group(self, rollout) -> None:
-        """Host the weights group for rollout's workers (one rank per TP rank); until it is open,
-        and if it fails, versions go over disk."""
-        listed = await rollout.ListWorkers(rollout_pb2.ListWorkersRequest(run_id=self.run_id), timeout=30)
-        world = 1 + sum(max(1, w.tp) for w in listed.workers if w.state == common_pb2.WORKER_STATE_SERVING)
-        try:
-            await self.model.open_weights_group(world)
-        except Exception as error:  # noqa: BLE001 - disk stays the path; the run goes on
-            _log.error("could not open the weights group; weights keep going over disk", world_size=world,
-                       error=str(error))
-            return
-        _log.info("weights group open", world_size=world)
 
     async def _elastic(self, backend):
         """The side-channel endpoint of this (single) core rank and the membership kept in Redis."""
@@ -178,6 +160,8 @@ class TrainerService(Service):
                 await self.loop.model.checkpoint(self.loop.position)
 
     async def close(self) -> None:
+        if self.model is not None:
+            self.model.close_weights_group(release_store=True)
         if self.elastic is not None:
             self.elastic.core.close()
         for chan in self._channels:

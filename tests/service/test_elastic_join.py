@@ -4,20 +4,25 @@
    Redis; the hybrid is `python -m libra.services.trainer.elastic.hybrid --trainer …` (it finds its
    lane through GetStepManifest), joins, trains in lockstep, is released and exits 0; a restarted
    trainer reads the membership back from Redis.
-2. Two core ranks over gloo (forked processes), one hybrid process attached to each rank: both
-   join, train, one is released, the other is SIGKILLed mid-step; the core finishes that step,
-   marks it failed and carries on. The process-group objects are the same before and after, and
-   the parameters equal a static run over the same samples.
+2. Two core ranks over gloo (spawned processes), one hybrid process attached to each rank, the
+   gradients on the device channel (a private gloo pair group per hybrid, as NCCL on GPUs): both
+   join, train, one is released (its pair group goes with it), the other SIGKILLs itself in the
+   middle of a gradient transfer; the core finishes that step, marks it failed and carries on.
+   The core's process-group objects are the same before and after (pair groups are never
+   registered with torch.distributed), and the parameters equal a static run over the same samples.
+   (The TCP channel's multi-process path is test 1; in one process both run in test_elastic_math.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -37,6 +42,7 @@ from tests.unit.test_elastic_math import GROUP, GROUPS, _config, _groups
 
 pytestmark = pytest.mark.slow
 HYBRID = [sys.executable, "-m", "libra.services.trainer.elastic.hybrid"]
+DYING_HYBRID = [sys.executable, str(Path(__file__).with_name("elastic_dying_hybrid.py"))]
 
 
 @pytest.fixture(scope="module")
@@ -145,11 +151,12 @@ def _core_rank(rank: int, world: int, model_dir: str, port: int, out: str) -> No
     backend = TorchBackend(_config(), seed=0)
     backend.load(model_dir)
     core = ElasticCore(backend, dp_rank=rank, core_ranks=world, snapshot_root=f"{out}-snapshots-{rank}",
-                       grad_deadline_s=120.0, join_timeout_s=600.0, verify_lockstep=True)
+                       grad_deadline_s=120.0, join_timeout_s=600.0, verify_lockstep=True, channel="group")
     backend.gradient_hook = core
     groups_at_start = _pg_state()
     processes: dict[str, subprocess.Popen] = {}
-    record = {"manifests": {}, "seconds": {}}
+    record = {"manifests": {}, "seconds": {}, "channels": {}}
+    die_flag = f"{out}-die-{rank}"
     if rank == 0:
         core.admit("h-a")
         core.admit("h-b")
@@ -171,20 +178,17 @@ def _core_rank(rank: int, world: int, model_dir: str, port: int, out: str) -> No
         for r in core.membership.records.values():
             if r.dp_rank == rank and r.state == HybridState.JOINING and r.replica_id not in processes:
                 processes[r.replica_id] = subprocess.Popen(
-                    [*HYBRID, "--endpoint", core.endpoint.address, "--replica-id", r.replica_id])
+                    [*(DYING_HYBRID if r.replica_id == "h-b" else HYBRID), "--endpoint", core.endpoint.address,
+                     "--replica-id", r.replica_id], env={**os.environ, "LIBRA_TEST_DIE_FLAG": die_flag})
         slices = split(_groups(step, widened_groups(GROUPS, manifest)), GROUP, manifest)
         core.assign(slices)
-        if kill in core._slices:  # SIGKILL the hybrid right after its step was handed out
-            start = core.start
-
-            def start_and_kill(*args) -> None:
-                start(*args)
-                processes[kill].send_signal(signal.SIGKILL)
-            core.start = start_and_kill
+        if kill in core._slices:  # it SIGKILLs itself between this step's gradient header and its bytes
+            Path(die_flag).touch()
+        for replica in core._slices:
+            record["channels"][replica] = core.endpoint.link(replica).channel
         began = time.monotonic()
         backend.train_step(slices[f"core-{rank}"], _config())
         record["seconds"][step] = time.monotonic() - began
-        core.__dict__.pop("start", None)
         core.end_step()
 
     step = 0
@@ -228,8 +232,10 @@ def test_two_core_ranks_over_gloo_with_a_hybrid_on_each_rank(model_dir, tmp_path
     assert hybrids[steps - 4] == {"h-a": 0, "h-b": 1}  # a hybrid on each core rank
     assert hybrids[steps - 2] == {"h-b": 1} and hybrids[steps] == {}  # h-a released, h-b failed
     assert zero["exit_codes"]["h-a"] == 0 and one["exit_codes"]["h-b"] == -signal.SIGKILL
+    assert zero["channels"] == {"h-a": "group/gloo"} and one["channels"] == {"h-b": "group/gloo"}
     assert not zero["failures"] and [(s, r) for s, r, _ in one["failures"]] == [(steps - 1, "h-b")]
-    assert one["seconds"][steps - 1] < 120.0  # finished without it (SIGKILL: no need to wait for the deadline)
+    assert "closed" in one["failures"][0][2]  # the receive in flight failed: its peer is gone
+    assert one["seconds"][steps - 1] < 60.0  # finished without it, long before the deadline (120 s)
     assert all(torch.equal(a, b) for a, b in zip(zero["params"], one["params"]))
 
     reference = TorchBackend(_config(), seed=0)

@@ -1,29 +1,32 @@
-"""The weights group over gloo with real processes, and the worker pool's group path end to end.
+"""The weights group over gloo with real processes, and the trainer → gateway → workers path end to end.
 
 - Bucketed broadcast: tensors of mixed dtypes and sizes (several span buckets) arrive equal to the
   source, twice over the same group (created once), in place into targets or into fresh tensors.
 - A receiver that does not join a version: the sender aborts it before any transfer with an error
   naming the rank; the other receiver is told; the group stays usable for the next version.
 - A receiver that dies mid-broadcast: the sender raises WeightSyncError and the group is broken.
-- The pool: two hf engines join the group; a version arrives over it (log-probs equal the trainer's
-  on the new weights); a worker that is killed misses the next version: the sender names it, the
-  pool marks it unhealthy, and the live worker gets that version retried over the disk path.
+- Generations on one store: a smaller generation replaces the first; a rendezvous the trainer
+  cancels ends at once for it and for the rank that came (not at the timeout).
+- The trainer's publish (GrpoLoop, ModelState) and the real gateway (RolloutService, WeightDelivery)
+  with hf engines: the group follows the workers through a drain, a start, a worker that misses a
+  version (retried from disk; else unhealthy, out of routing, caught up at the next version) and a
+  dead worker, always without waiting for the sync timeout.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from libra.errors import FailedPrecondition
 from libra.redis_server import free_port
-from libra.services.rollout.weight_sync import Layout, WeightSyncError, WeightsGroup, plan_layout
+from libra.services.rollout.weight_sync import Layout, WeightSyncError, WeightsGroup, open_store, plan_layout
 
 pytestmark = pytest.mark.slow
 
@@ -129,7 +132,57 @@ def test_a_receiver_that_dies_mid_broadcast_breaks_the_group(tmp_path):
     assert "the weights group is broken" in outcomes[0]["2"]["error"]  # until it is rebuilt
 
 
-# ---- the pool's group path with real hf engines ---------------------------------------------------
+def _generations_main(rank: int, port: int, out_dir: str) -> None:
+    """Generation 1: ranks 0-2. Generation 2: ranks 0-1 (rank 2 closed 1 and left). Generation 3:
+    world 3 again, but rank 2 never comes and the trainer cancels after 1 s (timeout 60 s)."""
+    import torch
+
+    outcome: dict = {}
+    store = open_store("127.0.0.1", port, True, 60) if rank == 0 else None
+    try:
+        first = WeightsGroup("127.0.0.1", port, rank, 3, "gloo", timeout_s=60, generation=1, store=store)
+        if rank == 0:
+            first.send(_tensors(1).items(), 1)
+        else:
+            outcome["g1"] = all(torch.equal(t, _tensors(1)[n]) for n, t in first.receive(1))
+        first.close()
+        if rank == 2:
+            return
+        second = WeightsGroup("127.0.0.1", port, rank, 2, "gloo", timeout_s=60, generation=2, store=store)
+        if rank == 0:
+            outcome["g2_receivers"] = sorted(second.send(_tensors(2).items(), 2).receivers)
+        else:
+            outcome["g2"] = all(torch.equal(t, _tensors(2)[n]) for n, t in second.receive(2))
+        second.close()
+        cancel = threading.Event()
+        if rank == 0:
+            threading.Timer(1.0, cancel.set).start()
+        started = time.monotonic()
+        try:
+            WeightsGroup("127.0.0.1", port, rank, 3, "gloo", timeout_s=60, generation=3, store=store, cancel=cancel)
+        except WeightSyncError as error:
+            outcome["g3"] = {"error": str(error), "seconds": time.monotonic() - started}
+        if rank == 0:
+            time.sleep(1.0)  # the store lives as long as the trainer: let the worker read the abort
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+def test_generations_replace_each_other_and_a_cancelled_rendezvous_ends_at_once(tmp_path):
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_generations_main, args=(free_port(), str(tmp_path)), nprocs=3, join=False,
+                                 start_method="spawn")
+    for process in context.processes:
+        process.join(timeout=90)
+    trainer, worker, gone = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3))
+    assert worker["g1"] and gone["g1"] and worker["g2"] and trainer["g2_receivers"] == [1]
+    assert "2] did not join generation 3 before the receivers were done (cancelled)" in trainer["g3"]["error"]
+    assert "the trainer gave up on generation 3" in worker["g3"]["error"]
+    assert trainer["g3"]["seconds"] < 10 and worker["g3"]["seconds"] < 10  # cancelled, not the 60 s timeout
+
+
+# ---- the trainer, the gateway and hf engines --------------------------------------------------------
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     from tests.fixtures_model import make_random_llama
@@ -139,111 +192,179 @@ def weights(tmp_path_factory):
             "sharp": make_random_llama(root / "sharp", seed=0, lm_head_scale=3.0)}
 
 
-def _named_parameters(model_dir: Path) -> list:
-    import torch
-    from transformers import AutoModelForCausalLM
+class InProcessRollout:
+    """The trainer's rollout stub, answered by a real RolloutService in this process."""
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    return [(n, p.detach()) for n, p in model.named_parameters()]
+    def __init__(self, service):
+        self.service = service
 
+    async def ListWorkers(self, request, timeout=None):
+        from libra.v1 import rollout_pb2
 
-def test_pool_receives_over_the_group_and_a_missing_worker_is_marked_unhealthy(weights, tmp_path, arun):
-    from libra.services.rollout.config import WorkerConfig
-    from libra.services.rollout.engine_client import EngineClient
-    from libra.services.rollout.workers import PoolWorker, WorkerPool, worker_process_class
-    from libra.v1 import common_pb2
-    from tests.service.test_engine_contract import PROMPT, trainer_logprobs
+        return rollout_pb2.ListWorkersResponse(workers=[w.to_proto() for w in self.service.pool.workers.values()])
 
-    address = f"127.0.0.1:{free_port()}"
-    config = WorkerConfig(engine="hf", max_model_len=256, cpu_threads=1, weight_sync="group",
-                          weights_group_address=address, weights_sync_timeout_s=5, weights_bucket_mb=1)
-    pool = WorkerPool(config, tmp_path)
-    launcher = worker_process_class("hf")
-    for index in range(2):
-        process = launcher(config, weights["base"], index, tmp_path, port=free_port(), policy_version=1).start()
-        pool.workers[f"w-{index}"] = PoolWorker(f"w-{index}", "short", 1, process, EngineClient(process.base_url),
-                                                version=1)
+    async def UpdateWeights(self, request, timeout=None):
+        from libra.v1 import rollout_pb2
 
-    def trainer_side(result: dict, version: int, source: list) -> None:
-        try:
-            if "group" not in result:
-                result["group"] = WeightsGroup("127.0.0.1", int(address.rsplit(":")[1]), 0, 3, "gloo",
-                                               timeout_s=5, bucket_bytes=2**20)
-            result["report"] = result["group"].send(source, version, join_timeout_s=3)
-        except Exception as error:  # noqa: BLE001 - inspected by the test
-            result["error"] = error
-
-    async def scenario() -> None:
-        await asyncio.gather(*(w.process.wait_ready(120) for w in pool.workers.values()))
-        for worker in pool.workers.values():
-            worker.state = common_pb2.WORKER_STATE_SERVING
-        side: dict = {}
-        sharp = _named_parameters(weights["sharp"])
-        thread = threading.Thread(target=trainer_side, args=(side, 2, sharp))
-        thread.start()
-        await pool.join_weights_group(address, 1, 3)
-        acks = await pool.receive_weights(2)
-        await asyncio.to_thread(thread.join, 30)
-        assert "error" not in side and all(a.ok and a.version == 2 for a in acks), (side, acks)
-        assert sorted(side["report"].receivers) == [1, 2]
-        turn = await pool.workers["w-0"].client.generate(PROMPT, 8, temperature=0.0)
-        assert turn.logprobs == pytest.approx(trainer_logprobs(weights["sharp"], PROMPT, turn.token_ids), abs=2e-4)
-        # worker 1 crashes: version 3 cannot reach it
-        victim = pool.workers["w-1"].process
-        os.killpg(victim.process.pid, signal.SIGKILL)
-        victim.process.wait(timeout=10)
-        base = _named_parameters(weights["base"])
-        thread = threading.Thread(target=trainer_side, args=(side, 3, base))
-        thread.start()
-        acks = {a.worker_id: a for a in await pool.receive_weights(3, fallback_path=str(weights["base"]))}
-        await asyncio.to_thread(thread.join, 30)
-        assert isinstance(side["error"], WeightSyncError) and "ranks [2] did not join version 3" in str(side["error"])
-        assert not acks["w-1"].ok and pool.workers["w-1"].state == common_pb2.WORKER_STATE_UNHEALTHY
-        assert [w.worker_id for w in await pool.check_health()] == ["w-1"]  # the gateway deregisters it, once
-        assert await pool.check_health() == []
-        assert acks["w-0"].ok and acks["w-0"].version == 3  # retried over the disk path
-        assert await pool.workers["w-0"].client.policy_version() == 3 and pool.version_of("w-0") == 3
-        turn = await pool.workers["w-0"].client.generate(PROMPT, 8, temperature=0.0)
-        assert turn.logprobs == pytest.approx(trainer_logprobs(weights["base"], PROMPT, turn.token_ids), abs=2e-4)
-
-    try:
-        arun(scenario())
-    finally:
-        arun(pool.stop_all())
+        acks = await self.service.update_weights(request.version, request.path, request.over_group)
+        return rollout_pb2.UpdateWeightsResponse(version=request.version, acks=acks)
 
 
+class Membership:
+    """Records which workers the gateway puts into routing and takes out of it."""
 
-def test_the_trainer_model_state_publishes_over_the_group(weights, tmp_path, arun):
-    """ModelState (torch backend) hosts the group and sends; an hf worker of the pool receives."""
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+
+    async def join(self, worker) -> None:
+        self.events.append(("join", worker.worker_id))
+
+    async def leave(self, worker, reason: str) -> None:
+        self.events.append(("leave", worker.worker_id))
+
+
+class Spy:
+    """Counts how each version reaches one worker; on demand loses its receive answers or fails its loads."""
+
+    def __init__(self, client):
+        from libra.services.rollout.engine_client import EngineError
+
+        self.calls: list[tuple[str, int]] = []
+        self.lose_receive = self.fail_load = False
+        post, load = client._post, client.load_weights
+
+        async def spied_post(path, body, timeout=None):
+            answer = await post(path, body, timeout)
+            if body.get("method") == "libra_receive_weights":
+                self.calls.append(("group", int(body["args"][0])))
+                if self.lose_receive:
+                    raise EngineError("injected: the answer of the receive was lost")
+            return answer
+
+        async def spied_load(path, version):
+            self.calls.append(("disk", int(version)))
+            if self.fail_load:
+                raise EngineError("injected: the load failed in transport")
+            return await load(path, version)
+
+        client._post, client.load_weights = spied_post, spied_load
+
+    def routes(self, version: int) -> list[str]:
+        return [route for route, v in self.calls if v == version]
+
+
+def test_the_group_follows_the_workers_and_a_worker_that_misses_a_version_leaves_routing_until_it_catches_up(
+        weights, tmp_path, store, run_id, arun):
     from libra.config import RunConfig
-    from libra.services.rollout.engine_client import EngineClient
-    from libra.services.rollout.workers import PoolWorker, WorkerPool, worker_process_class
+    from libra.errors import Unavailable
+    from libra.plans import Bucket, Plan
+    from libra.services.rollout.server import RolloutService
+    from libra.services.rollout.weights_roster import BLOB
+    from libra.services.trainer.loop import GrpoLoop
     from libra.services.trainer.model_state import ModelState
+    from libra.services.trainer.status import TrainerStatus
     from libra.services.trainer.torch_backend import TorchBackend
     from libra.v1 import common_pb2
     from tests.service.test_engine_contract import PROMPT, trainer_logprobs
 
-    address = f"127.0.0.1:{free_port()}"
-    config = RunConfig.model_validate({"run_dir": str(tmp_path / "run"), "rollout": {"worker": {
-        "engine": "hf", "max_model_len": 256, "weight_sync": "group", "weights_group_address": address,
-        "weights_sync_timeout_s": 30, "weights_bucket_mb": 1}}})
+    timeout_s = 20.0  # a version that waited for the sync timeout would show
+    config = RunConfig.model_validate({"run_id": run_id, "run_dir": str(tmp_path / "run"), "rollout": {"worker": {
+        "engine": "hf", "max_model_len": 256, "base_port": 0, "weight_sync": "group", "weights_bucket_mb": 1,
+        "weights_group_address": f"127.0.0.1:{free_port()}", "weights_sync_timeout_s": timeout_s}}})
     backend = TorchBackend(config.trainer)
-    backend.load(str(weights["sharp"]))  # the trainer's weights: the sharp model; the worker starts on base
-    state = ModelState(config, backend, store=None)
-    pool = WorkerPool(config.rollout.worker, tmp_path)
-    process = worker_process_class("hf")(config.rollout.worker, weights["base"], 0, tmp_path, port=free_port()).start()
-    pool.workers["w-0"] = PoolWorker("w-0", "short", 1, process, EngineClient(process.base_url))
+    model = ModelState(config, backend, store)
+    gateway = RolloutService(config)
+    gateway.store, gateway.membership = store, Membership()
+    loop = GrpoLoop(config, store, InProcessRollout(gateway), model, TrainerStatus(10), num_prompts=1)
+    pool, spies = gateway.pool, {}
+
+    async def start(replicas: int, version: int) -> None:
+        for worker in await gateway._start_plan(Plan(0, None, (Bucket("short", 1, 100, replicas),)),
+                                                await store.weights_path(version), version):
+            spies[worker.worker_id] = Spy(worker.client)
+
+    async def publish(version: int, source: str) -> None:
+        """What the trainer does for a new version: write it, then publish it to rollout."""
+        backend.load(str(weights[source]))
+        await model.publish(version)
+        seconds = await loop.publish_to_workers(version)
+        assert seconds < timeout_s / 2, f"v{version} took {seconds:.1f}s: it waited for the sync timeout"
+
+    async def generation() -> tuple[int, list[str]]:
+        record = await store.blob_record(BLOB)
+        return record.generation, json.loads(record.payload)["workers"]
+
+    async def serves(worker_id: str, source: str) -> None:
+        worker = pool.workers[worker_id]
+        assert await worker.client.policy_version() == worker.version  # what it reports is what it holds
+        turn = await worker.client.generate(PROMPT, 8, temperature=0.0)
+        assert turn.logprobs == pytest.approx(trainer_logprobs(weights[source], PROMPT, turn.token_ids), abs=2e-4)
 
     async def scenario() -> None:
-        await process.wait_ready(120)
-        pool.workers["w-0"].state = common_pb2.WORKER_STATE_SERVING
-        await asyncio.gather(state.open_weights_group(2), pool.join_weights_group(address, 1, 2))
-        acks, report = await asyncio.gather(pool.receive_weights(5), state.send_weights(5))
-        assert acks[0].ok and acks[0].version == 5 and report.receivers[1]["bytes"] == report.bytes
-        turn = await pool.workers["w-0"].client.generate(PROMPT, 8, temperature=0.0)
-        assert turn.logprobs == pytest.approx(trainer_logprobs(weights["sharp"], PROMPT, turn.token_ids), abs=2e-4)
+        backend.load(str(weights["base"]))
+        await model.publish(1)
+        await start(2, 1)
+        await publish(1, "base")  # the first version forms generation 1 with both workers
+        await publish(2, "sharp")
+        assert await generation() == (1, [["short-0", 1], ["short-1", 1]])
+        assert spies["short-0"].routes(2) == spies["short-1"].routes(2) == ["group"]
+        await serves("short-0", "sharp")
+        assert set(await store.worker_acks(2)) == {"short-0", "short-1"}  # acks with timings, as before
+
+        # (a) the layout changes: a drain, then a start; each time a new generation, no timeout
+        await gateway.drain_worker("short-1", 5)
+        await publish(3, "base")
+        assert await generation() == (2, [["short-0", 1]]) and spies["short-0"].routes(3) == ["group"]
+        await serves("short-0", "base")
+        await start(1, 3)
+        await publish(4, "sharp")
+        assert await generation() == (3, [["short-0", 1], ["short-2", 1]])
+        assert spies["short-0"].routes(4) == spies["short-2"].routes(4) == ["group"]
+        await serves("short-2", "sharp")
+
+        # (b) short-2 misses a version in the group (its answer is lost): retried from disk
+        spies["short-2"].lose_receive = True
+        await publish(5, "base")
+        spies["short-2"].lose_receive = False
+        assert spies["short-2"].routes(5) == ["group", "disk"] and pool.version_of("short-2") == 5
+        assert spies["short-0"].routes(5) == ["group"] and (await generation())[0] == 3
+        # ... and a version it cannot load at all: unhealthy, out of routing, still saying v5
+        spies["short-2"].fail_load = True
+        backend.load(str(weights["sharp"]))
+        await model.publish(6)  # over disk, as the trainer sends a version the group failed
+        acks = {a.worker_id: a for a in await gateway.update_weights(6, await store.weights_path(6))}
+        spies["short-2"].fail_load = False
+        assert acks["short-0"].ok and not acks["short-2"].ok and "injected" in acks["short-2"].error
+        assert acks["short-2"].version == 5 and pool.version_of("short-2") == 5
+        assert pool.workers["short-2"].state == common_pb2.WORKER_STATE_UNHEALTHY
+        assert ("leave", "short-2") in gateway.membership.events and set(await store.worker_acks(6)) == {"short-0"}
+        await serves("short-2", "base")  # v5's weights, and it says v5
+        with pytest.raises(Unavailable):
+            await pool.generate("short-2", PROMPT, 4, 0, {"temperature": 0.0, "top_p": 1.0}, [])
+        # the next version reaches it from disk (it is outside the new generation): it serves again
+        await publish(7, "sharp")
+        assert await generation() == (4, [["short-0", 1]])
+        assert spies["short-2"].routes(7) == ["disk"]
+        assert pool.workers["short-2"].state == common_pb2.WORKER_STATE_SERVING
+        assert gateway.membership.events[-1] == ("join", "short-2") and pool.version_of("short-2") == 7
+        await serves("short-2", "sharp")
+        await publish(8, "base")  # and it is a rank of the following generation
+        assert await generation() == (5, [["short-0", 1], ["short-2", 1]])
+        assert spies["short-2"].routes(8) == ["group"]
+
+        # a member dies: nobody waits for it; the next version forms a generation without it
+        victim = pool.workers["short-0"].process
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        victim.process.wait(timeout=10)
+        await publish(9, "sharp")
+        assert spies["short-2"].routes(9) == ["disk"] and pool.version_of("short-2") == 9
+        assert pool.workers["short-0"].state == common_pb2.WORKER_STATE_UNHEALTHY and pool.version_of("short-0") == 8
+        await publish(10, "base")
+        assert await generation() == (6, [["short-2", 1]]) and spies["short-2"].routes(10) == ["group"]
+        await serves("short-2", "base")
 
     try:
         arun(scenario())
     finally:
+        model.close_weights_group(release_store=True)
         arun(pool.stop_all())

@@ -4,6 +4,8 @@ Everything is real except process boundaries: real TCP side channels, real snaps
 real torch backend. The reference is a plain (static) run of the same backend over the union of
 the samples every replica trained on in each step; tests/unit/test_torch_backend.py shows that
 equals a data-parallel run. Multi-process runs over gloo live in tests/service/test_elastic_join.py.
+The tests marked `CHANNELS` run twice: gradients inside the TCP frames, and over a private gloo
+pair group per hybrid (`channel="group"`: the path NCCL takes on GPUs).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from libra.services.trainer.elastic.work import split, widened_groups
 from libra.services.trainer.torch_backend import TorchBackend
 
 VOCAB, GROUP, GROUPS = 64, 2, 2
+CHANNELS = pytest.mark.parametrize("channel", ["tcp", "group"])
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +155,9 @@ def _join(run: Run, replica_id: str, **options) -> Hybrid:
     return hybrid
 
 
-def test_update_with_hybrids_equals_plain_data_parallel_and_stays_in_lockstep(model_dir, tmp_path):
-    run = Run(model_dir, tmp_path)
+@CHANNELS
+def test_update_with_hybrids_equals_plain_data_parallel_and_stays_in_lockstep(model_dir, tmp_path, channel):
+    run = Run(model_dir, tmp_path, channel=channel)
     first = _join(run, "h-a")
     second = _join(run, "h-b")
     run.run(3)
@@ -165,11 +169,14 @@ def test_update_with_hybrids_equals_plain_data_parallel_and_stays_in_lockstep(mo
             assert all(torch.equal(a, b) for a, b in zip(hybrid.params[step], run.core_params[step])), step
     assert {"core-0", "h-a", "h-b"} <= run.core.history[7][1]  # the step was acknowledged by all three
     assert run.manifests[7].epoch == 2 and run.manifests[5].epoch == 2 and run.manifests[4].epoch == 1
+    expected = "group/gloo" if channel == "group" else "tcp"
+    assert run.core.endpoint.link("h-a").channel == expected and first.replica.link.channel == expected
     run.core.close()
 
 
-def test_join_at_step_3_and_leave_at_step_7_equals_the_static_runs(model_dir, tmp_path):
-    run = Run(model_dir, tmp_path, max_grad_norm=0.5)  # clipped steps: hybrids clip exactly as the core
+@CHANNELS
+def test_join_at_step_3_and_leave_at_step_7_equals_the_static_runs(model_dir, tmp_path, channel):
+    run = Run(model_dir, tmp_path, max_grad_norm=0.5, channel=channel)  # clipped: hybrids clip as the core does
     hybrid = _join(run, "h-1")  # steps 1, 2 without it
     run.run(5)  # steps 3..7 with it
     run.core.release("h-1")
@@ -223,8 +230,11 @@ class _Stalling(HybridReplica):
         super()._train(frame)
 
 
-def test_a_hybrid_that_dies_or_stalls_mid_step_is_marked_failed_and_the_core_carries_on(model_dir, tmp_path):
-    run = Run(model_dir, tmp_path, grad_deadline_s=3.0)
+@CHANNELS
+def test_a_hybrid_that_dies_or_stalls_mid_step_is_marked_failed_and_the_core_carries_on(model_dir, tmp_path,
+                                                                                       channel):
+    _Stalling.unblock.clear()
+    run = Run(model_dir, tmp_path, grad_deadline_s=3.0, channel=channel)
     dying = _join(run, "h-dies", die_at_step=4)  # active from 3, closes its connection in step 4
     run.run(1)
     assert run.manifests[3].hybrids == (("h-dies", 0),)

@@ -2,8 +2,9 @@
 
 A *hybrid replica* is a whole data-parallel replica borrowed from rollout. It never joins the core
 process group: it talks to the core over a side channel (one TCP endpoint per core rank, i.e. per
-model-parallel lane of each core data-parallel rank), so membership changes never create or
-destroy a process group (ARCHITECTURE.md §7).
+model-parallel lane of each core data-parallel rank), so membership changes never create, destroy
+or use the core's process group (ARCHITECTURE.md §7). Its gradients may go over a private
+two-rank group of its own (see "Gradient channel" below), created and destroyed with the hybrid.
 
 Contract for the control plane (services/elastic drives this; nothing here imports it)
 --------------------------------------------------------------------------------------
@@ -51,16 +52,29 @@ Starting a hybrid process
 Start it after AdmitHybrid (it looks its endpoint up in GetStepManifest(step=0).hybrids, retrying
 for up to 60 s). It needs nothing else: the model directory, the trainer config and the snapshot
 path arrive over the side channel. Exit codes: 0 released; 2 bad arguments; 3 join refused or
-rolled back (not admitted, snapshot fetch failed, catch-up failed); 4 lost the core (connection
-closed, or marked failed after a missed deadline).
+rolled back (not admitted, pair group not opened, snapshot fetch failed, catch-up failed); 4 lost
+the core (connection closed, or marked failed after a missed deadline).
 
-Device note: the side channel is TCP with tensors staged through pinned host memory on GPUs
-(device-agnostic, no process group). On GPUs it moves about 1 GB/s: fine for the join itself,
-but every active step ships the fp32 gradient both ways (see docs/benchmarks.md, "Elastic hybrid
-join"); a device-to-device path (CUDA IPC on one host) is the next step.
+Gradient channel (``trainer.elastic.channel``: auto | tcp | group; ElasticCore(channel=…))
+--------------------------------------------------------------------------------------------
+Control frames always go over TCP. The bulk tensors — the hybrid's gradient, the reduced gradient
+back, the catch-up gradients — go either inside the TCP frames (``tcp``: staged through pinned
+host memory on GPUs, about 1 GB/s; every active step ships the fp32 gradient both ways, see
+docs/benchmarks.md, "Elastic hybrid join") or over a *pair group* (``group``): when the hybrid
+says hello, its core rank hosts a TCPStore on a free port, tells the hybrid (a ``channel`` frame)
+and both build a standalone two-rank ProcessGroupNCCL (both on GPUs: device to device, NVLink on
+one host) or ProcessGroupGloo (otherwise), never through ``init_process_group``. ``auto`` is the
+group on two GPUs, TCP otherwise (on CPU the group is gloo over loopback TCP: no faster, so TCP;
+``group`` forces it, which the CPU tests do). Every pair-group transfer has the gradient deadline
+(``grad_deadline_s``) and never makes the core's CUDA stream wait for the hybrid; a hybrid that
+dies or freezes mid-transfer is dropped like one that misses its deadline, and its pair group is
+aborted (NCCL groups are built with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, so a peer's death aborts
+the communicator and never the core process). The pair group goes when the hybrid leaves, fails
+or dies; a re-admitted hybrid builds a new one.
 
 Modules: ``manifest`` (pure membership state machine and the frozen per-step manifest),
-``side_channel`` (framed TCP messages, the core's lane endpoint, the hybrid's client),
+``side_channel`` (the core's lane endpoint and links, the hybrid's client), ``frames`` (the
+wire format), ``device_channel`` (the channel choice and the pair group),
 ``snapshot`` (asynchronous sharded snapshot of model + optimizer), ``core_hooks`` (the gradient
 injector the training backends call between backward and the data-parallel all-reduce),
 ``hybrid`` (the hybrid replica process), ``work`` (widened batches: whole groups per replica),

@@ -43,6 +43,7 @@ from typing import Any, Callable
 from libra import log as liblog
 from libra.services.trainer.backend import GradientHook, HybridGradients, HybridShare, TrainBatch
 from libra.services.trainer.elastic import snapshot as snap
+from libra.services.trainer.elastic.device_channel import model_device
 from libra.services.trainer.elastic.manifest import Action, HybridState, Membership, StepManifest
 from libra.services.trainer.elastic.side_channel import CLOSED, LaneEndpoint
 
@@ -71,7 +72,7 @@ class ElasticCore(GradientHook):
     def __init__(self, backend: Any, *, dp_rank: int = 0, core_ranks: int = 1, snapshot_root: str,
                  host: str = "127.0.0.1", port: int = 0, grad_deadline_s: float = 60.0,
                  join_timeout_s: float = 120.0, snapshot_shards: int = 4, max_catch_up_steps: int = 64,
-                 catch_up_patience: int = 8,
+                 catch_up_patience: int = 8, channel: str | None = None,
                  verify_lockstep: bool = False,
                  membership: Membership | None = None, clock: Callable[[], float] = time.monotonic,
                  after_shard: Callable[[int], None] | None = None):
@@ -86,7 +87,10 @@ class ElasticCore(GradientHook):
         self.verify_lockstep = verify_lockstep
         self._digest = ""
         self.membership = membership or Membership(core_ranks, catch_up_patience=catch_up_patience)
-        self.endpoint = LaneEndpoint(host, port, send_timeout_s=grad_deadline_s)
+        # channel: how bulk tensors travel (auto | tcp | group; default trainer.elastic.channel).
+        channel = channel or getattr(getattr(backend.config, "elastic", None), "channel", "auto")
+        self.endpoint = LaneEndpoint(host, port, send_timeout_s=grad_deadline_s, channel=channel,
+                                     device=lambda: model_device(backend.model))
         self.lane_endpoints = _all_gather(self.endpoint.address)  # one collective, once, at start
         self.manifest: StepManifest | None = None
         self.history: collections.OrderedDict[int, tuple[StepManifest, set[str]]] = collections.OrderedDict()

@@ -4,7 +4,8 @@ Owns: one model replica and its optimizer on a borrowed (rollout) device, the jo
 load, catch-up replay) and the lockstep step loop. Must not know: Redis, membership rules, how
 batches are assembled. Start it as documented in `libra.services.trainer.elastic`.
 
-    connect + hello ─▶ prepare{model_dir, config}: build model + optimizer ─▶ prepared
+    connect + hello{device} ─▶ [channel{backend, port}: join the pair group the core opened]
+        ─▶ prepare{model_dir, config}: build model + optimizer ─▶ prepared
         ─▶ snapshot{path} (taken at the next boundary) ─▶ load shards ─▶ loaded{step}
         ─▶ catch_up{step}+gradient × n (replay: same gradient, clip, AdamW step as the core did)
         ─▶ active ─▶ per step: step{slice, N/W} ─▶ backward ─▶ grad ─▶ reduced ─▶ clip + step
@@ -51,6 +52,8 @@ class HybridReplica:
             self.link.close()
 
     def _handle(self, frame: Any) -> int | None:
+        if frame.kind == "channel":
+            return self._open_channel(frame.header)
         if frame.kind == "prepare":
             return self._prepare(frame.header)
         if frame.kind == "snapshot":
@@ -72,6 +75,19 @@ class HybridReplica:
             _log.warning("removed by the core", replica=self.replica_id, reason=frame.header.get("reason"))
             return EXIT_LOST if self.active else EXIT_JOIN_FAILED
         raise ConnectionError(f"unexpected frame {frame.kind!r} from the core")
+
+    def _open_channel(self, channel: dict[str, Any]) -> int | None:
+        """Join the pair group the core opened for this link: gradients then go device to device."""
+        from libra.services.trainer.elastic.device_channel import ChannelError
+
+        started = time.perf_counter()
+        try:
+            self.link.open_group(channel)
+        except ChannelError as error:
+            return self._join_failed(f"cannot open the device channel: {error}")
+        _log.info("device channel open", replica=self.replica_id, channel=self.link.channel,
+                  seconds=round(time.perf_counter() - started, 3))
+        return None
 
     def _build(self, meta: dict[str, Any]) -> Any:
         from libra.services.trainer.torch_backend import TorchBackend
@@ -203,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         endpoint = args.endpoint or _endpoint_from_trainer(args.trainer, args.run_id, args.replica_id,
                                                            args.lookup_timeout_s)
-        link = HybridLink(endpoint, args.replica_id)
+        link = HybridLink(endpoint, args.replica_id, device=args.device)
     except (TimeoutError, OSError, ValueError) as error:
         print(f"hybrid {args.replica_id}: {error}", file=sys.stderr)
         return EXIT_JOIN_FAILED

@@ -1,20 +1,22 @@
 """The side channel between a hybrid replica and the core rank of its lane: framed TCP messages.
 
-Owns: the wire format, the core's lane endpoint (one listening socket per core rank) and the
+Owns: the core's lane endpoint (one listening socket per core rank, a link per hybrid) and the
 hybrid's connection. Must not know: models, optimizers, membership rules.
 
-Why plain TCP and not torch.distributed: a process group has a fixed world; adding a hybrid to one
+Why TCP and not the core's process group: that group has a fixed world; adding a hybrid to it
 means building a new group (and NCCL communicators), which is exactly what membership changes must
 never do. A socket per hybrid is created and dropped with the hybrid, and the core's process
-group (built once at start) is never touched. On GPUs the tensors are staged through host memory
-(`.cpu()` before send, `.to(device)` after receive): a CPU-staged channel, device-agnostic.
+group (built once at start) is never touched. Control frames always go over the socket. Tensors go
+either in the frame (staged through pinned host memory on GPUs: a CPU-staged channel, about
+1 GB/s) or, when the core's channel policy opens one at hello (`device_channel`: a private
+two-rank NCCL/gloo group per hybrid, device to device), over that pair group: the frame then
+carries only the header (`via: "group"`, dtype, shape) and the bytes follow as one broadcast.
 
-Frame: 4-byte big-endian header length, UTF-8 JSON header, 8-byte big-endian payload length, raw
-payload (a contiguous tensor's bytes; dtype and shape are in the header). No pickle: a frame is
-data, never code.
+Frames and their encoding: `frames`. The pair group: `device_channel`.
 
     hybrid                                  core rank r (lane endpoint, accept thread + one reader
-      │ hello{replica_id}            ──▶      thread per connection; frames land in two queues)
+      │ hello{replica_id, device}    ──▶      thread per connection; frames land in two queues)
+      │ ◀── channel{backend, port} (only when a pair group is opened; see device_channel)
       │ ◀── prepare | snapshot{path} | catch_up{step}+grad | active | step{slice, N/W} | bye | error
       │ loaded{step} | caught_up{step} | join_failed{reason} ──▶ control queue (read at boundaries)
       │ grad{step, metrics}+grad            ──▶ gradient queue (waited on with a deadline)
@@ -23,136 +25,15 @@ data, never code.
 
 from __future__ import annotations
 
-import json
 import queue
 import socket
-import struct
 import threading
-from dataclasses import dataclass, field
-from typing import Any
+import time
+from typing import Any, Callable
 
-_HEADER = struct.Struct(">I")
-_PAYLOAD = struct.Struct(">Q")
-MAX_HEADER = 64 * 1024 * 1024
-CLOSED = "closed"  # kind of the frame a reader queues when its connection ends
-
-
-@dataclass
-class Frame:
-    kind: str
-    header: dict[str, Any] = field(default_factory=dict)
-    payload: bytearray = field(default_factory=bytearray)
-
-    def tensor(self) -> Any:
-        """The payload as a CPU tensor of the header's dtype and shape (no copy: it views the buffer)."""
-        import torch
-
-        dtype = getattr(torch, self.header["dtype"])
-        if not self.payload:
-            return torch.empty(self.header["shape"], dtype=dtype)
-        return torch.frombuffer(self.payload, dtype=torch.uint8).view(dtype).reshape(self.header["shape"])
-
-
-@dataclass
-class Encoded:
-    """A frame ready to go: header bytes and either host bytes or a device tensor to stage.
-
-    Encoding happens in the caller's thread and costs nothing on the training stream: a CUDA
-    tensor only gets an event recorded after it. The sender (the link's outbox thread, or the
-    caller under the write lock) copies it into a reusable pinned host buffer on a side stream
-    that waits for that event, then `sendall`s it; the training stream is never synchronised and
-    host memory is pinned once per link, not once per frame.
-    """
-
-    head: bytes
-    payload: Any = b""
-    device_tensor: Any = None
-    ready: Any = None  # torch.cuda.Event recorded after the tensor was produced
-
-
-class Staging:
-    """One reusable pinned host buffer and copy stream (used under one writer at a time)."""
-
-    def __init__(self) -> None:
-        self.buffer: Any = None
-        self.stream: Any = None
-
-    def host_bytes(self, tensor: Any, ready: Any) -> Any:
-        import torch
-
-        flat = tensor.reshape(-1)
-        if self.buffer is None or self.buffer.numel() < flat.numel() or self.buffer.dtype != flat.dtype:
-            self.buffer = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
-            self.stream = torch.cuda.Stream(flat.device)
-        self.stream.wait_event(ready)
-        with torch.cuda.stream(self.stream):
-            self.buffer[: flat.numel()].copy_(flat, non_blocking=True)
-        self.stream.synchronize()
-        return memoryview(self.buffer[: flat.numel()].view(torch.uint8).numpy())
-
-
-def encode(kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> Encoded:
-    import torch
-
-    body = dict(header or {}, kind=kind)
-    frame = Encoded(b"")
-    size = 0
-    if tensor is not None:
-        t = tensor.detach()
-        body.update(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
-        size = t.numel() * t.element_size()
-        if t.device.type == "cuda":
-            frame.device_tensor, frame.ready = t.contiguous(), torch.cuda.Event()
-            frame.ready.record(torch.cuda.current_stream(t.device))
-        else:  # any dtype, bf16 too; a view, no copy
-            frame.payload = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-    encoded = json.dumps(body).encode()
-    frame.head = _HEADER.pack(len(encoded)) + encoded + _PAYLOAD.pack(size)
-    return frame
-
-
-def send_encoded(sock: socket.socket, frame: Encoded, staging: Staging | None = None) -> None:
-    payload = frame.payload
-    if frame.device_tensor is not None:
-        payload = (staging or Staging()).host_bytes(frame.device_tensor, frame.ready)
-    sock.sendall(frame.head)
-    if len(payload):
-        sock.sendall(payload)
-
-
-def send_frame(sock: socket.socket, kind: str, header: dict[str, Any] | None = None, tensor: Any = None,
-               staging: Staging | None = None) -> None:
-    send_encoded(sock, encode(kind, header, tensor), staging)
-
-
-def _recv_exact(sock: socket.socket, size: int) -> bytearray:
-    buffer = bytearray(size)
-    view, got = memoryview(buffer), 0
-    while got < size:
-        try:
-            count = sock.recv_into(view[got:], size - got)  # few calls: each one needs the GIL
-        except socket.timeout:
-            continue  # the timeout bounds sends only; an idle peer is not a dead one
-        if not count:
-            raise ConnectionError("side channel closed by the peer")
-        got += count
-    return buffer
-
-
-def recv_frame(sock: socket.socket) -> Frame:
-    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if size > MAX_HEADER:
-        raise ConnectionError(f"side channel: header of {size} bytes is not a Libra frame")
-    header = json.loads(_recv_exact(sock, size))
-    (length,) = _PAYLOAD.unpack(_recv_exact(sock, _PAYLOAD.size))
-    return Frame(header.pop("kind"), header, _recv_exact(sock, length) if length else bytearray())
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"endpoint {address!r} must be HOST:PORT")
-    return host, int(port)
+from libra.services.trainer.elastic import device_channel as dc
+from libra.services.trainer.elastic.frames import (  # noqa: F401 - CLOSED, Frame: this module's API too
+    CLOSED, Encoded, Frame, Staging, encode, parse_address, recv_frame, send_encoded, send_frame)
 
 
 class _Link:
@@ -166,6 +47,7 @@ class _Link:
         self.grads: queue.Queue[Frame] = queue.Queue()
         self.outbox: queue.Queue[Encoded | None] = queue.Queue()
         self.open = True
+        self.group: dc.PairGroup | None = None  # set before the link is registered, never after
         threading.Thread(target=self._drain_outbox, name=f"lane-out-{replica_id}", daemon=True).start()
 
     def _drain_outbox(self) -> None:
@@ -180,7 +62,7 @@ class _Link:
 
     def send_async(self, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> bool:
         """Queue a frame (encoded here); frames leave in order, and a later `send` waits for them."""
-        frame = encode(kind, header, tensor)
+        frame = encode(kind, header, tensor, via_group=self.group is not None)
         with self.lock:  # never queue behind the close sentinel (the queue would never drain)
             if not self.open:
                 return False
@@ -191,7 +73,7 @@ class _Link:
         """False when the connection is gone (the caller marks the hybrid failed)."""
         if not self.open:
             return False
-        frame = encode(kind, header, tensor)
+        frame = encode(kind, header, tensor, via_group=self.group is not None)
         self.outbox.join()  # what was queued before goes first
         return self._send_now(frame)
 
@@ -200,17 +82,33 @@ class _Link:
             if not self.open:
                 return False
             try:
-                send_encoded(self.sock, frame, self.staging)
+                send_encoded(self.sock, frame, self.staging, self.group)
                 return True
-            except OSError:
+            except OSError:  # dc.ChannelError too: the pair group is then broken
                 self.open = False
                 return False
+
+    @property
+    def channel(self) -> str:
+        return self.group.description if self.group is not None else "tcp"
+
+    def start_recv(self, frame: Frame) -> Frame:
+        """Post the receive of a frame's tensor over the pair group (the reader thread, in frame order)."""
+        if self.group is None:
+            return Frame(CLOSED)  # a peer that sends over a group it never opened is not a Libra hybrid
+        try:
+            frame.pending = self.group.start_recv(frame.header["shape"], frame.header["dtype"])
+        except (dc.ChannelError, RuntimeError, TypeError, KeyError):  # broken group, no memory, bad header
+            return Frame(CLOSED)
+        return frame
 
     def close(self) -> None:
         with self.lock:
             if self.open:
                 self.outbox.put(None)
             self.open = False
+        if self.group is not None:
+            self.group.close()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -221,10 +119,16 @@ class _Link:
 class LaneEndpoint:
     """The listening socket of one core rank; hybrids of that rank connect here."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, send_timeout_s: float | None = None):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, send_timeout_s: float | None = None,
+                 channel: str = "tcp", device: Callable[[], Any] = lambda: "cpu"):
         # A hybrid that stops reading must not block the core: a send that cannot finish within
-        # send_timeout_s fails (the caller marks the hybrid failed and the link is dropped).
+        # send_timeout_s fails (the caller marks the hybrid failed and the link is dropped). The
+        # pair group's operations (and its setup) get the same deadline.
         self.send_timeout_s = send_timeout_s
+        if channel not in dc.MODES:
+            raise ValueError(f"side channel mode must be one of {dc.MODES}, got {channel!r}")
+        self.channel, self.device = channel, device  # device: the core's, read when a hybrid says hello
+        self.host = host
         self._server = socket.create_server((host, port))
         # A wildcard bind is advertised under this host's name (hybrids need an address to dial).
         advertised = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
@@ -255,17 +159,22 @@ class LaneEndpoint:
             sock.close()
             return
         link = _Link(sock, str(hello.header["replica_id"]))
+        failed = self._open_channel(link, hello.header)
         with self._lock:
             old = self._links.get(link.replica_id)
             self._links[link.replica_id] = link
         if old is not None:
             old.close()  # a restarted hybrid process replaces its dead connection
         self._control.put((link.replica_id, hello))
+        if failed:
+            self._control.put((link.replica_id, Frame("join_failed", {"reason": failed})))
         while True:
             try:
                 frame = recv_frame(sock)
             except (OSError, ValueError):
                 frame = Frame(CLOSED)
+            if frame.header.get("via") == "group":
+                frame = link.start_recv(frame)
             if frame.kind in ("grad", CLOSED):
                 link.grads.put(frame)
             if frame.kind != "grad":
@@ -273,6 +182,19 @@ class LaneEndpoint:
             if frame.kind == CLOSED:
                 link.close()  # also ends its outbox thread
                 return
+
+    def _open_channel(self, link: _Link, hello: dict[str, Any]) -> str:
+        """Open the hybrid's pair group if the channel policy picks one; why not, or "".
+
+        Blocks this reader thread (the rendezvous waits for the hybrid), never the core's step; the
+        link is registered only afterwards, so no frame can overtake the `channel` frame.
+        """
+        timeout_s = self.send_timeout_s or 60.0
+        try:
+            link.group = dc.open_core_end(self.channel, self.device(), hello, self.host, timeout_s, link.send)
+        except (dc.ChannelError, RuntimeError, ValueError) as error:
+            return f"could not open the device channel: {error}"
+        return ""
 
     def link(self, replica_id: str) -> _Link | None:
         with self._lock:
@@ -297,14 +219,24 @@ class LaneEndpoint:
                 return out
 
     def wait_grad(self, replica_id: str, timeout_s: float) -> Frame | None:
-        """The next gradient frame of a hybrid, a CLOSED frame, or None after `timeout_s`."""
+        """The next gradient frame of a hybrid (its tensor arrived), a CLOSED frame, or None after
+        `timeout_s` (a tensor still in flight over the pair group then counts as missed)."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
         link = self.link(replica_id)
         if link is None:
             return Frame(CLOSED)
         try:
-            return link.grads.get(timeout=max(0.0, timeout_s))
+            frame = link.grads.get(timeout=max(0.0, timeout_s))
         except queue.Empty:
             return None
+        if frame.pending is not None:
+            try:
+                frame.received = frame.pending.result(deadline)
+            except dc.ChannelTimeout:
+                return None
+            except dc.ChannelError:
+                return Frame(CLOSED)
+        return frame
 
     def disconnect(self, replica_id: str) -> None:
         with self._lock:
@@ -324,18 +256,38 @@ class LaneEndpoint:
 class HybridLink:
     """The hybrid's end: connect, say hello, then a plain blocking frame exchange."""
 
-    def __init__(self, endpoint: str, replica_id: str, timeout_s: float = 30.0):
+    def __init__(self, endpoint: str, replica_id: str, timeout_s: float = 30.0, device: Any = "cpu"):
+        self.host = parse_address(endpoint)[0]
         self.sock = socket.create_connection(parse_address(endpoint), timeout=timeout_s)
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.staging = Staging()
-        send_frame(self.sock, "hello", {"replica_id": replica_id})
+        self.device = device
+        self.group: dc.PairGroup | None = None
+        send_frame(self.sock, "hello", {"replica_id": replica_id, "channels": ["tcp", "group"],
+                                        **dc.device_info(device)})
+
+    def open_group(self, channel: dict[str, Any]) -> None:
+        """Join the pair group the core opened for us (the `channel` frame); ChannelError if it fails."""
+        self.group = dc.open_hybrid_end(channel, self.host, self.device)
+
+    @property
+    def channel(self) -> str:
+        return self.group.description if self.group is not None else "tcp"
 
     def send(self, kind: str, header: dict[str, Any] | None = None, tensor: Any = None) -> None:
-        send_frame(self.sock, kind, header, tensor, self.staging)
+        send_encoded(self.sock, encode(kind, header, tensor, via_group=self.group is not None), self.staging,
+                     self.group)
 
     def recv(self) -> Frame:
-        return recv_frame(self.sock)
+        frame = recv_frame(self.sock)
+        if frame.header.get("via") == "group":
+            if self.group is None:
+                raise ConnectionError("the core sent a tensor over a pair group that was never opened")
+            frame.received = self.group.recv(frame.header["shape"], frame.header["dtype"])
+        return frame
 
     def close(self) -> None:
+        if self.group is not None:
+            self.group.close(wait_s=10.0)
         self.sock.close()

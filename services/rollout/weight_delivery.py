@@ -1,0 +1,173 @@
+"""New policy versions into the gateway's workers: from disk, or over the weights group.
+
+```
+ from_disk(v, path)         every target loads weights/vN (retried once on a transport error)
+ over_group(v, path, G)     delivery() says group | join | disk  (weights_roster.py)
+   join:  G's members join generation G (each closes its old one); workers that left the roster leave
+   group: members receive v ─ missed it? ─▶ load v from disk ─ missed again? ─▶ UNHEALTHY
+          other targets (not members: just started, caught up) load v from disk
+   disk:  from_disk(v, path)
+ targets: the serving workers, and the live ones that missed an earlier version
+```
+
+A worker that misses a version is marked UNHEALTHY (the gateway takes it out of routing) and
+keeps reporting the version it still holds; every later version is tried on it from disk, and
+once it holds one it serves again (`recovered`: the gateway registers it again). The version a
+worker reports, and that its tokens are tagged with, changes only when every rank of its engine
+confirmed holding exactly that version. This module knows the workers' HTTP methods, not Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from libra import log as liblog
+from libra.errors import Unavailable
+from libra.services.rollout.weights_roster import Delivery, GroupRecord, delivery
+from libra.services.rollout.workers import PoolWorker, WorkerPool, collective_rpc
+from libra.v1 import common_pb2, rollout_pb2
+
+_log = liblog.get("libra.rollout")
+WEIGHT_RETRIES = 1  # a disk load that fails in transport is retried this many times, then the worker missed it
+SERVING, UNHEALTHY = common_pb2.WORKER_STATE_SERVING, common_pb2.WORKER_STATE_UNHEALTHY
+
+
+class WeightDelivery:
+    def __init__(self, pool: WorkerPool):
+        self.pool, self.config = pool, pool.config
+        self.generation: int | None = None  # the weights-group generation whose ranks the members are
+        self.members: set[str] = set()
+        self.recovered: list[PoolWorker] = []  # serving again after a missed version; the gateway registers them
+
+    def targets(self) -> list[PoolWorker]:
+        """The workers a new version goes to: serving ones, and live ones that missed an earlier version."""
+        return [w for w in self.pool.workers.values() if w.state == SERVING
+                or (w.missed and w.state == UNHEALTHY and w.process.alive)]
+
+    def take_recovered(self) -> list[PoolWorker]:
+        recovered, self.recovered = self.recovered, []
+        return recovered
+
+    async def from_disk(self, version: int, path: str) -> list[rollout_pb2.WorkerAck]:
+        """Load `path` as `version` on every target, concurrently, without draining."""
+        routes = await asyncio.gather(*(self._load(w, version, path) for w in self.targets()))
+        return self._report(version, None, routes)
+
+    async def over_group(self, version: int, path: str, record: GroupRecord | None) -> list[rollout_pb2.WorkerAck]:
+        """Receive `version` over the group generation `record` (the trainer sends it meanwhile);
+        `path` is the disk copy for every worker the group does not reach."""
+        present = [w.worker_id for w in self.pool.workers.values()
+                   if w.process.alive and w.state != common_pb2.WORKER_STATE_STOPPED]
+        plan = delivery(record, self.generation, present, version)
+        if plan.how == "join":
+            try:
+                await self._join(record)
+            except Exception as error:  # noqa: BLE001 - the version still arrives, from disk
+                plan = Delivery("disk", f"joining generation {record.generation} failed: {error}")
+        if plan.how == "disk":
+            _log.warning("the weights group cannot deliver this version; every worker loads it from disk",
+                         version=version, why=plan.why)
+            return await self.from_disk(version, path)
+        members = [self.pool.workers[w] for w in record.roster.ids]
+        others = [w for w in self.targets() if w.worker_id not in self.members]
+        routes = await asyncio.gather(*(self._receive(w, version, path) for w in members),
+                                      *(self._load(w, version, path) for w in others))
+        return self._report(version, record.generation, routes)
+
+    def _report(self, version: int, generation: int | None, routes: list[tuple[Any, str]]) -> list:
+        by_route: dict[str, list[str]] = {"group": [], "disk": [], "missed": []}
+        for ack, route in routes:
+            by_route[route].append(ack.worker_id)
+        _log.info("version delivered", version=version, generation=generation, over_group=by_route["group"],
+                  from_disk=by_route["disk"], missed=by_route["missed"])
+        return [ack for ack, _ in routes]
+
+    # ---- the group --------------------------------------------------------------------------
+    async def _join(self, record: GroupRecord) -> None:
+        """Make the roster's workers ranks of `record`'s generation; workers that left it leave."""
+        c = self.config
+        host, port = c.weights_group_address.rsplit(":", 1)
+        ranks = record.roster.first_ranks()
+        leaving = [self.pool.workers[w] for w in sorted(self.members - set(ranks))
+                   if w in self.pool.workers and self.pool.workers[w].process.alive]
+        self.generation, self.members = None, set()
+        joins = [collective_rpc(self.pool.workers[w].client, "libra_join_weights_group",
+                                [host, int(port), first, record.roster.world_size, c.weights_group_backend,
+                                 c.weights_sync_timeout_s, c.weights_bucket_mb, record.generation],
+                                timeout=c.weights_sync_timeout_s + 30) for w, first in ranks.items()]
+        leaves = [collective_rpc(w.client, "libra_leave_weights_group", [], timeout=60) for w in leaving]
+        results = await asyncio.gather(*joins, *leaves, return_exceptions=True)
+        for worker, result in zip(leaving, results[len(joins):]):
+            if isinstance(result, BaseException):  # it holds a closed generation's buffers; nothing breaks
+                _log.warning("worker could not leave the old weights group", worker=worker.worker_id,
+                             error=str(result))
+        for worker_id, result in zip(ranks, results[:len(joins)]):
+            if isinstance(result, BaseException):
+                raise Unavailable(f"{worker_id}: {type(result).__name__}: {result}")
+            errors = [r["error"] for r in result if isinstance(r, dict) and "error" in r]
+            if errors:
+                raise Unavailable(f"{worker_id}: {errors[0]}")
+        self.generation, self.members = record.generation, set(ranks)
+        _log.info("workers joined the weights group", generation=record.generation,
+                  world_size=record.roster.world_size, workers=sorted(ranks))
+
+    async def _receive(self, worker: PoolWorker, version: int, path: str) -> tuple[Any, str]:
+        started = time.monotonic()
+        try:
+            results = await collective_rpc(worker.client, "libra_receive_weights", [version],
+                                           timeout=self.config.weights_sync_timeout_s + 600)
+            _confirm(results, version)
+        except Exception as error:  # noqa: BLE001 - per worker: retried from disk, else unhealthy
+            if not worker.process.alive:
+                return self._missed(worker, version, error), "missed"
+            _log.warning("worker missed the version in the weights group; loading it from disk",
+                         worker=worker.worker_id, version=version, error=str(error))
+            return await self._load(worker, version, path, started)
+        return self._holds(worker, version, started), "group"
+
+    # ---- disk and bookkeeping -----------------------------------------------------------------
+    async def _load(self, worker: PoolWorker, version: int, path: str,
+                    started: float | None = None) -> tuple[Any, str]:
+        from libra.services.rollout.engine_client import WeightSetError
+
+        started = time.monotonic() if started is None else started
+        for attempt in range(WEIGHT_RETRIES + 1):
+            try:
+                await worker.client.load_weights(path, version)  # checks every rank's version
+                break
+            except Exception as error:  # noqa: BLE001 - reported per worker; retried, then unhealthy
+                if attempt < WEIGHT_RETRIES and not isinstance(error, WeightSetError) and worker.process.alive:
+                    _log.warning("weight load failed; retrying", worker=worker.worker_id, version=version,
+                                 error=str(error))
+                    continue
+                return self._missed(worker, version, error), "missed"
+        return self._holds(worker, version, started), "disk"
+
+    def _holds(self, worker: PoolWorker, version: int, started: float) -> rollout_pb2.WorkerAck:
+        worker.version = version
+        if worker.missed:
+            worker.missed = 0
+            if worker.state == UNHEALTHY:
+                worker.state, worker.reported = SERVING, False
+                self.recovered.append(worker)
+                _log.info("worker caught up; it serves again", worker=worker.worker_id, version=version)
+        return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=version, ok=True,
+                                     seconds=time.monotonic() - started)
+
+    def _missed(self, worker: PoolWorker, version: int, error: BaseException) -> rollout_pb2.WorkerAck:
+        worker.state, worker.missed = UNHEALTHY, version
+        _log.error("worker missed a weight version; unhealthy (out of routing) until a later version reaches it",
+                   worker=worker.worker_id, version=version, holds=worker.version, error=str(error))
+        return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=worker.version, ok=False,
+                                     error=f"{type(error).__name__}: {error}")
+
+
+def _confirm(results: list, version: int) -> None:
+    """Every rank of the engine answered that it now holds exactly `version`; else Unavailable."""
+    errors = [r["error"] for r in results if isinstance(r, dict) and "error" in r]
+    if errors:
+        raise Unavailable(errors[0])
+    if not results or any(not isinstance(r, dict) or r.get("version") != version for r in results):
+        raise Unavailable(f"the engine did not confirm version {version}: {results!r}")
