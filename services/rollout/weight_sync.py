@@ -24,7 +24,7 @@ One version, as the two sides see it (the store carries the handshake, the group
     bucket 0: pack ─▶ broadcast ┐                     recv bucket 0 ┐
     bucket 1: pack (overlaps) ─▶│ broadcast           recv bucket 1 │ unpack 0 (overlaps)
       …  (two buffers, reused once their broadcast is done)            …
-    wait all v{N}/done/* ─▶ SyncReport                set v{N}/done/{r} = timings
+    all-gather of every rank's timings ◀──────────▶  (the acknowledgement: done when all bytes are in)
 
 All tensors form one virtual byte stream (each tensor 16-byte aligned) cut into fixed-size
 buckets (weight_layout.py), so a tensor larger than a bucket spans several and the buffers never
@@ -266,7 +266,7 @@ class WeightsGroup:
         self._sync()
         seconds = time.perf_counter() - started
         report = SyncReport(version, layout.total_bytes, layout.num_buckets, seconds, handshake)
-        report.receivers = self._collect_done(version)
+        report.receivers = self._exchange_timings(version, [0.0, 0.0, 0.0])
         self._forget(version - 2)
         return report
 
@@ -279,18 +279,25 @@ class WeightsGroup:
             raise WeightSyncError(f"{error}; the version was aborted before any transfer (load it from "
                                   f"disk on those workers)") from error
 
-    def _collect_done(self, version: int) -> dict[int, dict[str, float]]:
-        keys = [f"{version}/done/{r}" for r in range(1, self.world_size)]
-        try:
-            self.keys.wait(keys, datetime.timedelta(seconds=self.timeout_s))
-        except Exception as error:  # noqa: BLE001
-            raise WeightSyncError(f"receivers did not confirm version {version}: {error}") from error
-        return {r: json.loads(self.keys.get(key)) for r, key in zip(range(1, self.world_size), keys)}
+    def _exchange_timings(self, version: int, mine: list[float]) -> dict[int, dict[str, float]]:
+        """Every rank's [seconds, handshake_seconds, bytes] of `version`, by one all-gather over the
+        group itself: the receivers' acknowledgement. (A round trip through the TCPStore cost
+        ~1.2 ms on two H200s, an eighth of a 3 GB transfer; a collective of 24 bytes costs far less,
+        and it completes only once every receiver has all the bytes.)"""
+        import torch
+
+        device = self.device if self.backend == "nccl" else torch.device("cpu")
+        local = torch.tensor(mine, dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        self._wait(self.group.allgather([gathered], [local]), f"version {version} acknowledgements")
+        rows = torch.stack(gathered).cpu().tolist()
+        return {r: {"seconds": rows[r][0], "handshake_seconds": rows[r][1], "bytes": int(rows[r][2])}
+                for r in range(1, self.world_size)}
 
     def _forget(self, version: int) -> None:
         if version < 0:
             return
-        for key in [f"{version}/meta", *(f"{version}/{k}/{r}" for k in ("ready", "done")
+        for key in [f"{version}/meta", *(f"{version}/{k}/{r}" for k in ("ready",)
                                           for r in range(1, self.world_size))]:
             try:
                 self.keys.delete_key(key)
@@ -346,8 +353,7 @@ class WeightsGroup:
             # collective waits for the current stream at issue: no extra synchronisation needed.
         self._sync()
         seconds = time.perf_counter() - started
-        self.keys.set(f"{version}/done/{self.rank}", json.dumps(
-            {"seconds": seconds, "handshake_seconds": handshake, "bytes": layout.total_bytes}))
+        self._exchange_timings(version, [seconds, handshake, float(layout.total_bytes)])
 
 
 def _destination(slot: TensorSlot, targets: Mapping[str, Any] | None, device: Any) -> "torch.Tensor":
