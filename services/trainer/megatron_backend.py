@@ -26,9 +26,10 @@ of gradients is divided by W, so the update is the token-level mean over the who
 the torch backend's arithmetic. Delivering the reduced gradient to hybrids needs it whole on each
 core rank, which the distributed optimizer (reduce-scatter) does not give: with a hook set on GPUs,
 `trainer.megatron.distributed_optimizer` must be false. A hybrid computes the whole model's
-gradient, a pipeline stage only its part: with `pipeline_parallel` > 1 setting a hook is refused.
-`save_checkpoint` (model + optimizer, the Megatron distributed checkpoint format) is the snapshot
-a joining replica loads.
+gradient, a pipeline stage or tensor-parallel shard only its part: with `pipeline_parallel` or
+`tensor_parallel` > 1 setting a hook is refused. A hybrid builds this backend itself (TP = PP = 1,
+its own one-process world) and loads a snapshot of this rank's model and Adam state
+(`elastic.backends`, `elastic.snapshot`).
 
 CPU (tests, tiny runs): Megatron-Core assumes CUDA in a few helpers; `megatron_runtime.
 patch_megatron_for_cpu` adapts exactly those, and only when torch has no CUDA.
@@ -81,12 +82,30 @@ class MegatronBackend(TrainBackend):
 
     @gradient_hook.setter
     def gradient_hook(self, hook: GradientHook | None) -> None:
-        pp = self.config.megatron.pipeline_parallel
-        if hook is not None and pp > 1:
-            raise FailedPrecondition(
-                f"elastic hybrid replicas add whole-model gradients, but trainer.megatron.pipeline_parallel={pp} "
-                "leaves each core rank one stage's: set pipeline_parallel=1 to use hybrid replicas")
         self._hook = hook
+
+    def hybrid_refusal(self) -> str | None:
+        """Why this rank cannot take elastic hybrid replicas, or None when it can.
+
+        The trainer installs its elastic core on every run, so a layout that cannot take hybrids
+        still trains (the hook is then not used at all); it is the admission of a hybrid that is
+        refused with this reason (ElasticCore.admit).
+        """
+        import torch
+
+        settings = self.config.megatron
+        if settings.pipeline_parallel > 1:
+            return (f"elastic hybrid replicas add whole-model gradients, but trainer.megatron.pipeline_parallel="
+                    f"{settings.pipeline_parallel} leaves each core rank one stage's: set pipeline_parallel=1 to "
+                    "use hybrid replicas")
+        if settings.tensor_parallel > 1:  # mapping a lane to TP coordinates: not built
+            return (f"elastic hybrid replicas are one whole model each, but trainer.megatron.tensor_parallel="
+                    f"{settings.tensor_parallel} leaves each core rank a tensor-parallel shard: set "
+                    "tensor_parallel=1 to use hybrid replicas")
+        if settings.distributed_optimizer and torch.cuda.is_available():
+            return ("elastic hybrid replicas need the full reduced gradient on every core rank: set "
+                    "trainer.megatron.distributed_optimizer=false")
+        return None
 
     # ---- loading -------------------------------------------------------------------------
     def load(self, model_dir: str) -> None:
@@ -212,7 +231,7 @@ class MegatronBackend(TrainBackend):
     # ---- the GRPO step ---------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, config: TrainerConfig) -> dict[str, float]:
         started = time.perf_counter()
-        hook = self.gradient_hook
+        hook = self.gradient_hook if self.hybrid_refusal() is None else None  # no hybrids can be admitted
         share = hook.share() if hook is not None else HybridShare()
         # One all-reduce over DP of the step's totals; hybrids' slices count (W = DP + H replicas).
         total_tokens, replicas, sequences = rt.dp_sums(
@@ -222,9 +241,6 @@ class MegatronBackend(TrainBackend):
             raise ValueError("train_step: the batch has no loss tokens (every loss_mask is 0)")
         replicas = int(round(replicas))
         if hook is not None:
-            if self._ddp is not None and self.config.megatron.distributed_optimizer:
-                raise FailedPrecondition("elastic hybrid replicas need the full reduced gradient on every core "
-                                         "rank: set trainer.megatron.distributed_optimizer=false")
             hook.start(total_tokens / replicas, replicas, config)
         sums = self.accumulate_gradients(batch, config, token_count=total_tokens / replicas)
         grad_norm = self._reduce_and_step(replicas, total_tokens, hook, sums, config)

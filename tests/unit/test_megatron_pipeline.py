@@ -201,7 +201,5 @@ def test_layouts_that_cannot_work_are_refused(model_dirs):
     with pytest.raises(ValueError, match="pipeline_parallel=3 does not divide config.json num_hidden_layers=4"):
         MegatronBackend(_config(pp=3)).load(model_dirs["llama"])
     # A hybrid replica's gradient is the whole model's; a stage's is not.
-    backend = MegatronBackend(_config(pp=2))
-    with pytest.raises(FailedPrecondition, match="pipeline_parallel=2"):
-        backend.gradient_hook = object()
-    MegatronBackend(_config()).gradient_hook = None  # PP=1: settable
+    assert "pipeline_parallel=2" in MegatronBackend(_config(pp=2)).hybrid_refusal()
+    assert MegatronBackend(_config()).hybrid_refusal() is None  # PP=1 (CPU): hybrids can join

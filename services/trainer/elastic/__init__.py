@@ -31,8 +31,9 @@ Before the first boundary after AdmitHybrid, GetStepManifest(step=0) already lis
 JOINING with its endpoint when the core has one data-parallel rank (with several, the rank is
 assigned at that boundary).
 
-States of a hybrid (HybridState): JOINING (admitted; its process connects, is told the model
-directory and config, builds model and optimizer and reports ``prepared``) → SNAPSHOT (at the next
+States of a hybrid (HybridState): JOINING (admitted; its process connects, is told the core's
+backend kind, model directory, config and flat-gradient layout, builds model and optimizer of that
+kind and reports ``prepared``) → SNAPSHOT (at the next
 boundary the core copies its state and writes shards in a thread while it keeps stepping; the
 hybrid loads them, then replays the gradients of the steps since, streamed to it as they happen)
 → ACTIVE (at most one step behind at a boundary: it trains in every manifest from
@@ -50,8 +51,20 @@ Starting a hybrid process
     # or, without the RPC lookup:  --endpoint HOST:PORT (the lane endpoint of its core rank)
 
 Start it after AdmitHybrid (it looks its endpoint up in GetStepManifest(step=0).hybrids, retrying
-for up to 60 s). It needs nothing else: the model directory, the trainer config and the snapshot
-path arrive over the side channel. Exit codes: 0 released; 2 bad arguments; 3 join refused or
+for up to 60 s). It needs nothing else: the backend kind, the model directory, the trainer config
+and the snapshot path arrive over the side channel.
+
+Backends (``backends``). A hybrid builds the core's backend with the core's config: the torch
+backend, or, with ``trainer.backend: megatron``, a MegatronBackend with TP = PP = 1 in a
+one-process torch.distributed world of its own (never the core's, whatever RANK / MASTER_ADDR its
+environment holds) and the distributed optimizer off. Its flat gradient must be laid out as its core
+rank's (every parameter's gradient in order on CPU; Megatron DDP's unpadded grad buffer on GPUs):
+the core sends its layout in ``prepare`` and the hybrid fails the join, with the difference as the
+reason, if its own differs. A Megatron core refuses a hook (FailedPrecondition) with
+``trainer.megatron.tensor_parallel`` > 1 or ``pipeline_parallel`` > 1 (a lane would have to map to
+TP/PP coordinates, not built), and on GPUs with ``distributed_optimizer`` on. Megatron snapshots hold
+the model's tensors and, per parameter, Adam's moments and the fp32 master, copied on the device at
+the boundary and written in the same background thread as the torch backend's. Exit codes: 0 released; 2 bad arguments; 3 join refused or
 rolled back (not admitted, pair group not opened, snapshot fetch failed, catch-up failed); 4 lost
 the core (connection closed, or marked failed after a missed deadline).
 
@@ -75,7 +88,8 @@ or dies; a re-admitted hybrid builds a new one.
 Modules: ``manifest`` (pure membership state machine and the frozen per-step manifest),
 ``side_channel`` (the core's lane endpoint and links, the hybrid's client), ``frames`` (the
 wire format), ``device_channel`` (the channel choice and the pair group),
-``snapshot`` (asynchronous sharded snapshot of model + optimizer), ``core_hooks`` (the gradient
+``snapshot`` (asynchronous sharded snapshot of model + optimizer), ``backends`` (which backend a
+hybrid builds, the gradient layout, a backend's state as snapshot tensors), ``core_hooks`` (the gradient
 injector the training backends call between backward and the data-parallel all-reduce),
 ``hybrid`` (the hybrid replica process), ``work`` (widened batches: whole groups per replica),
 ``control`` (the trainer service's RPC semantics and Redis persistence).

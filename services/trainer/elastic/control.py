@@ -14,12 +14,15 @@ import copy
 import json
 from typing import Any
 
-from libra.errors import InvalidArgument, NotFound
+from libra import log as liblog
+from libra.errors import FailedPrecondition, InvalidArgument, NotFound
 from libra.services.trainer.elastic.core_hooks import ElasticCore
 from libra.services.trainer.backend import TrainBatch
 from libra.services.trainer.elastic.manifest import GONE, HybridState, Membership, StepManifest
 from libra.services.trainer.elastic.work import split, widened_groups
 from libra.v1 import trainer_pb2 as P
+
+_log = liblog.get("libra.trainer.elastic")
 
 BLOB = "trainer.membership"
 SCOPE = "trainer.hybrid"
@@ -43,7 +46,11 @@ class ElasticControl:
         self.core.membership = Membership.from_json(json.dumps(data["membership"]).encode(), restarted=True)
         self.hybrid_groups = int(data.get("hybrid_groups", 0))
         for event in data.get("pending", []):
-            self._queue(event)
+            try:
+                self._queue(event)
+            except FailedPrecondition as error:  # the layout changed across the restart: drop the admission
+                self._pending.remove(event)
+                _log.warning("pending admission dropped at restore", error=str(error))
         self._records = copy.deepcopy(list(self.core.membership.records.values()))
 
     async def persist(self) -> None:
@@ -59,6 +66,9 @@ class ElasticControl:
     # -- RPCs ------------------------------------------------------------------------------------
     async def admit(self, replica_id: str, generation: int, request_id: str) -> bool:
         _check_id(replica_id)
+        refusal = self.core.refusal()
+        if refusal:  # before anything is recorded: the request can be retried once the layout allows it
+            raise FailedPrecondition(f"cannot admit hybrid {replica_id}: {refusal}")
         async with self._lock:
             if not await self.store.once(SCOPE, f"admit-{request_id}"):
                 return False

@@ -41,7 +41,9 @@ import time
 from typing import Any, Callable
 
 from libra import log as liblog
+from libra.errors import FailedPrecondition
 from libra.services.trainer.backend import GradientHook, HybridGradients, HybridShare, TrainBatch
+from libra.services.trainer.elastic import backends
 from libra.services.trainer.elastic import snapshot as snap
 from libra.services.trainer.elastic.device_channel import model_device
 from libra.services.trainer.elastic.manifest import Action, HybridState, Membership, StepManifest
@@ -109,7 +111,14 @@ class ElasticCore(GradientHook):
         self.failures: list[tuple[int, str, str]] = []  # (step, replica, reason), for tests and logs
 
     # -- control (thread-safe; the servicer calls these) ----------------------------------------
+    def refusal(self) -> str | None:
+        """Why this core cannot take hybrids (a backend layout such as Megatron TP/PP > 1), or None."""
+        return getattr(self.backend, "hybrid_refusal", lambda: None)()
+
     def admit(self, replica_id: str, generation: int = 0) -> None:
+        refusal = self.refusal()
+        if refusal:
+            raise FailedPrecondition(f"cannot admit hybrid {replica_id}: {refusal}")
         self._failing.discard(replica_id)  # a re-admitted replica may fail again
         self._first_seen.pop(replica_id, None)
         self._add_event({"kind": "admit", "replica_id": replica_id, "generation": generation})
@@ -202,7 +211,8 @@ class ElasticCore(GradientHook):
         self._trim_retained()
 
     def _send_prepare(self) -> None:
-        """Tell each newly connected joining hybrid of this rank what to build (model dir, config).
+        """Tell each newly connected joining hybrid of this rank what to build (`backends.prepare_meta`:
+        backend kind, model dir, config, and the flat-gradient layout it must match).
 
         It builds model and optimizer (seconds: imports, weights) and answers `prepared`; the
         snapshot is taken only after that, so the catch-up starts from a state that is fresh.
@@ -211,18 +221,15 @@ class ElasticCore(GradientHook):
             replica = record.replica_id
             if (record.dp_rank == self.dp_rank and record.state == HybridState.JOINING
                     and replica not in self._prepare_sent and self.endpoint.link(replica) is not None):
-                meta = {"model_dir": getattr(self.backend, "model_dir", None) or "",
-                        "config": self.backend.config.model_dump(mode="json")}
-                if self.endpoint.send(replica, "prepare", meta):
+                if self.endpoint.send(replica, "prepare", backends.prepare_meta(self.backend)):
                     self._prepare_sent.add(replica)
 
     def _start_snapshot(self, replica: str, snapshot_step: int) -> None:
-        captured = snap.capture(self.backend.model, self.backend.optimizer, snapshot_step)
+        captured = snap.capture(self.backend, snapshot_step)
         directory = os.path.join(self.snapshot_root, f"{replica}-step{snapshot_step}")
         shutil.rmtree(directory, ignore_errors=True)
         self._snapshots[replica] = directory
-        meta = {"model_dir": getattr(self.backend, "model_dir", None) or "",
-                "config": self.backend.config.model_dump(mode="json")}
+        meta = backends.prepare_meta(self.backend)
 
         started = time.perf_counter()
 

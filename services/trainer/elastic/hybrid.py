@@ -5,9 +5,10 @@ load, catch-up replay) and the lockstep step loop. Must not know: Redis, members
 batches are assembled. Start it as documented in `libra.services.trainer.elastic`.
 
     connect + hello{device} ─▶ [channel{backend, port}: join the pair group the core opened]
-        ─▶ prepare{model_dir, config}: build model + optimizer ─▶ prepared
+        ─▶ prepare{backend, model_dir, config, layout}: build the core's backend kind (torch, or
+           Megatron TP=PP=1 in a one-process world of its own), check the gradient layout ─▶ prepared
         ─▶ snapshot{path} (taken at the next boundary) ─▶ load shards ─▶ loaded{step}
-        ─▶ catch_up{step}+gradient × n (replay: same gradient, clip, AdamW step as the core did)
+        ─▶ catch_up{step}+gradient × n (replay: same gradient, clip, Adam step as the core did)
         ─▶ active ─▶ per step: step{slice, N/W} ─▶ backward ─▶ grad ─▶ reduced ─▶ clip + step
         ─▶ bye (exit 0) | error (exit 3 while joining, 4 once active) | connection lost (exit 4)
 """
@@ -90,11 +91,14 @@ class HybridReplica:
         return None
 
     def _build(self, meta: dict[str, Any]) -> Any:
-        from libra.services.trainer.torch_backend import TorchBackend
+        """The core's backend kind with the core's config (`backends.build`), its flat gradient laid
+        out exactly as the core rank's; a layout that differs fails the join, naming the difference."""
+        from libra.services.trainer.elastic import backends
 
-        backend = TorchBackend(self._config(meta["config"]))
-        backend.load(meta["model_dir"])
-        backend.to(self.device)
+        backend = backends.build(meta, self.threads, self.device)
+        mismatch = backends.layout_mismatch(backends.gradient_layout(backend), meta.get("layout"))
+        if mismatch:
+            raise ValueError(mismatch)
         return backend
 
     def _prepare(self, meta: dict[str, Any]) -> int | None:
@@ -120,7 +124,7 @@ class HybridReplica:
         started = time.perf_counter()
         try:
             backend = getattr(self, "_built", None) or self._build(snap.read_meta(path))
-            self.step = snap.load(path, backend.model, backend.optimizer)
+            self.step = snap.load(path, backend)
         except Exception as error:  # noqa: BLE001 - any fetch failure rolls the join back
             return self._join_failed(f"snapshot fetch failed: {type(error).__name__}: {error}")
         self.backend = backend
@@ -190,8 +194,14 @@ def _endpoint_from_trainer(trainer: str, run_id: str, replica_id: str, wait_s: f
 
 
 def _preload_model_code() -> Any:
-    """Import the model code before connecting: seconds that must not sit inside the join."""
+    """Import the model code before connecting: seconds that must not sit inside the join (Megatron's
+    too where it is installed: the core may run either backend)."""
+    import importlib.util
+
     from transformers import AutoModelForCausalLM
+
+    if importlib.util.find_spec("megatron") is not None:
+        importlib.import_module("megatron.core.models.gpt")
 
     return AutoModelForCausalLM
 

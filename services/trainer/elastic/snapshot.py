@@ -2,7 +2,8 @@
 
 Owns: the copy taken at a step boundary, writing it as shards in a background thread while the
 core keeps stepping, and loading it into a hybrid's model and optimizer. Must not know: sockets,
-membership, Redis.
+membership, Redis, or what a backend's state is made of (`backends.capture_state` / `load_state`:
+torch model + AdamW state dicts, or Megatron's model tensors + per-parameter Adam state).
 
     step s ends ─▶ capture(): clone of parameters + optimizer state (on their device; one copy)
                     └─▶ writer thread: shard-0.pt … shard-{k-1}.pt, then snapshot.json (last =
@@ -11,8 +12,9 @@ membership, Redis.
 
 Layout of a snapshot directory: `shard-{i}.pt` (torch.save of {"model": {name: tensor},
 "optimizer": {param index: {state}}}; parameters assigned round-robin by size) and `snapshot.json`
-({"step", "shards", "param_groups", "model_dir", "config"}). `snapshot.json` is written last and
-atomically, so a reader never sees half a snapshot. Loading uses weights_only=True.
+({"step", "shards", "param_groups", "extra", and `backends.prepare_meta`: "backend", "model_dir",
+"config", "layout"}). `snapshot.json` is written last and atomically, so a reader never sees half
+a snapshot. Loading uses weights_only=True.
 """
 
 from __future__ import annotations
@@ -33,20 +35,18 @@ class Captured:
     model: dict[str, Any]  # name -> tensor (a private copy)
     optimizer_state: dict[int, dict[str, Any]]
     param_groups: list[dict[str, Any]]
+    extra: dict[str, Any]  # backend-specific (JSON), e.g. Megatron's parameter names and Adam step
 
 
-def capture(model: Any, optimizer: Any, step: int) -> Captured:
+def capture(backend: Any, step: int) -> Captured:
     """Copy model and optimizer state at a step boundary (the only part that blocks the core).
 
     The copy stays on the tensors' device (on a GPU a device-to-device copy, milliseconds); the
     writer thread moves it to the host, off the core's path.
     """
-    model_copy = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    state = optimizer.state_dict()
-    optimizer_copy = {int(index): {k: (v.detach().clone() if hasattr(v, "detach") else v)
-                                   for k, v in values.items()} for index, values in state["state"].items()}
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state["param_groups"]]
-    return Captured(step, model_copy, optimizer_copy, groups)
+    from libra.services.trainer.elastic.backends import capture_state
+
+    return Captured(step, *capture_state(backend))
 
 
 def _assign_shards(captured: Captured, shards: int) -> list[dict[str, Any]]:
@@ -75,7 +75,8 @@ def write(captured: Captured, directory: str, shards: int, meta: dict[str, Any],
         names.append(name)
         if after_shard is not None:
             after_shard(index)
-    body = {"step": captured.step, "shards": names, "param_groups": captured.param_groups, **meta}
+    body = {"step": captured.step, "shards": names, "param_groups": captured.param_groups,
+            "extra": captured.extra, **meta}
     staging = os.path.join(directory, MANIFEST + ".tmp")
     with open(staging, "w") as handle:
         json.dump(body, handle)
@@ -116,18 +117,21 @@ def read_meta(directory: str) -> dict[str, Any]:
         return json.load(handle)
 
 
-def load(directory: str, model: Any, optimizer: Any) -> int:
-    """Load a snapshot into `model` and `optimizer` (built with the same architecture); its step."""
+def load(directory: str, backend: Any) -> int:
+    """Load a snapshot into `backend`'s model and optimizer (same kind and architecture); its step."""
     import torch
 
+    from libra.services.trainer.elastic.backends import kind_of, load_state
+
     meta = read_meta(directory)
+    if meta.get("backend", "torch") != kind_of(backend):
+        raise ValueError(f"snapshot {directory!r} holds a {meta.get('backend', 'torch')} backend's state, "
+                         f"not a {kind_of(backend)} one")
     model_state: dict[str, Any] = {}
     optimizer_state: dict[int, Any] = {}
     for name in meta["shards"]:
         shard = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True)
         model_state.update(shard["model"])
         optimizer_state.update({int(k): v for k, v in shard["optimizer"].items()})
-    model.load_state_dict(model_state)
-    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
-    optimizer.load_state_dict({"state": optimizer_state, "param_groups": groups})  # casts to the params' device
+    load_state(backend, model_state, optimizer_state, meta["param_groups"], meta.get("extra", {}))
     return int(meta["step"])
