@@ -4,7 +4,8 @@ The counterpart of `vllm_ext.LibraWorkerExtension` for the hf engine, and mixed 
 `HFEngine` takes these methods from `HFWeightLoads`, and `hf_server` reaches them through the same
 `/collective_rpc` method names. Two sources: a safetensors directory on disk (every name and shape
 checked before the model is touched, so a bad directory leaves the weights alone) and the weights
-group (weight_sync.py: broadcast straight into the parameters). A load that fails half-way marks
+group (weight_sync.py: broadcast straight into the parameters; hf_server joins and leaves its
+generations). A load that fails half-way marks
 the engine `dirty` (its /health then answers 503) instead of serving mixed weights.
 
 The loads run in the engine's decode thread between two steps (hf_server hands them over as
@@ -59,20 +60,11 @@ class HFWeightLoads:
         self.dirty = None  # a complete weight set: consistent again after a half-received version
         return {"version": version, "seconds": time.perf_counter() - started, "tensors": count}
 
-    def join_weights_group(self, host: str, port: int, rank: int, world_size: int, backend: str,
-                           timeout_s: float, bucket_mb: int) -> dict[str, Any]:
-        """Become rank `rank` of the weights group (blocks until every rank has joined)."""
-        from libra.services.rollout.weight_sync import WeightsGroup
-
-        self.weights_group = WeightsGroup(host, int(port), int(rank), int(world_size), backend,
-                                          device=str(self.device), timeout_s=float(timeout_s),
-                                          bucket_bytes=int(bucket_mb) * 2**20)
-        return {"rank": int(rank), "world_size": int(world_size), "backend": backend}
-
     def receive_weights(self, version: int) -> dict[str, Any]:
         """Receive `version` from the weights group straight into the parameters."""
         import torch
 
+        from libra.errors import FailedPrecondition
         from libra.services.rollout.weight_sync import WeightSyncError
 
         if self.weights_group is None:
@@ -87,7 +79,11 @@ class HFWeightLoads:
                     count += 1
                     if params.get(name) is not tensor:  # unknown name, or another shape/dtype
                         misfits.append(f"{name} {str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}")
+        except FailedPrecondition as error:  # a closed or already broken group: refused before any byte moved
+            return {"error": f"FailedPrecondition: {error}"}
         except WeightSyncError as error:
+            # Aborted by the sender before the transfer: nothing reached the model. A collective that
+            # failed (the group is broken now) may have written part of a tensor: refuse to serve.
             if self.weights_group.broken or count:
                 self.dirty = f"version {version} arrived partly: {error}"
             return {"error": f"WeightSyncError: {error}"}
