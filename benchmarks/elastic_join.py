@@ -74,6 +74,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="core device: cpu or cuda:N (cuda: one core rank)")
     parser.add_argument("--hybrid-device", default="cpu", help="hybrid device: cpu or cuda:N")
     parser.add_argument("--core-ranks", type=int, default=1, help="core data-parallel ranks (processes, gloo)")
+    parser.add_argument("--backend", choices=("torch", "megatron"), default="torch",
+                        help="the core's training backend (the hybrid builds the same; megatron: one core rank)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=2048)
@@ -97,6 +99,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.core_ranks > 1 and args.device != "cpu":
         parser.error("--core-ranks > 1 runs on CPU over gloo; on GPUs use one core rank")
+    if args.core_ranks > 1 and args.backend == "megatron":
+        parser.error("--backend megatron runs one core rank")
     return args
 
 
@@ -118,10 +122,19 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, wo
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))
     config = TrainerConfig(lr=1e-4, micro_batch_size=args.group_size * args.groups, torch_threads=args.threads,
-                           groups_per_step=args.groups * world, group_size=args.group_size)
-    backend = TorchBackend(config)
-    backend.load(model_dir)
-    backend.to(args.device)
+                           groups_per_step=args.groups * world, group_size=args.group_size, backend=args.backend,
+                           megatron={"distributed_optimizer": False})  # hybrids need the whole reduced gradient
+    if args.backend == "megatron":  # the core rank's GPU (or the CPU) is chosen by Megatron's init
+        from libra.services.trainer.megatron_backend import MegatronBackend
+
+        if args.device.startswith("cuda"):
+            os.environ["LOCAL_RANK"] = str(torch.device(args.device).index or 0)
+        backend = MegatronBackend(config)
+        backend.load(model_dir)
+    else:
+        backend = TorchBackend(config)
+        backend.load(model_dir)
+        backend.to(args.device)
     core = ElasticCore(backend, dp_rank=rank, core_ranks=world, snapshot_root=os.path.join(work, "snapshots"),
                        snapshot_shards=args.shards, max_catch_up_steps=args.max_catch_up_steps,
                        channel=args.channel, grad_deadline_s=args.grad_deadline_s)
@@ -222,7 +235,7 @@ def report(args, rows, params, world, code, admitted_at, snapshot_at, active_at,
         return sum(v - steady for v in values(phase))
 
     result = {
-        "device": args.device, "hybrid_device": args.hybrid_device, "core_ranks": world,
+        "backend": args.backend, "device": args.device, "hybrid_device": args.hybrid_device, "core_ranks": world,
         "channel_flag": args.channel, "channel": channel,
         "params": params, "steady_step_s": steady,
         "startup_step_s": median("startup"), "join_step_s": median("join"), "active_step_s": median("active"),

@@ -45,6 +45,9 @@ for item in "$@"; do
         pp) step pp 200 python3 benchmarks/gpu_train_mfu.py --out "$OUT/pp" --only megatron-sdpa-pp2 --micro 4 --run-timeout 170 ;;
         elastic) step elastic 300 python3 benchmarks/elastic_join.py --device cuda:0 --hybrid-device cuda:1 --hidden 1024 \
                      --layers 8 --vocab 32000 --seq-len 512 --groups 4 --threads 4 --json "$OUT/elastic.json" ;;
+        elastic-megatron) step elastic-megatron 240 python3 benchmarks/elastic_join.py --backend megatron --device cuda:0 \
+                              --hybrid-device cuda:1 --hidden 1024 --layers 8 --vocab 32000 --seq-len 512 --groups 4 \
+                              --threads 4 --max-join-s 120 --json "$OUT/elastic-megatron.json" ;;
         e2e) step e2e 240 python3 benchmarks/gpu_e2e_grpo.py --model .carry/ws_e2e_model --trainer megatron \
                  --dtype bfloat16 --steps 25 --lr 1e-4 --out "$OUT/e2e_megatron" ;;
         *) echo "unknown item $item" ;;
