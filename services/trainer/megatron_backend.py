@@ -138,6 +138,7 @@ class MegatronBackend(TrainBackend):
     def _build(self, hf_config: Any, bf16: bool) -> Any:
         """This rank's stage: the embedding on the first, its share of the layers, the final norm
         and LM head on the last (with PP = 1, all of it)."""
+        import torch
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
 
@@ -163,6 +164,11 @@ class MegatronBackend(TrainBackend):
             position_embedding_type="rope", rotary_base=convert.rope_theta(hf_config),
         )
         model.eval()  # no dropout: the policy ratio compares two passes of one function
+        if self._cuda:
+            # As Megatron's own get_model does: the linears are built on the GPU, but the torch norms
+            # (no Apex/TE) on the default device; only the distributed optimizer's parameter buffer
+            # would move them, so without it they stayed on the host.
+            model.cuda(torch.cuda.current_device())
         if bf16:
             # Megatron builds its linears in params_dtype but the torch norms (no Apex/TE here) in
             # fp32. Everything in bf16, as Megatron's Float16Module does: a bf16 norm runs torch's
