@@ -172,6 +172,7 @@ def _tp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
         gradients = _hf_gradients(backend)
         if rank == 0:
             torch.save({"logprobs": logprobs, "metrics": metrics, "gradients": gradients}, out)
+        dist.barrier()  # both ranks done before either tears its gloo groups down
     finally:
         dist.destroy_process_group()
 

@@ -119,6 +119,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, tp: int, pp: int, sp
     try:
         result = _run(model_dir, tp, pp, spec, checkpoint, weights=os.path.join(out_dir, "weights"))
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # every rank done before any tears its gloo groups down
     finally:
         dist.destroy_process_group()
 

@@ -176,6 +176,7 @@ def _data_parallel_rank(rank: int, world: int, model_dir: str, port: int, out: s
         metrics = backend.train_step(shard, _config(micro_batch_size=1))
         if rank == 0:
             torch.save({"params": _parameters(backend), "metrics": metrics}, out)
+        dist.barrier()  # both ranks done before either tears its gloo group down
     finally:
         dist.destroy_process_group()
 
