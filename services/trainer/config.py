@@ -39,6 +39,18 @@ class TrainerElasticConfig(Section):
         "auto", description="how gradients travel between a core rank and its hybrids: group (a private two-rank "
                             "NCCL group per hybrid on GPUs, gloo on CPU), tcp (the CPU-staged side channel), "
                             "auto (group when both are on GPUs, else tcp); control frames always use TCP")
+    grad_deadline_s: float = Field(
+        60.0, gt=0, le=3600, description="seconds a step waits for a hybrid's gradient before dropping the hybrid")
+    join_timeout_s: float = Field(
+        120.0, gt=0, le=86400, description="seconds an admitted hybrid has to connect and build its model")
+    max_catch_up_steps: int = Field(
+        64, ge=1, le=100_000, description="steps the core keeps gradients for a joining hybrid before failing the "
+                                          "join (each kept step is one full gradient on the core's device: raise it "
+                                          "for fast steps, mind the memory)")
+    catch_up_patience: int = Field(
+        8, ge=1, le=100_000, description="boundaries a caught-up hybrid may stay one step behind before it is "
+                                         "activated anyway (the core then waits once)")
+    snapshot_shards: int = Field(4, ge=1, le=1024, description="files a join snapshot is written as")
 
 
 class TrainerConfig(Section):

@@ -103,7 +103,11 @@ class TrainerService(Service):
         from libra.services.trainer.elastic.core_hooks import ElasticCore
 
         host = self.config.address_of("trainer").rsplit(":", 1)[0] or "127.0.0.1"  # where hybrids reach us
-        core = ElasticCore(backend, snapshot_root=str(self.config.run_path / "snapshots"), host=host)
+        settings = self.config.trainer.elastic
+        core = ElasticCore(backend, snapshot_root=str(self.config.run_path / "snapshots"), host=host,
+                           grad_deadline_s=settings.grad_deadline_s, join_timeout_s=settings.join_timeout_s,
+                           snapshot_shards=settings.snapshot_shards, max_catch_up_steps=settings.max_catch_up_steps,
+                           catch_up_patience=settings.catch_up_patience, channel=settings.channel)
         backend.gradient_hook = core
         control = ElasticControl(core, self.store)
         await control.restore()

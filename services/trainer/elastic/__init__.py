@@ -38,7 +38,8 @@ boundary the core copies its state and writes shards in a thread while it keeps 
 hybrid loads them, then replays the gradients of the steps since, streamed to it as they happen)
 → ACTIVE (at most one step behind at a boundary: it trains in every manifest from
 ``active_from_step``) → RELEASED. Any failure — the process does not connect and build its model
-within ``join_timeout_s`` (120 s), more than ``max_catch_up_steps`` (64) steps pass before it
+within ``join_timeout_s`` (120 s; these limits are ``trainer.elastic`` settings), more than
+``max_catch_up_steps`` (64) steps pass before it
 loads the snapshot, the snapshot write or fetch fails, the hybrid misses a step's gradient deadline (``grad_deadline_s``, 60 s), or
 its connection drops — makes it FAILED with a ``reason``, rolls the whole replica back (snapshot
 files and retained gradients dropped, never again in a manifest) and the core carries on. The
