@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import abc
 import math
+import os
+import shutil
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -224,3 +226,28 @@ class TrainBackend(abc.ABC):
     @abc.abstractmethod
     def num_parameters(self) -> int:
         """Number of trainable parameters of the full model."""
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".safetensors.index.json", ".bin.index.json")
+
+
+def write_weights_dir(out_dir: str, model_dir: str | None, write: Callable[[str], None]) -> None:
+    """Write a complete HF model directory at `out_dir`, atomically, for the rollout workers.
+
+    `write(staging)` puts the weights (and whatever config it writes) into an empty staging
+    directory; the source directory's other top-level files (config, tokenizer, chat template,
+    generation config) are copied beside them unless already there; then the staging directory
+    replaces `out_dir` in one rename, so a worker never reads half a weight set.
+    """
+    staging = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    write(staging)
+    if model_dir and os.path.isdir(model_dir):
+        for name in sorted(os.listdir(model_dir)):
+            source, target = os.path.join(model_dir, name), os.path.join(staging, name)
+            if os.path.isfile(source) and not name.endswith(WEIGHT_SUFFIXES) and not os.path.exists(target):
+                shutil.copy2(source, target)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.rename(staging, out_dir)

@@ -42,21 +42,19 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import time
 from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
 from libra.services.trainer import megatron_pipeline as pipeline
 from libra.services.trainer import megatron_runtime as rt
-from libra.services.trainer.backend import GradientHook, HybridShare, TrainBackend, TrainBatch
+from libra.services.trainer.backend import GradientHook, HybridShare, TrainBackend, TrainBatch, write_weights_dir
 
 if TYPE_CHECKING:
     import torch
 
     from libra.services.trainer.config import TrainerConfig
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".safetensors.index.json", ".bin.index.json")
 
 
 class MegatronBackend(TrainBackend):
@@ -389,15 +387,9 @@ class MegatronBackend(TrainBackend):
 
         hf = self.hf_state_dict()
         if hf is not None:
-            staging = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
-            shutil.rmtree(staging, ignore_errors=True)
-            os.makedirs(staging)
-            save_file({k: v.contiguous() for k, v in hf.items()}, os.path.join(staging, "model.safetensors"),
-                      metadata={"format": "pt"})
-            _copy_non_weight_files(self.model_dir or "", staging)
-            if os.path.exists(out_dir):
-                shutil.rmtree(out_dir)
-            os.rename(staging, out_dir)
+            write_weights_dir(out_dir, self.model_dir, lambda staging: save_file(
+                {k: v.contiguous() for k, v in hf.items()}, os.path.join(staging, "model.safetensors"),
+                metadata={"format": "pt"}))
         rt.barrier()
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
@@ -413,16 +405,6 @@ class MegatronBackend(TrainBackend):
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-
-def _copy_non_weight_files(model_dir: str, out_dir: str) -> None:
-    """config.json, tokenizer and generation files of the source directory (weights are ours)."""
-    if not os.path.isdir(model_dir):
-        return
-    for name in sorted(os.listdir(model_dir)):
-        source = os.path.join(model_dir, name)
-        if os.path.isfile(source) and not name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(source, os.path.join(out_dir, name))
-
 
 def _load_state(model: Any, state: dict[str, Any]) -> None:
     missing, unexpected = model.load_state_dict(state, strict=False)

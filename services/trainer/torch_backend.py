@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import shutil
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
-from libra.services.trainer.backend import HybridShare, TrainBackend, TrainBatch, pack, token_logprobs, unpack
+from libra.services.trainer.backend import (HybridShare, TrainBackend, TrainBatch, pack, token_logprobs, unpack,
+                                            write_weights_dir)
 from libra.services.trainer.grpo import policy_loss
 
 if TYPE_CHECKING:
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 CHECKPOINT_FORMAT = 1
 # Files of the source model directory that save_pretrained already writes or that are weights.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".safetensors.index.json", ".bin.index.json")
 
 
 class TorchBackend(TrainBackend):
@@ -230,15 +229,8 @@ class TorchBackend(TrainBackend):
 
     # ---- files -----------------------------------------------------------------------------
     def save_weights(self, out_dir: str) -> None:
-        if _rank() == 0:
-            staging = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
-            shutil.rmtree(staging, ignore_errors=True)
-            self.model.save_pretrained(staging)  # safetensors: the default (4.x) and only (5.x) format
-            _copy_tokenizer_files(self.model_dir or "", staging)
-            # The directory appears complete or not at all: a worker never reads half a weight set.
-            if os.path.exists(out_dir):
-                shutil.rmtree(out_dir)
-            os.rename(staging, out_dir)
+        if _rank() == 0:  # safetensors: the default (4.x) and only (5.x) format of save_pretrained
+            write_weights_dir(out_dir, self.model_dir, self.model.save_pretrained)
         _barrier()
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
@@ -280,17 +272,6 @@ def _average_metrics(sums: dict[str, float], world: int, replicas: int) -> dict[
     values = torch.tensor([sums[n] for n in names], dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return {n: float(v) / replicas for n, v in zip(names, values)}
-
-
-def _copy_tokenizer_files(model_dir: str, out_dir: str) -> None:
-    """Copy the source directory's other top-level files (tokenizer, chat template); none is fine."""
-    if not os.path.isdir(model_dir):
-        return
-    for name in sorted(os.listdir(model_dir)):
-        source = os.path.join(model_dir, name)
-        if not os.path.isfile(source) or name.endswith(_WEIGHT_SUFFIXES) or os.path.exists(os.path.join(out_dir, name)):
-            continue
-        shutil.copy2(source, os.path.join(out_dir, name))
 
 
 def _atomic_torch_save(state: dict[str, Any], path: str) -> None:
