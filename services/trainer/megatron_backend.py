@@ -24,18 +24,15 @@ of gradients is divided by W, so the update is the token-level mean over the who
 
 `gradient_hook` is `backend.GradientHook`, the elastic pool's backend-neutral injection point, with
 the torch backend's arithmetic. Delivering the reduced gradient to hybrids needs it whole on each
-core rank, which the distributed optimizer (reduce-scatter) does not give: with a hook set on GPUs,
-`trainer.megatron.distributed_optimizer` must be false. A hybrid computes the whole model's
-gradient, a pipeline stage or tensor-parallel shard only its part: with `pipeline_parallel` or
-`tensor_parallel` > 1 setting a hook is refused. A hybrid builds this backend itself (TP = PP = 1,
-its own one-process world) and loads a snapshot of this rank's model and Adam state
-(`elastic.backends`, `elastic.snapshot`).
+core rank, which the distributed optimizer (reduce-scatter) does not give, and a hybrid computes
+the whole model's gradient, a pipeline stage or tensor-parallel shard only its part: such layouts
+train without using the hook and refuse hybrids at admission (`hybrid_refusal`). A hybrid builds
+this backend itself (TP = PP = 1, its own one-process world) and loads a snapshot of this rank's
+model and Adam state (`elastic.backends`, `elastic.snapshot`). Model and optimizer are built by
+`megatron_build`.
 
 CPU (tests, tiny runs): Megatron-Core assumes CUDA in a few helpers; `megatron_runtime.
 patch_megatron_for_cpu` adapts exactly those, and only when torch has no CUDA.
-
-Known gap (measured on H200, megatron-core 0.19.2): saving/loading the distributed optimizer's
-sharded state fails there (docs/benchmarks.md, Megatron section); the CPU checkpoint path works.
 """
 
 from __future__ import annotations
@@ -46,6 +43,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
+from libra.services.trainer import megatron_build as build
 from libra.services.trainer import megatron_pipeline as pipeline
 from libra.services.trainer import megatron_runtime as rt
 from libra.services.trainer.backend import GradientHook, HybridShare, TrainBackend, TrainBatch, write_weights_dir
@@ -127,80 +125,11 @@ class MegatronBackend(TrainBackend):
         random.seed(self.seed)
         bf16 = self._cuda and settings.bf16
         self.shape, self._hf_config, self.model_dir = shape, hf_config, model_dir
-        model = self._build(hf_config, bf16)
-        _load_state(model, pipeline.stage_state(model, model_dir, shape, settings.tensor_parallel, rt.tp_rank()))
+        model = build.build_model(hf_config, shape, self.config, self.layer_spec, bf16, self._cuda)
+        build.load_state(model, pipeline.stage_state(model, model_dir, shape, settings.tensor_parallel, rt.tp_rank()))
         self._model = model
         self._parameters = pipeline.count_parameters(model, settings.tensor_parallel, self._device())
-        self._build_optimizer(bf16)
-
-    def _build(self, hf_config: Any, bf16: bool) -> Any:
-        """This rank's stage: the embedding on the first, its share of the layers, the final norm
-        and LM head on the last (with PP = 1, all of it)."""
-        import torch
-        from megatron.core import parallel_state as ps
-        from megatron.core.models.gpt import GPTModel
-
-        from libra.services.trainer import megatron_convert as convert
-        from libra.services.trainer.megatron_specs import layer_spec
-
-        settings = self.config.megatron
-        tconfig = convert.transformer_config(
-            hf_config, tp=settings.tensor_parallel, pp=settings.pipeline_parallel, bf16=bf16,
-            use_cpu_initialization=not self._cuda, calculate_per_token_loss=True,
-            **_fusions(settings.fused_kernels and self._cuda))
-        # Activations cross stages with their shape: micro-batches differ in width and size. (Set after
-        # construction: TransformerConfig refuses it for MoE's allgather dispatcher, which is its
-        # default even for a dense model like this one.)
-        tconfig.variable_seq_lengths = settings.pipeline_parallel > 1
-        # perform_initialization stays on although the HF weights replace the random ones: it is also
-        # what marks each parameter tensor-parallel or replicated, which grad-norm clipping relies on.
-        model = GPTModel(
-            config=tconfig, transformer_layer_spec=layer_spec(self.layer_spec, self.shape.qk_norm),
-            vocab_size=self.shape.vocab, max_sequence_length=hf_config.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=self.shape.tied,
-            position_embedding_type="rope", rotary_base=convert.rope_theta(hf_config),
-        )
-        model.eval()  # no dropout: the policy ratio compares two passes of one function
-        if self._cuda:
-            # As Megatron's own get_model does: the linears are built on the GPU, but the torch norms
-            # (no Apex/TE) on the default device; only the distributed optimizer's parameter buffer
-            # would move them, so without it they stayed on the host.
-            model.cuda(torch.cuda.current_device())
-        if bf16:
-            # Megatron builds its linears in params_dtype but the torch norms (no Apex/TE here) in
-            # fp32. Everything in bf16, as Megatron's Float16Module does: a bf16 norm runs torch's
-            # fused RMSNorm kernel, and the distributed optimizer maps masters to parameters only
-            # when a group is not a mix of fp32 and bf16 parameters.
-            model.bfloat16()
-        return model
-
-    def _build_optimizer(self, bf16: bool) -> None:
-        import torch
-
-        if not self._cuda:
-            params = [p for p in self._model.parameters() if p.requires_grad]
-            self._optimizer = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
-            return
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        sharded = self.config.megatron.distributed_optimizer
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=sharded)
-        self._ddp = DistributedDataParallel(config=self._model.config, ddp_config=ddp_config, module=self._model)
-        opt_config = OptimizerConfig(
-            optimizer="adam", lr=self.config.lr, weight_decay=self.config.weight_decay, bf16=bf16,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32, clip_grad=self.config.max_grad_norm,
-            use_distributed_optimizer=sharded)
-        self._optimizer = get_megatron_optimizer(opt_config, [self._ddp])
-        # Without Transformer Engine or Apex, Megatron falls back to torch AdamW in its multi-tensor
-        # (foreach) form; its fused CUDA kernel does the same update in one pass over the fp32
-        # masters. Set before the first step, which creates the state on the device it needs.
-        for inner in getattr(self._optimizer, "chained_optimizers", None) or [self._optimizer]:
-            for group in inner.optimizer.param_groups:
-                if "fused" in group:
-                    group["foreach"], group["fused"] = False, True
+        self._ddp, self._optimizer = build.build_optimizer(model, self.config, bf16, self._cuda)
 
     @property
     def model(self) -> Any:
@@ -402,20 +331,3 @@ class MegatronBackend(TrainBackend):
         from libra.services.trainer import megatron_checkpoint
 
         return megatron_checkpoint.load(self, path)
-
-
-# ---- helpers ------------------------------------------------------------------------------------
-
-def _load_state(model: Any, state: dict[str, Any]) -> None:
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ValueError(f"Megatron state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-
-
-def _fusions(on: bool) -> dict[str, Any]:
-    """Megatron's fused SwiGLU (torch.compile) and native fused vocab-parallel cross entropy.
-
-    GPU only: on CPU torch.compile would need a C++ toolchain and buys nothing for tiny models.
-    """
-    return {"bias_activation_fusion": on, "cross_entropy_loss_fusion": on, "cross_entropy_fusion_impl": "native"}

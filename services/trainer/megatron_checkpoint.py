@@ -2,7 +2,8 @@
 
 Owns: the checkpoint layout (a Megatron `dist_checkpointing` directory `<path>.dcp/` plus a small
 marker file `path`), and reading/writing the optimizer's state per model parameter for every
-optimizer the backend builds. Must not know: the GRPO step, batches, Redis.
+optimizer the backend builds (`optimizer_state`, also what the elastic snapshots read and
+restore). Must not know: the GRPO step, batches, Redis.
 
 One format for every execution path. Each model parameter `name` is stored as Megatron's own
 sharded tensor `model.<name>` (TP/PP offsets in the global shape), and its optimizer state beside
@@ -43,6 +44,7 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from libra.services.trainer import megatron_runtime as rt
+from libra.services.trainer.megatron_build import load_state
 
 if TYPE_CHECKING:
     from libra.services.trainer.megatron_backend import MegatronBackend
@@ -89,12 +91,12 @@ def load(backend: MegatronBackend, path: str) -> dict[str, Any]:
     directory = os.path.join(os.path.dirname(os.path.abspath(path)), marker["directory"])
     loaded = dist_checkpointing.load(sharded_state(backend, loading=True), directory)
     model = {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")}
-    _load_model(backend.model, model)
+    load_state(backend.model, model)
     step = float(loaded["optim.step"].reshape(-1)[0])
     states = {}
-    for name, _ in _parameters(backend):
+    for name, _ in trainable_parameters(backend):
         states[name] = {what: loaded[f"optim.{name}.{what}"] for what in _kinds(backend)}
-    _optimizer_adapter(backend).set_states(states, step)
+    optimizer_state(backend).set_states(states, step)
     torch.set_rng_state(marker["rng"]["torch"])
     version, internal, gauss = marker["rng"]["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -107,10 +109,10 @@ def sharded_state(backend: MegatronBackend, loading: bool) -> dict[str, Any]:
 
     model_sd = _flatten(backend.model.sharded_state_dict())
     state: dict[str, Any] = {f"model.{k}": v for k, v in model_sd.items()}
-    adapter = _optimizer_adapter(backend)
+    adapter = optimizer_state(backend)
     kinds = _kinds(backend)
     saved = None if loading else adapter.get_states()
-    for name, param in _parameters(backend):
+    for name, param in trainable_parameters(backend):
         template = model_sd.get(name)
         for what in kinds:
             data = torch.zeros(param.shape, dtype=torch.float32) if loading else saved[name][what]
@@ -122,7 +124,8 @@ def sharded_state(backend: MegatronBackend, loading: bool) -> dict[str, Any]:
 
 # ---- optimizer state in model space ---------------------------------------------------------
 
-def _parameters(backend: MegatronBackend) -> list[tuple[str, Any]]:
+def trainable_parameters(backend: MegatronBackend) -> list[tuple[str, Any]]:
+    """(name, parameter) of every trainable parameter, in the model's order (every rank agrees)."""
     return [(n, p) for n, p in backend.model.named_parameters() if p.requires_grad]
 
 
@@ -130,11 +133,11 @@ def _kinds(backend: MegatronBackend) -> tuple[str, ...]:
     """Stored tensors per parameter: the moments, plus fp32 masters when the parameters are not fp32."""
     import torch
 
-    low_precision = any(p.dtype != torch.float32 for _, p in _parameters(backend))
+    low_precision = any(p.dtype != torch.float32 for _, p in trainable_parameters(backend))
     return MOMENTS + (("main",) if low_precision else ())
 
 
-def _optimizer_adapter(backend: MegatronBackend) -> _Adapter:
+def optimizer_state(backend: MegatronBackend) -> _Adapter:
     optimizer = backend.optimizer
     inner = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     if not hasattr(inner[0], "get_loss_scale"):  # a plain torch optimizer (the CPU path)
@@ -151,6 +154,16 @@ class _Adapter:
         raise NotImplementedError
 
     def step(self) -> float:
+        """Adam's step count (collective over all ranks for Megatron's optimizers)."""
+        raise NotImplementedError
+
+    def local_step(self) -> float:
+        """Adam's step count as this rank holds it (no collective)."""
+        raise NotImplementedError
+
+    def whole(self, name: str, p: Any) -> dict[str, Any]:
+        """{main, exp_avg, exp_avg_sq} of parameter `p` as live tensors, when this rank holds all of its
+        state (moments absent before the first step); a DP-sharded optimizer raises."""
         raise NotImplementedError
 
 
@@ -164,7 +177,7 @@ class _TorchAdamW(_Adapter):
         import torch
 
         out = {}
-        for name, p in _parameters(self.backend):
+        for name, p in trainable_parameters(self.backend):
             state = self.optimizer.state.get(p) or {}
             out[name] = {k: (state[k] if k in state else torch.zeros_like(p)).detach().float().cpu().clone()
                          for k in MOMENTS}
@@ -174,10 +187,17 @@ class _TorchAdamW(_Adapter):
         steps = [float(s["step"]) for s in self.optimizer.state.values() if "step" in s]
         return steps[0] if steps else 0.0
 
+    def local_step(self) -> float:
+        return self.step()
+
+    def whole(self, name: str, p: Any) -> dict[str, Any]:
+        state = self.optimizer.state.get(p) or {}
+        return {"main": p, **{k: state[k] for k in MOMENTS if k in state}}
+
     def set_states(self, states: dict[str, dict[str, Any]], step: float) -> None:
         import torch
 
-        for name, p in _parameters(self.backend):
+        for name, p in trainable_parameters(self.backend):
             # AdamW bumps `step` in place: each parameter gets its own tensor.
             self.optimizer.state[p] = {"step": torch.tensor(step), **{k: states[name][k].to(p.device, p.dtype).clone()
                                                                        for k in MOMENTS}}
@@ -203,7 +223,7 @@ class _MegatronOptimizers(_Adapter):
                                    (opt.model_fp32_groups, opt.shard_fp32_groups)):
                 for model_group, shard_group in zip(models, shards):
                     self.shard.update((id(m), s) for m, s in zip(model_group, shard_group))
-        for name, p in _parameters(backend):
+        for name, p in trainable_parameters(backend):
             found = [o for o in inner if _owns(o, p)]
             if len(found) > 1 or (not found and not sharded):
                 raise RuntimeError(f"megatron checkpoint: parameter {name} belongs to {len(found)} optimizers, not 1")
@@ -237,7 +257,7 @@ class _MegatronOptimizers(_Adapter):
 
         reduce = self.dp_group is not None and dist.get_world_size(self.dp_group) > 1
         out = {}
-        for name, p in _parameters(self.backend):
+        for name, p in trainable_parameters(self.backend):
             tensors, start, end = self._local(p)
             full = {}
             for kind, source in _KINDS_TO_LOCAL:
@@ -249,6 +269,20 @@ class _MegatronOptimizers(_Adapter):
                 full[kind] = flat.view(p.shape).cpu()
             out[name] = full
         return out
+
+    def local_step(self) -> float:
+        for opt in self.inner:
+            for state in opt.optimizer.state.values():
+                if "step" in state:
+                    return float(state["step"])
+        return 0.0
+
+    def whole(self, name: str, p: Any) -> dict[str, Any]:
+        tensors, start, end = self._local(p)
+        if end - start != p.numel():
+            raise RuntimeError(f"parameter {name} has {end - start} of {p.numel()} optimizer values on this rank "
+                               "(a sharded optimizer); hybrids need trainer.megatron.distributed_optimizer=false")
+        return {"main": tensors["param"], **{k: tensors[k] for k in MOMENTS if k in tensors}}
 
     def step(self) -> float:
         import torch
@@ -281,7 +315,7 @@ class _MegatronOptimizers(_Adapter):
                     opt._init_optimizer_states_with_dummy_values()  # allocate Adam state (then overwritten)
             else:
                 _init_torch_state(opt.optimizer)
-        for name, p in _parameters(self.backend):
+        for name, p in trainable_parameters(self.backend):
             tensors, start, end = self._local(p)
             for kind, target in _KINDS_TO_LOCAL:
                 if target in tensors and end > start:
@@ -354,13 +388,6 @@ def _like(template: Any, data: Any, name: str, what: str) -> Any:
                          local_shape=template.local_shape, global_shape=template.global_shape,
                          global_offset=template.global_offset, axis_fragmentations=template.axis_fragmentations,
                          replica_id=template.replica_id, prepend_axis_num=template.prepend_axis_num)
-
-
-def _load_model(model: Any, state: dict[str, Any]) -> None:
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ValueError(f"Megatron state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def _prune_orphans(directory: str) -> None:

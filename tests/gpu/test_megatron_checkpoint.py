@@ -61,7 +61,7 @@ def _states(backend) -> tuple[dict, dict]:
 
     model = {k: v.detach().float().cpu().clone() for k, v in backend.model.state_dict().items()
              if not k.endswith("_extra_state")}
-    return model, megatron_checkpoint._optimizer_adapter(backend).get_states()
+    return model, megatron_checkpoint.optimizer_state(backend).get_states()
 
 
 def _equal(a: dict, b: dict) -> list[str]:

@@ -166,52 +166,27 @@ def _megatron_state(backend: Any) -> tuple[dict[str, Any], dict[int, dict[str, A
     from libra.services.trainer import megatron_checkpoint as ckpt
 
     model = {k: t.detach().clone() for k, t in backend.model.state_dict().items() if torch.is_tensor(t)}
-    adapter = ckpt._optimizer_adapter(backend)
-    params = ckpt._parameters(backend)
+    adapter = ckpt.optimizer_state(backend)
+    params = ckpt.trainable_parameters(backend)
     optimizer = {}
     for index, (name, p) in enumerate(params):
-        tensors = _optimizer_tensors(adapter, backend, name, p)
+        tensors = adapter.whole(name, p)
         optimizer[index] = {k: (tensors[k] if k in tensors else torch.zeros(p.numel(), device=p.device))
                             .detach().float().reshape(p.shape).clone() for k in ("main", *ckpt.MOMENTS)}
-    extra = {"names": [name for name, _ in params], "adam_step": _adam_step(adapter, backend)}
+    # Adam's step read locally: the adapter's `step()` is a collective over all ranks, and only the
+    # hybrid's core rank takes its snapshot.
+    extra = {"names": [name for name, _ in params], "adam_step": adapter.local_step()}
     return model, optimizer, [], extra
-
-
-def _optimizer_tensors(adapter: Any, backend: Any, name: str, p: Any) -> dict[str, Any]:
-    """{main, exp_avg, exp_avg_sq} of one parameter (moments absent before the first step)."""
-    from libra.services.trainer import megatron_checkpoint as ckpt
-
-    if isinstance(adapter, ckpt._TorchAdamW):
-        state = backend.optimizer.state.get(p) or {}
-        return {"main": p, **{k: state[k] for k in ckpt.MOMENTS if k in state}}
-    tensors, start, end = adapter._local(p)
-    if end - start != p.numel():
-        raise RuntimeError(f"snapshot: parameter {name} has {end - start} of {p.numel()} optimizer values on this "
-                           "rank (a sharded optimizer); hybrids need trainer.megatron.distributed_optimizer=false")
-    return {"main": tensors["param"], **{k: tensors[k] for k in ckpt.MOMENTS if k in tensors}}
-
-
-def _adam_step(adapter: Any, backend: Any) -> float:
-    """Adam's step count, read locally (the adapter's own `step()` is a collective over all ranks,
-    and only the hybrid's core rank takes its snapshot)."""
-    from libra.services.trainer import megatron_checkpoint as ckpt
-
-    if isinstance(adapter, ckpt._TorchAdamW):
-        return adapter.step()
-    for inner in adapter.inner:
-        for state in inner.optimizer.state.values():
-            if "step" in state:
-                return float(state["step"])
-    return 0.0
 
 
 def _load_megatron_state(backend: Any, model: dict[str, Any], optimizer: dict[int, Any],
                          extra: dict[str, Any]) -> None:
     from libra.services.trainer import megatron_checkpoint as ckpt
+    from libra.services.trainer.megatron_build import load_state
 
-    names = [name for name, _ in ckpt._parameters(backend)]
+    names = [name for name, _ in ckpt.trainable_parameters(backend)]
     if names != extra["names"]:
         raise ValueError(f"the snapshot's parameters {extra['names'][:3]}… are not this model's {names[:3]}…")
-    ckpt._load_model(backend.model, model)
+    load_state(backend.model, model)
     states = {name: optimizer[index] for index, name in enumerate(names)}
-    ckpt._optimizer_adapter(backend).set_states(states, float(extra["adam_step"]))
+    ckpt.optimizer_state(backend).set_states(states, float(extra["adam_step"]))
