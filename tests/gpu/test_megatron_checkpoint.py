@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
+
+from libra.redis_server import free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -111,11 +112,6 @@ def _load_at_dp1(rank: int, model_dir: str, out: str) -> None:
                    "optimizer_differs": _equal(saved["optimizer"], optimizer)}, f)
 
 
-def _port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 def _spawn(fn, nprocs: int, *args) -> None:
     import torch.multiprocessing as mp
@@ -125,7 +121,7 @@ def _spawn(fn, nprocs: int, *args) -> None:
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
 def test_two_gpu_checkpoint_round_trip(model_dir, tmp_path, tp):
-    _spawn(_round_trip, 2, _port(), model_dir, tp, str(tmp_path))
+    _spawn(_round_trip, 2, free_port(), model_dir, tp, str(tmp_path))
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["extra"] == {"step": 1}

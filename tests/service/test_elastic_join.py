@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import grpc
 import pytest
 import torch
 
+from libra.redis_server import free_port
 from libra.rpc import ServiceHost
 from libra.services.trainer.backend import TrainBatch
 from libra.services.trainer.elastic.control import ElasticControl
@@ -217,9 +217,7 @@ def _core_rank(rank: int, world: int, model_dir: str, port: int, out: str) -> No
 def test_two_core_ranks_over_gloo_with_a_hybrid_on_each_rank(model_dir, tmp_path):
     import torch.multiprocessing as mp
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "rank")
     # spawn, not fork: the test process has threads by now (gRPC, executors, transformers' loader
     # pool) and a forked child can deadlock on a lock one of them held (seen in CI).

@@ -15,27 +15,15 @@ import torch
 
 from libra.services.trainer.backend import TrainBatch, TrainSequence
 from libra.services.trainer.config import TrainerConfig
+from tests.unit.conftest import TINY_VOCAB
 
-VOCAB = 64
+VOCAB = TINY_VOCAB  # the model of tests/unit/conftest.py
 BACKENDS = ["torch", "megatron"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
-                         tie_word_embeddings=True, use_sliding_window=False)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():  # non-trivial norms and biases, so a wrong mapping of either shows
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
-    path = str(tmp_path_factory.mktemp("tiny-qwen2"))
-    model.save_pretrained(path)
-    return path
+def model_dir(tiny_qwen2_dir) -> str:
+    return tiny_qwen2_dir  # tests/unit/conftest.py
 
 
 def _config(**overrides) -> TrainerConfig:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from libra.errors import FailedPrecondition
+from libra.redis_server import free_port
 from libra.services.trainer.backend import TrainBatch
 from libra.services.trainer.config import TrainerConfig
 from libra.services.trainer.elastic import backends
@@ -33,17 +34,8 @@ pytest.importorskip("megatron.core")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """Tiny Qwen2: GQA, qkv biases, tied embeddings (the Megatron contract suite's model)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
-                         tie_word_embeddings=True, use_sliding_window=False)
-    path = str(tmp_path_factory.mktemp("tiny-qwen2"))
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    return path
+def model_dir(tiny_qwen2_dir) -> str:
+    return tiny_qwen2_dir  # the contract suite's tiny Qwen2 (tests/unit/conftest.py)
 
 
 def _config(max_grad_norm: float = 1e6, **megatron) -> TrainerConfig:
@@ -261,16 +253,12 @@ def _megatron_core_rank(rank: int, world: int, model_dir: str, port: int, out: s
 
 @pytest.mark.slow
 def test_two_megatron_core_ranks_with_a_hybrid_process_each_equal_one_rank_on_the_whole_batch(model_dir, tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
     from libra.services.trainer.elastic.manifest import StepManifest
     from libra.services.trainer.elastic.work import split, widened_groups
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "rank")
     mp.start_processes(_megatron_core_rank, args=(2, model_dir, port, out), nprocs=2, join=True,
                        start_method="spawn")

@@ -9,11 +9,11 @@ cannot express. The GPU test runs only where CUDA is present.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
+from libra.redis_server import free_port
 from libra.services.trainer import megatron_convert as convert
 from libra.services.trainer.backend import TrainBatch, TrainSequence
 from libra.services.trainer.config import TrainerConfig
@@ -182,9 +182,7 @@ def test_tensor_parallel_two_ranks_equal_one_rank(model_dirs, tmp_path):
     """TP=2 over gloo: same log-probs as HF, and the same gradient (clipping sees the whole norm)."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "tp2.pt")
     mp.start_processes(_tp_rank, args=(port, model_dirs["qwen3"], out), nprocs=2, join=True, start_method="spawn")
     result = torch.load(out, weights_only=True)

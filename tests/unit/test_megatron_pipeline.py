@@ -14,12 +14,11 @@ work are checked in-process.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
-from libra.errors import FailedPrecondition
+from libra.redis_server import free_port
 from libra.services.trainer.backend import TrainBatch, TrainSequence
 from libra.services.trainer.config import TrainerConfig
 
@@ -128,9 +127,7 @@ def _spawn(model_dir: str, tp: int, pp: int, out_dir: str, spec: str = "sdpa",
            checkpoint: str | None = None) -> list[dict]:
     import torch.multiprocessing as mp
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     world = tp * pp
     mp.start_processes(_rank, args=(world, port, model_dir, tp, pp, spec, out_dir, checkpoint), nprocs=world,
                        join=True, start_method="spawn")

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from libra.redis_server import free_port
 from libra.services.trainer.backend import TrainBatch, TrainSequence, pack
 from libra.services.trainer.config import TrainerConfig
 from libra.services.trainer.torch_backend import TorchBackend
@@ -182,13 +183,9 @@ def _data_parallel_rank(rank: int, world: int, model_dir: str, port: int, out: s
 
 
 def test_data_parallel_update_equals_single_process(model_dir, tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "rank0.pt")
     # spawn, not fork: the test process has threads by now (gRPC, executors, transformers' loader
     # pool) and a forked child can deadlock on a lock one of them held.
