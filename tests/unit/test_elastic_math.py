@@ -273,12 +273,7 @@ def test_a_failed_snapshot_fetch_rolls_the_join_back(model_dir, tmp_path):
     assert hybrid.code == EXIT_JOIN_FAILED
     _wait(lambda: _control_pending(run.core))
     run.run(2)
-    record = run.core.membership.hybrid("h-bad")
-    assert record.state == HybridState.FAILED and "snapshot fetch failed" in record.reason
-    assert not list((tmp_path / "snapshots").glob("*")) and not run.core._retained
-    assert all(not m.hybrids for m in run.manifests.values())
-    run.assert_equal_to_reference()
-    run.core.close()
+    _assert_rolled_back(run, tmp_path, "h-bad", "snapshot fetch failed")
 
 
 def test_membership_freezes_changes_at_the_next_boundary_and_survives_a_restart():
@@ -335,8 +330,14 @@ def test_a_join_that_times_out_or_whose_snapshot_write_fails_is_rolled_back(mode
     run.run(1)  # the rollback: the hybrid is told `error`
     hybrid.thread.join(30)
     assert hybrid.code == EXIT_JOIN_FAILED
-    record = run.core.membership.hybrid("h-nodisk")
-    assert record.state == HybridState.FAILED and "No space left" in record.reason
+    _assert_rolled_back(run, tmp_path, "h-nodisk", "No space left")
+
+
+def _assert_rolled_back(run: Run, tmp_path, replica: str, reason: str) -> None:
+    """A failed join left nothing behind: the replica FAILED with `reason`, no snapshot files, no kept
+    gradients, never in a manifest, and the core's parameters are the static run's. Closes the core."""
+    record = run.core.membership.hybrid(replica)
+    assert record.state == HybridState.FAILED and reason in record.reason
     assert not list((tmp_path / "snapshots").glob("*")) and not run.core._retained
     assert all(not m.hybrids for m in run.manifests.values())
     run.assert_equal_to_reference()

@@ -13,6 +13,12 @@ from libra.services.rollout.router import SchedulerSession
 from libra.v1 import scheduler_pb2 as spb
 
 
+async def _spin(turns: int) -> None:
+    """Let the event loop run `turns` rounds (the session's tasks advance by that much)."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+
+
 class HeldCall:
     """A stream-stream call whose writes block until released; answers are pushed by the test."""
 
@@ -54,16 +60,13 @@ def test_a_message_numbered_during_the_resend_is_written_once_in_order():
         stub = Stub()
         session = SchedulerSession(stub)
         first = asyncio.ensure_future(session.request(route=spb.RouteRequest(trajectory_id="a")))
-        for _ in range(5):  # the session task opens the stream and starts resending seq 1 (held)
-            await asyncio.sleep(0)
+        await _spin(5)  # the session task opens the stream and starts resending seq 1 (held)
         session.post(turn=spb.TurnReport(trajectory_id="a", worker_id="w"))  # seq 2
         second = asyncio.ensure_future(session.request(route=spb.RouteRequest(trajectory_id="b")))  # seq 3
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await _spin(5)
         call = stub.calls[0]
         call.gate.set()
-        for _ in range(20):
-            await asyncio.sleep(0)
+        await _spin(20)
         assert call.written == [1, 2, 3]  # each once, in seq order
         assert call.writes == 2  # the resend of seq 1, then 2 and 3 together in one batch
         call.answers.put_nowait(spb.SchedulerBatch(processed_seq=1, answers=[
@@ -83,19 +86,16 @@ def test_unacknowledged_messages_are_resent_in_order_on_a_new_stream():
         session = SchedulerSession(stub)
         session.post(turn=spb.TurnReport(trajectory_id="a", worker_id="w"))
         pending = asyncio.ensure_future(session.request(route=spb.RouteRequest(trajectory_id="a")))
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await _spin(5)
         stub.calls[0].gate.set()
-        for _ in range(10):
-            await asyncio.sleep(0)
+        await _spin(10)
         assert stub.calls[0].written == [1, 2]
         stub.calls[0].answers.put_nowait(spb.SchedulerBatch(processed_seq=1))  # the report was applied
         stub.calls[0].answers.put_nowait(None)  # then the stream ends (a scheduler restart)
         while len(stub.calls) < 2:
             await asyncio.sleep(0.01)
         stub.calls[1].gate.set()
-        for _ in range(10):
-            await asyncio.sleep(0)
+        await _spin(10)
         assert stub.calls[1].written == [2]  # only what was not acknowledged
         stub.calls[1].answers.put_nowait(spb.SchedulerBatch(processed_seq=2, answers=[
             spb.SchedulerMessage(seq=2, route=spb.RouteDecision(worker_id="w2"))]))
@@ -109,20 +109,16 @@ def test_a_report_posted_while_the_flusher_writes_is_not_stranded():
         stub = Stub()
         session = SchedulerSession(stub)
         first = asyncio.ensure_future(session.request(route=spb.RouteRequest(trajectory_id="a")))
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await _spin(5)
         call = stub.calls[0]
         call.gate.set()
-        for _ in range(10):
-            await asyncio.sleep(0)
+        await _spin(10)
         call.gate.clear()  # writes hold again
         session.post(turn=spb.TurnReport(trajectory_id="a", worker_id="w"))  # seq 2: the flusher starts writing
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await _spin(5)
         session.post(tool_return=spb.ToolReturnReport(trajectory_id="a", tool="t"))  # seq 3, during that write
         call.gate.set()
-        for _ in range(20):
-            await asyncio.sleep(0)
+        await _spin(20)
         assert call.written == [1, 2, 3]
         call.answers.put_nowait(spb.SchedulerBatch(processed_seq=3, answers=[
             spb.SchedulerMessage(seq=1, route=spb.RouteDecision(worker_id="w"))]))
