@@ -4,7 +4,7 @@
 # carried in .whl/ (megatron-core 0.19.2 cp312, pydantic, structlog, redis, pytest) and installed
 # into /tmp/site; e2e also needs the quickstart's warm-started model in .carry/ws_e2e_model. Results go to $OUT (default /tmp/libra-gpu-out).
 #
-#   bash benchmarks/gpu_session.sh tests sync mfu        # any of: tests gputests sync mfu mfu16 profile pp elastic e2e
+#   bash benchmarks/gpu_session.sh tests sync mfu        # any of: tests gputests sync syncdirect syncbuckets mfu mfu16 profile pp elastic elastic-megatron e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/libra-gpu-out}
@@ -29,9 +29,10 @@ step() {  # step NAME TIMEOUT COMMAND...: runs one item, logs to $OUT/NAME.log, 
 for item in "$@"; do
     case $item in
         tests) step tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/unit/test_megatron_convert.py ;;
-        sync) step sync 120 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 --bucket-mb 256 --out "$OUT/sync.json"
-              step sync-direct 120 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 --bucket-mb 256 \
-                  --direct-mb 8 --out "$OUT/sync-direct.json" ;;
+        sync) step sync 180 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 --bucket-mb 256 --flat \
+                  --out "$OUT/sync.json" ;;
+        syncdirect) step sync-direct 120 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 --bucket-mb 256 \
+                        --direct-mb 8 --out "$OUT/sync-direct.json" ;;
         syncbuckets) for mb in 512 1024; do
                          step sync-bucket$mb 120 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 \
                              --bucket-mb $mb --out "$OUT/sync-bucket$mb.json"
@@ -47,7 +48,7 @@ for item in "$@"; do
                      --layers 8 --vocab 32000 --seq-len 512 --groups 4 --threads 4 --json "$OUT/elastic.json" ;;
         elastic-megatron) step elastic-megatron 240 python3 benchmarks/elastic_join.py --backend megatron --device cuda:0 \
                               --hybrid-device cuda:1 --hidden 1024 --layers 8 --vocab 32000 --seq-len 512 --groups 4 \
-                              --threads 4 --max-join-s 120 --json "$OUT/elastic-megatron.json" ;;
+                              --threads 4 --max-join-s 120 --max-catch-up-steps 160 --json "$OUT/elastic-megatron.json" ;;
         e2e) step e2e 240 python3 benchmarks/gpu_e2e_grpo.py --model .carry/ws_e2e_model --trainer megatron \
                  --dtype bfloat16 --steps 25 --lr 1e-4 --out "$OUT/e2e_megatron" ;;
         *) echo "unknown item $item" ;;

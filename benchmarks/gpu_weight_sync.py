@@ -8,6 +8,8 @@ parameters in bf16 by default) it measures, in the same run and on the same comm
   per-tensor one broadcast per tensor, no packing (what a naive sync does)
   group      WeightsGroup.send / receive: handshake, fixed-size buckets (double-buffered), the
              receiver unpacking straight into its own parameter tensors
+  --flat     then the same with the receiver's tensors laid out as the stream (weight_flat: what the
+             hf engine does after its first version; no unpack copy), then the sender's too (no pack)
 
 and prints GB/s (bytes / seconds, seconds = median of the repeats) and group / plain. Checksums of
 the received tensors are compared with the sender's, so a wrong transfer fails the run.
@@ -68,7 +70,8 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from libra.services.rollout.weight_sync import WeightsGroup
+    from libra.services.rollout.weight_flat import FlatWeights
+    from libra.services.rollout.weight_sync import WeightsGroup, plan_layout
 
     device = torch.device(args.devices.split(",")[rank])
     dtype = getattr(torch, args.dtype)
@@ -103,36 +106,52 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
             for tensor in tensors.values():
                 broadcast(tensor)
 
-        reports = []
+        reports: dict[str, list] = {}
+        mine = {"set": tensors}  # what this rank sends or receives into: the tensors, or them flat
 
-        def synced():
+        def synced(label: str = "group"):
             version[0] += 1
             if rank == 0:
-                reports.append(group.send(tensors.items(), version[0]))
+                reports.setdefault(label, []).append(group.send(mine["set"], version[0]))
             else:
-                for _ in group.receive(version[0], targets=tensors):
+                for _ in group.receive(version[0], targets=mine["set"]):
                     pass
 
-        timings = {}
-        for label, fn in (("plain", plain), ("per_tensor", per_tensor), ("group", synced)):
+        def flatten(when: str) -> None:  # the same tensor objects, moved into one stream-shaped buffer
+            if when == ("receiver" if rank else "sender"):
+                mine["set"] = FlatWeights.adopt(tensors, plan_layout(tensors.items(), 0, group.bucket_bytes))
+                assert mine["set"] is not None
+
+        timings, checksums = {}, {}
+        runs = [("plain", plain, None), ("per_tensor", per_tensor, None), ("group", synced, None)]
+        if args.flat:  # the receiver's parameters flat (the hf engine), then the sender's too
+            runs += [("group_rflat", lambda: synced("group_rflat"), "receiver"),
+                     ("group_flat", lambda: synced("group_flat"), "sender")]
+        for label, fn, flat_side in runs:
+            if flat_side:
+                flatten(flat_side)
             for _ in range(args.warmup):
                 _timed(fn, device)
             timings[label] = [_timed(fn, device) for _ in range(args.repeats)]
-        flat = None  # free it before the checked sync
-        if rank != 0:  # the per-tensor run filled them too: check what one group sync alone delivers
-            for tensor in tensors.values():
-                tensor.zero_()
-        synced()
+            if label.startswith("group"):  # check what one sync alone delivers
+                if rank != 0:
+                    for tensor in tensors.values():
+                        tensor.zero_()
+                synced("check")
+                checksums[label] = checksum(list(tensors.values()))
+            if label == "per_tensor":
+                flat = None  # free it before the group runs
         record = {"set": set_name, "params": sum(t.numel() for t in tensors.values()), "bytes": total,
                   "tensors": len(tensors), "bucket_mb": args.bucket_mb, "direct_mb": args.direct_mb, "dtype": args.dtype,
-                  "backend": args.backend, "checksum": checksum(list(tensors.values())),
+                  "backend": args.backend, "checksums": checksums,
                   **{f"{k}_s": statistics.median(v) for k, v in timings.items()},
                   **{f"{k}_all_s": v for k, v in timings.items()}}
         for label in timings:
             record[f"{label}_gbps"] = total / record[f"{label}_s"] / 1e9
-        if reports:  # the sender's own split of a sync: waiting for receivers, then the transfer
-            record["send_handshake_s"] = statistics.median(r.handshake_seconds for r in reports)
-            record["send_transfer_s"] = statistics.median(r.seconds for r in reports)
+            record[f"{label}_over_plain"] = record[f"{label}_gbps"] / record["plain_gbps"]
+            if label in reports:  # the sender's own split of a sync: waiting for receivers, then the transfer
+                record[f"{label}_send_handshake_s"] = statistics.median(r.handshake_seconds for r in reports[label])
+                record[f"{label}_send_transfer_s"] = statistics.median(r.seconds for r in reports[label])
         record["group_over_plain"] = record["group_gbps"] / record["plain_gbps"]
         results.append(record)
         tensors = {}
@@ -150,6 +169,8 @@ def main() -> int:
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--direct-mb", type=int, default=0,
                         help="tensors of at least this many MiB are broadcast on their own (0: every tensor through buckets)")
+    parser.add_argument("--flat", action="store_true",
+                        help="also time the receiver's tensors flat (as the hf engine keeps them), then both sides flat")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="", help="write the JSON result here too")
@@ -163,16 +184,22 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         mp.start_processes(run_rank, args=(args, free_port(), scratch), nprocs=2, start_method="spawn")
         sent, received = (json.loads(Path(scratch, f"rank{r}.json").read_text()) for r in (0, 1))
-    print(f"{'set':>5} {'params':>8} {'GB':>7} {'plain GB/s':>11} {'per-tensor':>11} {'group GB/s':>11} "
-          f"{'group/plain':>11}  checksum ok")
+    names = {"group": "group (pack + unpack)", "group_rflat": "group, receiver flat", "group_flat": "group, both flat"}
+    print(f"{'set':>5} {'params':>8} {'GB':>7} {'plain GB/s':>11} {'per-tensor':>11}  (per-tensor / plain)")
     for mine, theirs in zip(sent, received):
-        ok = abs(mine["checksum"] - theirs["checksum"]) <= 1e-6 * max(1.0, abs(mine["checksum"]))
-        mine["checksum_ok"] = ok
+        ok = {label: abs(value - theirs["checksums"][label]) <= 1e-6 * max(1.0, abs(value))
+              for label, value in mine["checksums"].items()}
+        mine["checksum_ok"] = all(ok.values())
         mine["receiver"] = {k: theirs[k] for k in theirs if k.endswith("_s") or k.endswith("_gbps")}
         print(f"{mine['set']:>5} {mine['params'] / 1e9:7.2f}B {mine['bytes'] / 1e9:7.2f} {mine['plain_gbps']:11.1f} "
-              f"{mine['per_tensor_gbps']:11.1f} {mine['group_gbps']:11.1f} {mine['group_over_plain']:11.1%}  {ok}")
-        print(f"      group sync {mine['group_s'] * 1e3:.2f} ms = sender handshake {mine['send_handshake_s'] * 1e3:.2f} ms"
-              f" + transfer {mine['send_transfer_s'] * 1e3:.2f} ms + acknowledgements; plain {mine['plain_s'] * 1e3:.2f} ms")
+              f"{mine['per_tensor_gbps']:11.1f}  ({mine['per_tensor_over_plain']:.1%})")
+        for label, title in names.items():
+            if f"{label}_s" not in mine:
+                continue
+            print(f"      {title:<24} {mine[f'{label}_gbps']:7.1f} GB/s {mine[f'{label}_over_plain']:7.1%} of plain"
+                  f"  {mine[f'{label}_s'] * 1e3:6.2f} ms = handshake {mine[f'{label}_send_handshake_s'] * 1e3:.2f}"
+                  f" + transfer {mine[f'{label}_send_transfer_s'] * 1e3:.2f} + acks; checksum ok {ok[label]}")
+        print(f"      plain {mine['plain_s'] * 1e3:.2f} ms")
     if args.out:
         Path(args.out).write_text(json.dumps({"argv": sys.argv, "results": sent}, indent=1))
     return 0 if all(r["checksum_ok"] for r in sent) else 1

@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from libra.services.rollout.weight_flat import FlatWeights
+
 
 class HFWeightLoads:
     """Weight loads, mixed into `HFEngine`; it provides `model`, `device`, `version`, `dirty` and
@@ -28,6 +30,7 @@ class HFWeightLoads:
     version: int
     dirty: str | None
     weights_group: Any
+    flat_weights: FlatWeights | None = None  # the parameters, once laid out as the weights group's stream
 
     def load_from_disk(self, path: str, version: int) -> dict[str, Any]:
         """Load the safetensors directory `path` as `version`; {"error"} leaves the weights alone."""
@@ -72,10 +75,11 @@ class HFWeightLoads:
         version = _check_version(version)
         started = time.perf_counter()
         params = dict(self.model.named_parameters())
+        flat = getattr(self, "flat_weights", None)
         count, misfits = 0, []
         try:
             with torch.no_grad():
-                for name, tensor in self.weights_group.receive(version, targets=params):
+                for name, tensor in self.weights_group.receive(version, targets=flat if flat is not None else params):
                     count += 1
                     if params.get(name) is not tensor:  # unknown name, or another shape/dtype
                         misfits.append(f"{name} {str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}")
@@ -94,7 +98,14 @@ class HFWeightLoads:
             self.dirty = f"version {version} does not fit this model: {misfits[:5]}"
             return {"error": f"ValueError: the trainer sent tensors this model cannot hold: {misfits[:5]}"}
         self.version = version
-        return {"version": version, "seconds": time.perf_counter() - started, "tensors": count}
+        seconds = time.perf_counter() - started
+        layout = self.weights_group.last_layout
+        if flat is None or not flat.fits(layout):
+            # Lay the parameters out as the trainer's byte stream: later versions then land in them
+            # with no unpack copy (weight_flat.py). Same parameter objects; one copy, once.
+            self.flat_weights = FlatWeights.adopt(params, layout)
+        return {"version": version, "seconds": seconds, "tensors": count,
+                "in_place": flat is not None and flat.fits(layout)}
 
 
 def _check_version(version: int | str) -> int:

@@ -35,6 +35,12 @@ plain broadcast with 8 MiB direct tensors, 68.5% all in 256 MiB buckets; docs/be
 one NCCL call per tensor costs more than the device copies it saves. Receivers copy each chunk straight into a target tensor (the engine's own parameter)
 when one is given, else into a fresh tensor, and yield every tensor once it is complete.
 
+No copy at all where a side's tensors already sit at the stream's offsets in one buffer
+(`weight_flat.FlatWeights`, which the hf engine adopts for its parameters after its first version):
+then a bucket is a slice of that buffer, broadcast from it or received into it as it is. Each side
+decides alone (both cut the same buckets, every bucket exactly its bytes long), so a flat sender
+works with packing receivers and the other way round.
+
 Failure rules: a receiver that does not join a version within the timeout, or before the
 sender's `cancel` event is set, makes the sender abort that version *before* any collective
 starts (the group stays usable; the caller retries the version over the disk path). A failure
@@ -53,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 from libra.errors import FailedPrecondition, Unavailable
+from libra.services.rollout.weight_flat import FlatWeights
 from libra.services.rollout.weight_layout import DEFAULT_DIRECT_BYTES, Layout, TensorSlot, plan_layout
 
 if TYPE_CHECKING:
@@ -127,6 +134,7 @@ class WeightsGroup:
         self.timeout_s, self.bucket_bytes = float(timeout_s), int(bucket_bytes)
         self.direct_bytes = direct_bytes
         self.broken: str | None = None
+        self.last_layout: Layout | None = None  # of the last version this rank received
         self.group: Any = None
         self._buffers: list[Any] = []
         self.store = store if store is not None else open_store(host, port, rank == 0, timeout_s)
@@ -230,7 +238,8 @@ class WeightsGroup:
              join_timeout_s: float | None = None, cancel: threading.Event | None = None) -> SyncReport:
         """Broadcast `named` tensors as `version` to every receiver; return its timings.
 
-        Raises WeightSyncError naming the ranks that did not join within `join_timeout_s` or before
+        A FlatWeights whose buffer fits the layout is broadcast bucket by bucket from that buffer
+        (no pack copy). Raises WeightSyncError naming the ranks that did not join within `join_timeout_s` or before
         `cancel` was set (the version is aborted before any byte moves; the group stays usable), or
         when a collective fails (the group is then broken). `cancel` only matters until every
         receiver has joined: a transfer under way is never cut.
@@ -238,29 +247,35 @@ class WeightsGroup:
         if self.rank != 0:
             raise FailedPrecondition("only rank 0 (the trainer) sends weights")
         self._check()
+        flat = named if isinstance(named, FlatWeights) else None
         tensors = dict(named)
         layout = plan_layout(tensors.items(), version, self.bucket_bytes, self.direct_bytes)
+        if flat is not None and not flat.fits(layout):
+            flat = None
         started = time.perf_counter()
         self._await_receivers(version, join_timeout_s, cancel)
         self.keys.set(f"{version}/meta", layout.to_json())
         handshake = time.perf_counter() - started
         started = time.perf_counter()
         direct = [self._broadcast(_bytes_of(tensors[slot.name])) for slot in layout.direct_slots]
-        pending: list[Any] = [None, None]
-        for bucket in range(layout.num_buckets):
+        if flat is not None:  # the tensors already sit at the stream's offsets: every bucket is a slice
+            pending = [self._broadcast(flat.bucket(layout, bucket)) for bucket in range(layout.num_buckets)]
+        else:
+            pending = [None, None]
+        for bucket in range(layout.num_buckets if flat is None else 0):
             slot = bucket % 2
             if pending[slot] is not None:  # the buffer's previous broadcast must be done first
                 self._wait(pending[slot], f"version {version} bucket {bucket - 2}")
-            buffer = self._buffer(slot)
+            low = bucket * layout.bucket_bytes
+            buffer = self._buffer(slot)[:min(layout.bucket_bytes, layout.stream_bytes - low)]
             for tensor_slot, start, end in layout.overlapping(bucket):
                 source = _bytes_of(tensors[tensor_slot.name])
-                low = bucket * layout.bucket_bytes
                 buffer[start - low:end - low].copy_(source[start - tensor_slot.offset:end - tensor_slot.offset],
                                                     non_blocking=True)
             pending[slot] = self._broadcast(buffer)
         for work in pending:
             if work is not None:
-                self._wait(work, f"version {version} final buckets")
+                self._wait(work, f"version {version} buckets")
         for work, slot in zip(direct, layout.direct_slots):
             self._wait(work, f"version {version} tensor {slot.name}")
         self._sync()
@@ -311,8 +326,10 @@ class WeightsGroup:
 
         A tensor whose name is in `targets` (same shape, dtype and device, contiguous) is written into
         that tensor in place and yielded as it; others land in fresh tensors on this group's device
-        (so a caller detects a misfit by identity, after the transfer, without breaking it). Timings go
-        to the store for the sender's report. Consume the iterator fully.
+        (so a caller detects a misfit by identity, after the transfer, without breaking it). When
+        `targets` is a FlatWeights that fits the version's layout, the buckets land in its buffer with
+        no unpack copy. Timings go back to the sender with the acknowledgement; `last_layout` keeps
+        the version's layout (for `FlatWeights.adopt`). Consume the iterator fully.
         """
         if self.rank == 0:
             raise FailedPrecondition("rank 0 (the trainer) sends; it does not receive")
@@ -328,16 +345,45 @@ class WeightsGroup:
         layout = Layout.from_json(raw)
         handshake = time.perf_counter() - started
         destinations = {s.name: _destination(s, targets, self.device) for s in layout.slots}
-        remaining = {s.name: s.nbytes for s in layout.slots}
+        self.last_layout = layout
         started = time.perf_counter()
         direct = [(slot, self._broadcast(_bytes_of_inplace(destinations[slot.name]))) for slot in layout.direct_slots]
         for slot, work in direct:
             self._wait(work, f"version {version} tensor {slot.name}")
             yield slot.name, destinations[slot.name]
+        if isinstance(targets, FlatWeights) and targets.fits(layout):
+            yield from self._receive_in_place(targets, layout)
+        else:
+            yield from self._receive_unpacking(destinations, layout)
+        self._sync()
+        seconds = time.perf_counter() - started
+        self._exchange_timings(version, [seconds, handshake, float(layout.total_bytes)])
+
+    def _receive_in_place(self, flat: FlatWeights, layout: Layout) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """Every bucket straight into its slice of `flat`'s buffer (no unpack copy); all receives are
+        issued at once (they run in order on the group's stream), then each tensor is yielded once its
+        last bucket is in."""
+        pending = [self._broadcast(flat.bucket(layout, bucket)) for bucket in range(layout.num_buckets)]
+        slots = iter(sorted((s for s in layout.slots if not s.direct), key=lambda s: s.offset))
+        slot = next(slots, None)
+        for bucket, work in enumerate(pending):
+            self._wait(work, f"version {layout.version} bucket {bucket}")
+            high = (bucket + 1) * layout.bucket_bytes
+            while slot is not None and slot.offset + slot.nbytes <= high:
+                yield slot.name, flat[slot.name]
+                slot = next(slots, None)
+
+    def _receive_unpacking(self, destinations: dict[str, "torch.Tensor"], layout: Layout
+                           ) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """Buckets into two reused buffers, each unpacked into the destinations while the next is in flight."""
+        version = layout.version
+        remaining = {s.name: s.nbytes for s in layout.slots if not s.direct}
         pending: list[Any] = [None, None]
         for bucket in range(layout.num_buckets + 1):
             if bucket < layout.num_buckets:  # issue the receive of bucket k ...
-                pending[bucket % 2] = self._broadcast(self._buffer(bucket % 2))
+                low = bucket * layout.bucket_bytes
+                size = min(layout.bucket_bytes, layout.stream_bytes - low)
+                pending[bucket % 2] = self._broadcast(self._buffer(bucket % 2)[:size])
             if bucket == 0:
                 continue
             done = bucket - 1  # ... then unpack bucket k-1 while bucket k is in flight
@@ -351,9 +397,6 @@ class WeightsGroup:
                     yield slot.name, destinations[slot.name]
             # The next receive into this buffer is issued after this unpack was queued, and a
             # collective waits for the current stream at issue: no extra synchronisation needed.
-        self._sync()
-        seconds = time.perf_counter() - started
-        self._exchange_timings(version, [seconds, handshake, float(layout.total_bytes)])
 
 
 def _destination(slot: TensorSlot, targets: Mapping[str, Any] | None, device: Any) -> "torch.Tensor":

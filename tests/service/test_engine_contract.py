@@ -216,6 +216,15 @@ def test_a_version_arrives_over_the_weights_group(engine, client, weights, arun)
     assert not arun(client.health()) and arun(client.policy_version()) == 40  # unhealthy, not silently stale
     arun(client.load_weights(str(weights["base"]), 42))  # a complete set from disk makes it whole again
     assert arun(client.health()) and arun(client.policy_version()) == 42
+    # The engine laid its parameters out as the trainer's stream after version 40 (the disk load wrote
+    # into them in place): version 43 lands straight in them, and serves the sent weights.
+    thread = threading.Thread(target=lambda: side.update(flat=side["group"].send(sharp.named_parameters(), 43)))
+    thread.start()
+    results = arun(collective_rpc(client, "libra_receive_weights", [43], timeout=90))
+    thread.join(60)
+    assert results[0].get("in_place") is True and results[0]["version"] == 43, results
+    turn = arun(client.generate(PROMPT, 8, temperature=0.0))
+    assert turn.logprobs == pytest.approx(trainer_logprobs(weights["sharp"], PROMPT, turn.token_ids), abs=2e-4)
 
 
 def test_hf_engine_fails_a_broken_step_and_keeps_serving(weights):

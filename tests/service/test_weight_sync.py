@@ -132,6 +132,80 @@ def test_a_receiver_that_dies_mid_broadcast_breaks_the_group(tmp_path):
     assert "the weights group is broken" in outcomes[0]["2"]["error"]  # until it is rebuilt
 
 
+def _flat_main(rank: int, port: int, out_dir: str, scenario: str) -> None:
+    """Versions 1-3 with packing and flat sides mixed: v1 all packing (rank 1 adopts its targets after
+    it), v2 a flat sender, v3 a packing sender again; rank 1 flat from v2 on, rank 2 never."""
+    import torch
+
+    from libra.services.rollout.weight_flat import FlatWeights
+
+    group = WeightsGroup("127.0.0.1", port, rank, 3, "gloo", timeout_s=5, bucket_bytes=4096)
+    outcome: dict = {}
+    targets: dict | FlatWeights | None = ({k: torch.zeros_like(t) for k, t in _tensors(1).items()}
+                                          if rank == 1 else None)
+    try:
+        for version in (1, 2, 3):
+            source = _tensors(version)
+            if rank == 0:
+                named = source.items()
+                if version == 2:
+                    named = FlatWeights.adopt(source, plan_layout(source.items(), 2, 4096))
+                    outcome["sender_flat"] = named is not None and all(named[k] is source[k] for k in source)
+                report = group.send(named, version)
+                outcome[version] = {"buckets": report.buckets, "receivers": sorted(report.receivers)}
+                continue
+            was_flat = isinstance(targets, FlatWeights) and targets.fits(group.last_layout)
+            received = dict(group.receive(version, targets))
+            outcome[version] = {"equal": all(torch.equal(received[k], t) for k, t in source.items()),
+                                "in_place": targets is not None and all(received[k] is targets[k] for k in source),
+                                "flat": was_flat}
+            if rank == 1 and version == 1:
+                originals = dict(targets)
+                targets = FlatWeights.adopt(targets, group.last_layout)
+                outcome["adopted_same_objects"] = all(targets[k] is originals[k] for k in originals)
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+def test_flat_sides_skip_the_copies_and_mix_with_packing_sides(tmp_path):
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_flat_main, args=(free_port(), str(tmp_path), "flat"), nprocs=3,
+                                 join=False, start_method="spawn")
+    for process in context.processes:
+        process.join(timeout=90)
+    outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert outcomes[0]["sender_flat"] and outcomes[1]["adopted_same_objects"]
+    for version in ("1", "2", "3"):
+        assert outcomes[0][version]["receivers"] == [1, 2]
+        assert outcomes[1][version] == {"equal": True, "in_place": True, "flat": version != "1"}
+        assert outcomes[2][version] == {"equal": True, "in_place": False, "flat": False}
+
+
+def test_flat_weights_adopt_tensors_in_place_and_notice_a_moved_one():
+    import torch
+
+    from libra.services.rollout.weight_flat import FlatWeights
+
+    tensors = _tensors(1)
+    values = {k: t.clone() for k, t in tensors.items()}
+    layout = plan_layout(tensors.items(), 1, 4096)
+    flat = FlatWeights.adopt(tensors, layout)
+    assert flat is not None and flat.fits(layout) and list(flat) == list(tensors)
+    for slot in layout.slots:  # the same objects, same values, now at the stream's offsets
+        assert flat[slot.name] is tensors[slot.name] and torch.equal(tensors[slot.name], values[slot.name])
+        assert tensors[slot.name].data_ptr() == flat.stream.data_ptr() + slot.offset
+    sizes = [flat.bucket(layout, b).numel() for b in range(layout.num_buckets)]
+    assert sizes[:-1] == [4096] * (len(sizes) - 1) and 0 < sizes[-1] <= 4096 and sum(sizes) == layout.stream_bytes
+    assert not flat.fits(plan_layout(_tensors(1).items(), 1, 4096, direct_bytes=10000))  # another cut
+    tensors["layer0.weight"].data = torch.zeros(300, 7)  # moved out of the buffer: no longer in place
+    assert not flat.fits(layout)
+    assert FlatWeights.adopt(_tensors(1), plan_layout(_tensors(1).items(), 1, 4096, direct_bytes=10000)) is None
+    other = _tensors(1)
+    other["layer1.weight"] = other["layer1.weight"].float()  # another dtype than the layout says
+    assert FlatWeights.adopt(other, layout) is None and FlatWeights.adopt({}, layout) is None
+
+
 def _generations_main(rank: int, port: int, out_dir: str) -> None:
     """Generation 1: ranks 0-2. Generation 2: ranks 0-1 (rank 2 closed 1 and left). Generation 3:
     world 3 again, but rank 2 never comes and the trainer cancels after 1 s (timeout 60 s)."""
