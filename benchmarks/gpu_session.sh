@@ -29,7 +29,7 @@ step() {  # step NAME TIMEOUT COMMAND...: runs one item, logs to $OUT/NAME.log, 
 for item in "$@"; do
     case $item in
         tests) step tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/unit/test_megatron_convert.py ;;
-        sync) step sync 180 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 --bucket-mb 256 --flat \
+        sync) step sync 180 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 --bucket-mb 256 --flat --trace \
                   --out "$OUT/sync.json" ;;
         syncdirect) step sync-direct 120 python3 benchmarks/gpu_weight_sync.py --sets 1b,7b --repeats 5 --bucket-mb 256 \
                         --direct-mb 8 --out "$OUT/sync-direct.json" ;;

@@ -127,12 +127,17 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
         if args.flat:  # the receiver's parameters flat (the hf engine), then the sender's too
             runs += [("group_rflat", lambda: synced("group_rflat"), "receiver"),
                      ("group_flat", lambda: synced("group_flat"), "sender")]
+        traces = {}
         for label, fn, flat_side in runs:
             if flat_side:
                 flatten(flat_side)
             for _ in range(args.warmup):
                 _timed(fn, device)
+            group.trace = [] if args.trace else None
             timings[label] = [_timed(fn, device) for _ in range(args.repeats)]
+            if group.trace:
+                traces[label] = group.trace
+            group.trace = None
             if label.startswith("group"):  # check what one sync alone delivers
                 if rank != 0:
                     for tensor in tensors.values():
@@ -143,7 +148,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
                 flat = None  # free it before the group runs
         record = {"set": set_name, "params": sum(t.numel() for t in tensors.values()), "bytes": total,
                   "tensors": len(tensors), "bucket_mb": args.bucket_mb, "direct_mb": args.direct_mb, "dtype": args.dtype,
-                  "backend": args.backend, "checksums": checksums,
+                  "backend": args.backend, "checksums": checksums, "traces": traces,
                   **{f"{k}_s": statistics.median(v) for k, v in timings.items()},
                   **{f"{k}_all_s": v for k, v in timings.items()}}
         for label in timings:
@@ -160,6 +165,19 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
+def _phases(sender: list, receiver: list) -> str:
+    """Median time of every phase, both ranks, in ms after the sender's start of the same version (one
+    host: perf_counter is the same monotonic clock in both processes)."""
+    start = {version: t for version, phase, t in sender if phase == "send"}
+    marks: dict[str, list[float]] = {}
+    for rank, trace in (("S", sender), ("R", receiver)):
+        for version, phase, t in trace:
+            if version in start:
+                marks.setdefault(f"{rank}:{phase}", []).append((t - start[version]) * 1e3)
+    ordered = sorted(marks.items(), key=lambda item: statistics.median(item[1]))
+    return ", ".join(f"{name} {statistics.median(values):.2f}" for name, values in ordered)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sets", default="1b,7b", help=f"comma-separated, of {sorted(SETS)}")
@@ -171,6 +189,8 @@ def main() -> int:
                         help="tensors of at least this many MiB are broadcast on their own (0: every tensor through buckets)")
     parser.add_argument("--flat", action="store_true",
                         help="also time the receiver's tensors flat (as the hf engine keeps them), then both sides flat")
+    parser.add_argument("--trace", action="store_true",
+                        help="print when each phase of a group sync happened on both ranks (median, ms after the sender's start)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="", help="write the JSON result here too")
@@ -200,6 +220,8 @@ def main() -> int:
                   f"  {mine[f'{label}_s'] * 1e3:6.2f} ms = handshake {mine[f'{label}_send_handshake_s'] * 1e3:.2f}"
                   f" + transfer {mine[f'{label}_send_transfer_s'] * 1e3:.2f} + acks; checksum ok {ok[label]}")
         print(f"      plain {mine['plain_s'] * 1e3:.2f} ms")
+        for label in mine["traces"]:
+            print(f"      trace of {names[label]}: " + _phases(mine["traces"][label], theirs["traces"][label]))
     if args.out:
         Path(args.out).write_text(json.dumps({"argv": sys.argv, "results": sent}, indent=1))
     return 0 if all(r["checksum_ok"] for r in sent) else 1

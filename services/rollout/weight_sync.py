@@ -135,6 +135,7 @@ class WeightsGroup:
         self.direct_bytes = direct_bytes
         self.broken: str | None = None
         self.last_layout: Layout | None = None  # of the last version this rank received
+        self.trace: list[tuple[int, str, float]] | None = None  # a list: (version, phase, perf_counter) marks
         self.group: Any = None
         self._buffers: list[Any] = []
         self.store = store if store is not None else open_store(host, port, rank == 0, timeout_s)
@@ -201,6 +202,11 @@ class WeightsGroup:
             raise WeightSyncError(f"the weights group's store failed while waiting for {what}: {error}") from error
 
     # ---- shared --------------------------------------------------------------------------
+    def _mark(self, version: int, phase: str) -> None:
+        """Note when `phase` of `version` was reached, if tracing (benchmarks/gpu_weight_sync.py --trace)."""
+        if self.trace is not None:
+            self.trace.append((version, phase, time.perf_counter()))
+
     def _buffer(self, index: int) -> "torch.Tensor":
         import torch
 
@@ -247,16 +253,20 @@ class WeightsGroup:
         if self.rank != 0:
             raise FailedPrecondition("only rank 0 (the trainer) sends weights")
         self._check()
+        self._mark(version, "send")
         flat = named if isinstance(named, FlatWeights) else None
         tensors = dict(named)
         layout = plan_layout(tensors.items(), version, self.bucket_bytes, self.direct_bytes)
         if flat is not None and not flat.fits(layout):
             flat = None
         started = time.perf_counter()
+        self._mark(version, "planned")
         self._await_receivers(version, join_timeout_s, cancel)
+        self._mark(version, "all ready")
         self.keys.set(f"{version}/meta", layout.to_json())
         handshake = time.perf_counter() - started
         started = time.perf_counter()
+        self._mark(version, "meta set")
         direct = [self._broadcast(_bytes_of(tensors[slot.name])) for slot in layout.direct_slots]
         if flat is not None:  # the tensors already sit at the stream's offsets: every bucket is a slice
             pending = [self._broadcast(flat.bucket(layout, bucket)) for bucket in range(layout.num_buckets)]
@@ -273,6 +283,7 @@ class WeightsGroup:
                 buffer[start - low:end - low].copy_(source[start - tensor_slot.offset:end - tensor_slot.offset],
                                                     non_blocking=True)
             pending[slot] = self._broadcast(buffer)
+        self._mark(version, "issued")
         for work in pending:
             if work is not None:
                 self._wait(work, f"version {version} buckets")
@@ -280,9 +291,12 @@ class WeightsGroup:
             self._wait(work, f"version {version} tensor {slot.name}")
         self._sync()
         seconds = time.perf_counter() - started
+        self._mark(version, "synced")
         report = SyncReport(version, layout.total_bytes, layout.num_buckets, seconds, handshake)
         report.receivers = self._exchange_timings(version, [0.0, 0.0, 0.0])
+        self._mark(version, "acked")
         self._forget(version - 2)
+        self._mark(version, "done")
         return report
 
     def _await_receivers(self, version: int, timeout_s: float | None, cancel: threading.Event | None) -> None:
@@ -334,19 +348,24 @@ class WeightsGroup:
         if self.rank == 0:
             raise FailedPrecondition("rank 0 (the trainer) sends; it does not receive")
         self._check()
+        self._mark(version, "receive")
         started = time.perf_counter()
         self.keys.set(f"{version}/ready/{self.rank}", "1")
+        self._mark(version, "ready set")
         try:
             raw = self.keys.get(f"{version}/meta").decode()
         except Exception as error:  # noqa: BLE001
             raise WeightSyncError(f"no metadata for version {version} from the trainer: {error}") from error
         if "abort" in json.loads(raw):
             raise WeightSyncError(f"version {version} was aborted by the sender: {json.loads(raw)['abort']}")
+        self._mark(version, "meta got")
         layout = Layout.from_json(raw)
         handshake = time.perf_counter() - started
+        self._mark(version, "parsed")
         destinations = {s.name: _destination(s, targets, self.device) for s in layout.slots}
         self.last_layout = layout
         started = time.perf_counter()
+        self._mark(version, "destinations")
         direct = [(slot, self._broadcast(_bytes_of_inplace(destinations[slot.name]))) for slot in layout.direct_slots]
         for slot, work in direct:
             self._wait(work, f"version {version} tensor {slot.name}")
@@ -355,15 +374,19 @@ class WeightsGroup:
             yield from self._receive_in_place(targets, layout)
         else:
             yield from self._receive_unpacking(destinations, layout)
+        self._mark(version, "waited")
         self._sync()
         seconds = time.perf_counter() - started
+        self._mark(version, "synced")
         self._exchange_timings(version, [seconds, handshake, float(layout.total_bytes)])
+        self._mark(version, "acked")
 
     def _receive_in_place(self, flat: FlatWeights, layout: Layout) -> Iterator[tuple[str, "torch.Tensor"]]:
         """Every bucket straight into its slice of `flat`'s buffer (no unpack copy); all receives are
         issued at once (they run in order on the group's stream), then each tensor is yielded once its
         last bucket is in."""
         pending = [self._broadcast(flat.bucket(layout, bucket)) for bucket in range(layout.num_buckets)]
+        self._mark(layout.version, "issued")
         slots = iter(sorted((s for s in layout.slots if not s.direct), key=lambda s: s.offset))
         slot = next(slots, None)
         for bucket, work in enumerate(pending):
@@ -384,6 +407,8 @@ class WeightsGroup:
                 low = bucket * layout.bucket_bytes
                 size = min(layout.bucket_bytes, layout.stream_bytes - low)
                 pending[bucket % 2] = self._broadcast(self._buffer(bucket % 2)[:size])
+                if bucket == 0:
+                    self._mark(version, "first issued")
             if bucket == 0:
                 continue
             done = bucket - 1  # ... then unpack bucket k-1 while bucket k is in flight
