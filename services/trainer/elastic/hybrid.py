@@ -110,8 +110,30 @@ class HybridReplica:
             return self._join_failed(f"cannot build the model from {meta.get('model_dir')!r}: "
                                      f"{type(error).__name__}: {error}")
         _log.info("model built", replica=self.replica_id, seconds=round(time.perf_counter() - started, 3))
+        try:
+            self._warm_up(self._built, meta)
+        except Exception as error:  # noqa: BLE001 - a replica that cannot run a step must not join
+            return self._join_failed(f"a warm-up step failed: {type(error).__name__}: {error}")
         self.link.send("prepared", {})
         return None
+
+    def _warm_up(self, backend: Any, meta: dict[str, Any]) -> None:
+        """Two throwaway forward/backward passes (two lengths) before `prepared`: the first real step
+        must not carry one-time costs the core then waits for — kernel compilation (Megatron's fused
+        kernels are torch.compile'd, ~10 s on an H200 for the first active step before this), library
+        handles, allocator growth. The core keeps training meanwhile and retains nothing yet (the
+        snapshot boundary comes after `prepared`). The gradients are discarded: every step zeroes
+        them first, and the catch-up sets them."""
+        from libra.services.trainer.backend import TrainBatch, TrainSequence
+
+        started = time.perf_counter()
+        config = self._config(meta["config"])
+        for length in (24, 56):
+            ids = [1 + i % 7 for i in range(length)]
+            response = length - 8
+            batch = TrainBatch([TrainSequence(ids, 8, [1] * response, [0.0] * response, 1.0)])
+            backend.accumulate_gradients(batch, config, token_count=float(response))
+        _log.info("kernels warmed", replica=self.replica_id, seconds=round(time.perf_counter() - started, 3))
 
     def _join_failed(self, reason: str) -> int:
         _log.warning("join failed", replica=self.replica_id, reason=reason)
