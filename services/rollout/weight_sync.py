@@ -18,9 +18,10 @@ One version, as the two sides see it (the store carries the handshake, the group
 
     sender (rank 0)                                   receiver (rank r)
     ───────────────                                   ─────────────────
-                                                      set v{N}/ready/{r}
-    wait all v{N}/ready/* (timeout) ─ missing? ─▶     get v{N}/meta ─▶ {"abort": why} → WeightSyncError
-    set v{N}/meta = names, shapes, dtypes, layout
+    set v{N}/meta = names, shapes, dtypes, layout     set v{N}/ready/{r}
+                                                      get v{N}/meta; plan where every byte lands
+    wait all v{N}/ready/* (timeout) ─ missing? ─▶     get v{N}/go ─▶ not empty: aborted, why → WeightSyncError
+    set v{N}/go = "" (or why it aborted)
     bucket 0: pack ─▶ broadcast ┐                     recv bucket 0 ┐
     bucket 1: pack (overlaps) ─▶│ broadcast           recv bucket 1 │ unpack 0 (overlaps)
       …  (two buffers, reused once their broadcast is done)            …
@@ -52,7 +53,6 @@ This module knows torch.distributed only: not HTTP, Redis or engines.
 from __future__ import annotations
 
 import datetime
-import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -182,7 +182,14 @@ class WeightsGroup:
         ranks = list(ranks)
         keys = [key.format(r) for r in ranks]
         deadline = time.monotonic() + timeout_s
-        while not self._has(keys, what):
+        while True:
+            remaining = deadline - time.monotonic()
+            try:  # returns as soon as every key is there: one round trip when they already are
+                self.keys.wait(keys, datetime.timedelta(seconds=max(0.001, min(POLL_S, remaining))))
+                return
+            except Exception:  # noqa: BLE001 - a short wait timed out (or the store failed: _has says)
+                if self._has(keys, what):
+                    return
             if self.rank != 0 and self._has(["abort"], what):
                 raise WeightSyncError(f"the trainer gave up on {what}: {self.keys.get('abort').decode()}")
             remaining = deadline - time.monotonic()
@@ -190,10 +197,6 @@ class WeightsGroup:
                 missing = [r for r, k in zip(ranks, keys) if not self._has([k], what)]
                 why = f"within {timeout_s:.0f}s" if remaining <= 0 else "before the receivers were done (cancelled)"
                 raise WeightSyncError(f"ranks {missing} did not join {what} {why}")
-            try:
-                self.keys.wait(keys, datetime.timedelta(seconds=min(POLL_S, remaining)))
-            except Exception:  # noqa: BLE001 - the store raises when a short wait times out: look again
-                pass
 
     def _has(self, keys: list[str], what: str) -> bool:
         try:
@@ -261,12 +264,15 @@ class WeightsGroup:
             flat = None
         started = time.perf_counter()
         self._mark(version, "planned")
+        # The layout goes out before the receivers are all there: each plans where its bytes land
+        # while the others arrive, so only the one-word `go` sits between the last arrival and the bytes.
+        self.keys.set(f"{version}/meta", layout.to_json())
         self._await_receivers(version, join_timeout_s, cancel)
         self._mark(version, "all ready")
-        self.keys.set(f"{version}/meta", layout.to_json())
+        self.keys.set(f"{version}/go", "")
         handshake = time.perf_counter() - started
         started = time.perf_counter()
-        self._mark(version, "meta set")
+        self._mark(version, "go set")
         direct = [self._broadcast(_bytes_of(tensors[slot.name])) for slot in layout.direct_slots]
         if flat is not None:  # the tensors already sit at the stream's offsets: every bucket is a slice
             pending = [self._broadcast(flat.bucket(layout, bucket)) for bucket in range(layout.num_buckets)]
@@ -284,6 +290,7 @@ class WeightsGroup:
                                                     non_blocking=True)
             pending[slot] = self._broadcast(buffer)
         self._mark(version, "issued")
+        self._forget(version - 2)  # while the last buckets are in flight (the host is idle on NCCL)
         for work in pending:
             if work is not None:
                 self._wait(work, f"version {version} buckets")
@@ -295,8 +302,6 @@ class WeightsGroup:
         report = SyncReport(version, layout.total_bytes, layout.num_buckets, seconds, handshake)
         report.receivers = self._exchange_timings(version, [0.0, 0.0, 0.0])
         self._mark(version, "acked")
-        self._forget(version - 2)
-        self._mark(version, "done")
         return report
 
     def _await_receivers(self, version: int, timeout_s: float | None, cancel: threading.Event | None) -> None:
@@ -304,7 +309,7 @@ class WeightsGroup:
             self._await(f"{version}/ready/{{}}", range(1, self.world_size),
                         self.timeout_s if timeout_s is None else timeout_s, cancel, f"version {version}")
         except WeightSyncError as error:
-            self.keys.set(f"{version}/meta", json.dumps({"abort": str(error)}))
+            self.keys.set(f"{version}/go", str(error) or "aborted")
             raise WeightSyncError(f"{error}; the version was aborted before any transfer (load it from "
                                   f"disk on those workers)") from error
 
@@ -326,8 +331,7 @@ class WeightsGroup:
     def _forget(self, version: int) -> None:
         if version < 0:
             return
-        for key in [f"{version}/meta", *(f"{version}/{k}/{r}" for k in ("ready",)
-                                          for r in range(1, self.world_size))]:
+        for key in [f"{version}/meta", f"{version}/go", *(f"{version}/ready/{r}" for r in range(1, self.world_size))]:
             try:
                 self.keys.delete_key(key)
             except Exception:  # noqa: BLE001 - cleanup only; a missing key is fine
@@ -356,21 +360,26 @@ class WeightsGroup:
             raw = self.keys.get(f"{version}/meta").decode()
         except Exception as error:  # noqa: BLE001
             raise WeightSyncError(f"no metadata for version {version} from the trainer: {error}") from error
-        if "abort" in json.loads(raw):
-            raise WeightSyncError(f"version {version} was aborted by the sender: {json.loads(raw)['abort']}")
         self._mark(version, "meta got")
         layout = Layout.from_json(raw)
-        handshake = time.perf_counter() - started
-        self._mark(version, "parsed")
         destinations = {s.name: _destination(s, targets, self.device) for s in layout.slots}
+        in_place = isinstance(targets, FlatWeights) and targets.fits(layout)
+        self._mark(version, "planned")
+        try:
+            verdict = self.keys.get(f"{version}/go").decode()
+        except Exception as error:  # noqa: BLE001
+            raise WeightSyncError(f"no go for version {version} from the trainer: {error}") from error
+        if verdict:
+            raise WeightSyncError(f"version {version} was aborted by the sender: {verdict}")
         self.last_layout = layout
+        handshake = time.perf_counter() - started
         started = time.perf_counter()
-        self._mark(version, "destinations")
+        self._mark(version, "go got")
         direct = [(slot, self._broadcast(_bytes_of_inplace(destinations[slot.name]))) for slot in layout.direct_slots]
         for slot, work in direct:
             self._wait(work, f"version {version} tensor {slot.name}")
             yield slot.name, destinations[slot.name]
-        if isinstance(targets, FlatWeights) and targets.fits(layout):
+        if in_place:
             yield from self._receive_in_place(targets, layout)
         else:
             yield from self._receive_unpacking(destinations, layout)
