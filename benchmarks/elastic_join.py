@@ -196,6 +196,15 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, wo
                          f"{args.max_join_s} s (--max-join-steps, --max-join-s)")
     for _ in range(args.active_steps - 1):
         one_step("active")
+    # Lockstep: one more step in which the hybrid sends a hash of its parameters and the core compares
+    # it with its own (a mismatch fails the hybrid); not timed (both hash every byte on the host).
+    core.verify_lockstep = True
+    one_step("lockstep")
+    core.verify_lockstep = False
+    record = core.membership.hybrid("h-bench")
+    lockstep = _all_gather(record is not None and record.state == HybridState.ACTIVE)
+    if not all(lockstep):
+        raise SystemExit(f"the lockstep check failed: {record.reason if record else 'hybrid gone'}")
     if rank == 0:
         core.release("h-bench")
     one_step("released")
@@ -246,6 +255,7 @@ def report(args, rows, params, world, code, admitted_at, snapshot_at, active_at,
         "admission_to_active_steps": active_at - admitted_at, "snapshot_to_active_steps": active_at - snapshot_at,
         "snapshot_to_active_s": active_clock - snapshot_clock, "admission_to_active_s": active_clock - started,
         "hybrid_exit_code": code, "rows": rows,
+        "lockstep_step": next(r["step"] for r in rows if r["phase"] == "lockstep"),
     }
     print(f"model: {params / 1e6:.2f} M parameters; {world} core rank(s) on {args.device}, "
           f"hybrid on {args.hybrid_device}; gradient channel: {channel} (--channel {args.channel})")
@@ -254,6 +264,7 @@ def report(args, rows, params, world, code, admitted_at, snapshot_at, active_at,
                          ("join: snapshot write/load, catch-up", "join"), ("hybrid active (widened batch)", "active")):
         print(f"{label:<36}{median(phase):>9.4f}{median(phase) / steady:>9.3f}x{mean(phase):>8.4f}"
               f"{mean(phase) / steady:>9.3f}x{extra(phase):>8.2f}{len(values(phase)):>6}")
+    print(f"lockstep: the hybrid's parameter hash equalled the core's in step {result['lockstep_step']}")
     print(f"first active step (activation: last catch-up gradients, then the step): "
           f"{result['first_active_step_s']:.3f} s")
     print(f"join latency: {result['snapshot_to_active_steps']} steps ({result['snapshot_to_active_s']:.2f} s) "

@@ -57,9 +57,11 @@ def param_digest(model: Any) -> str:
     """A hash of every parameter's bytes: equal digests mean bitwise-equal replicas (lockstep check)."""
     import hashlib
 
+    import torch
+
     digest = hashlib.blake2b(digest_size=16)
-    for p in model.parameters():
-        digest.update(p.detach().to("cpu").contiguous().numpy().tobytes())
+    for p in model.parameters():  # as raw bytes: numpy has no bfloat16
+        digest.update(p.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
