@@ -246,7 +246,8 @@ async def run(args) -> list[dict]:
                 raise RuntimeError(f"the engine reports version {await client.policy_version()}, expected {version}")
             r = report["r"]
             return {"sync_s": seconds, "sync_bytes": r.bytes, "sync_transfer_s": r.seconds,
-                    "sync_gbps": r.gbps, "sync_engine_s": result["seconds"]}
+                    "sync_gbps": r.gbps, "sync_engine_s": result["seconds"],
+                    "sync_in_place": result.get("in_place")}  # straight into the engine's flat parameters
 
         first = await sync(1)  # the engine starts from the same directory; version 1 proves the path
         print(json.dumps({"step": 0, **first}), flush=True)
