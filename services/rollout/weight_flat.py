@@ -76,7 +76,7 @@ class FlatWeights(Mapping[str, "torch.Tensor"]):
     def fits(self, layout: Layout) -> bool:
         """True when `layout` cuts exactly these tensors at exactly these offsets and every tensor is
         still backed by the buffer there (nobody replaced its data since `adopt`)."""
-        if _signature(layout) != self._signature:
+        if layout.slots is not self.layout.slots and _signature(layout) != self._signature:
             return False
         base = self.stream.data_ptr()
         return all(self._tensors[s.name].data_ptr() == base + s.offset and self._tensors[s.name].is_contiguous()

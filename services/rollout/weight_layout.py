@@ -7,6 +7,7 @@ the version's handshake, so both sides cut the same bytes the same way. Pure: no
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator
@@ -73,13 +74,26 @@ class Layout:
 
     def to_json(self) -> str:  # offset -1 marks a direct tensor
         return json.dumps({"version": self.version, "bucket_bytes": self.bucket_bytes,
-                           "slots": [[s.name, list(s.shape), s.dtype, s.offset, s.nbytes] for s in self.slots]})
+                           "slots": json.loads(slots_to_json(self.slots))})
 
     @staticmethod
     def from_json(text: str) -> "Layout":
         raw = json.loads(text)
-        return Layout(raw["version"], raw["bucket_bytes"],
-                      tuple(TensorSlot(n, tuple(shape), d, o, b) for n, shape, d, o, b in raw["slots"]))
+        return Layout(raw["version"], raw["bucket_bytes"], slots_from_json(json.dumps(raw["slots"])))
+
+
+def slots_to_json(slots: tuple[TensorSlot, ...]) -> str:
+    """The slots as JSON (offset -1 marks a direct tensor); what `slots_digest` names."""
+    return json.dumps([[s.name, list(s.shape), s.dtype, s.offset, s.nbytes] for s in slots])
+
+
+def slots_from_json(text: str) -> tuple[TensorSlot, ...]:
+    return tuple(TensorSlot(n, tuple(shape), d, o, b) for n, shape, d, o, b in json.loads(text))
+
+
+def slots_digest(text: str) -> str:
+    """A short name for a slots JSON: versions of the same tensor set share it (sent once per generation)."""
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
 def plan_layout(named: Iterable[tuple[str, "torch.Tensor"]], version: int, bucket_bytes: int,

@@ -18,8 +18,9 @@ One version, as the two sides see it (the store carries the handshake, the group
 
     sender (rank 0)                                   receiver (rank r)
     ───────────────                                   ─────────────────
-    set v{N}/meta = names, shapes, dtypes, layout     set v{N}/ready/{r}
-                                                      get v{N}/meta; plan where every byte lands
+    set v{N}/meta = version, bucket size, layout id   set v{N}/ready/{r}
+      (a new layout id: its names, shapes, dtypes     get v{N}/meta (and the layout, once per id);
+       and offsets under layouts/{id}, once)          plan where every byte lands
     wait all v{N}/ready/* (timeout) ─ missing? ─▶     get v{N}/go ─▶ not empty: aborted, why → WeightSyncError
     set v{N}/go = "" (or why it aborted)
     bucket 0: pack ─▶ broadcast ┐                     recv bucket 0 ┐
@@ -53,6 +54,7 @@ This module knows torch.distributed only: not HTTP, Redis or engines.
 from __future__ import annotations
 
 import datetime
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,7 +62,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 from libra.errors import FailedPrecondition, Unavailable
 from libra.services.rollout.weight_flat import FlatWeights
-from libra.services.rollout.weight_layout import DEFAULT_DIRECT_BYTES, Layout, TensorSlot, plan_layout
+from libra.services.rollout.weight_layout import (DEFAULT_DIRECT_BYTES, Layout, TensorSlot, plan_layout,
+                                                  slots_digest, slots_from_json, slots_to_json)
 
 if TYPE_CHECKING:
     import torch
@@ -136,6 +139,10 @@ class WeightsGroup:
         self.broken: str | None = None
         self.last_layout: Layout | None = None  # of the last version this rank received
         self.trace: list[tuple[int, str, float]] | None = None  # a list: (version, phase, perf_counter) marks
+        self._plan_key: tuple = ()  # sender: the tensor set last planned, and its plan (slots, JSON, id)
+        self._plan: tuple = ()
+        self._published: set[str] = set()  # sender: layout ids written to this generation's store
+        self._layouts: dict[str, tuple[TensorSlot, ...]] = {}  # receiver: layouts by id
         self.group: Any = None
         self._buffers: list[Any] = []
         self.store = store if store is not None else open_store(host, port, rank == 0, timeout_s)
@@ -259,14 +266,18 @@ class WeightsGroup:
         self._mark(version, "send")
         flat = named if isinstance(named, FlatWeights) else None
         tensors = dict(named)
-        layout = plan_layout(tensors.items(), version, self.bucket_bytes, self.direct_bytes)
+        layout, digest = self._layout(tensors, version)
         if flat is not None and not flat.fits(layout):
             flat = None
         started = time.perf_counter()
         self._mark(version, "planned")
         # The layout goes out before the receivers are all there: each plans where its bytes land
         # while the others arrive, so only the one-word `go` sits between the last arrival and the bytes.
-        self.keys.set(f"{version}/meta", layout.to_json())
+        if digest not in self._published:
+            self.keys.set(f"layouts/{digest}", self._plan[1])
+            self._published.add(digest)
+        self.keys.set(f"{version}/meta", json.dumps({"version": version, "bucket_bytes": layout.bucket_bytes,
+                                                     "layout": digest}))
         self._await_receivers(version, join_timeout_s, cancel)
         self._mark(version, "all ready")
         self.keys.set(f"{version}/go", "")
@@ -303,6 +314,17 @@ class WeightsGroup:
         report.receivers = self._exchange_timings(version, [0.0, 0.0, 0.0])
         self._mark(version, "acked")
         return report
+
+    def _layout(self, tensors: dict[str, "torch.Tensor"], version: int) -> tuple[Layout, str]:
+        """`tensors` laid out as `version`, and the layout's id; planned once per tensor set (names,
+        shapes and dtypes in order), as every version of a model has the same."""
+        key = tuple((name, tensor.shape, tensor.dtype) for name, tensor in tensors.items())
+        if key != self._plan_key:
+            slots = plan_layout(tensors.items(), version, self.bucket_bytes, self.direct_bytes).slots
+            text = slots_to_json(slots)
+            self._plan_key, self._plan = key, (slots, text, slots_digest(text))
+        slots, _, digest = self._plan
+        return Layout(version, self.bucket_bytes, slots), digest
 
     def _await_receivers(self, version: int, timeout_s: float | None, cancel: threading.Event | None) -> None:
         try:
@@ -357,13 +379,16 @@ class WeightsGroup:
         self.keys.set(f"{version}/ready/{self.rank}", "1")
         self._mark(version, "ready set")
         try:
-            raw = self.keys.get(f"{version}/meta").decode()
+            meta = json.loads(self.keys.get(f"{version}/meta"))
+            slots = self._layouts.get(meta["layout"])
+            if slots is None:  # a tensor set this rank has not seen in this generation
+                slots = self._layouts[meta["layout"]] = slots_from_json(self.keys.get(f"layouts/{meta['layout']}").decode())
         except Exception as error:  # noqa: BLE001
             raise WeightSyncError(f"no metadata for version {version} from the trainer: {error}") from error
         self._mark(version, "meta got")
-        layout = Layout.from_json(raw)
-        destinations = {s.name: _destination(s, targets, self.device) for s in layout.slots}
+        layout = Layout(int(meta["version"]), int(meta["bucket_bytes"]), slots)
         in_place = isinstance(targets, FlatWeights) and targets.fits(layout)
+        destinations = {} if in_place else {s.name: _destination(s, targets, self.device) for s in layout.slots}
         self._mark(version, "planned")
         try:
             verdict = self.keys.get(f"{version}/go").decode()
