@@ -157,7 +157,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, wo
         link = core.endpoint.link("h-bench")
         channel = link.channel if link is not None else channel  # this rank's, if it owns the hybrid
         rows.append({"step": step, "phase": phase, "seconds": time.perf_counter() - began,
-                     "state": record.state.value if record else "", "replicas": manifest.replicas})
+                     "state": record.state.value if record else "", "replicas": manifest.replicas,
+                     **core.step_timings})
 
     for _ in range(3):
         one_step("warmup")
@@ -264,6 +265,13 @@ def report(args, rows, params, world, code, admitted_at, snapshot_at, active_at,
                          ("join: snapshot write/load, catch-up", "join"), ("hybrid active (widened batch)", "active")):
         print(f"{label:<36}{median(phase):>9.4f}{median(phase) / steady:>9.3f}x{mean(phase):>8.4f}"
               f"{mean(phase) / steady:>9.3f}x{extra(phase):>8.2f}{len(values(phase)):>6}")
+    active = [r for r in rows if r["phase"] == "active"][1:]  # after the activation step
+    if active and "inject_s" in active[0]:
+        parts = {k: statistics.median(r.get(k, 0.0) for r in active) for k in ("start_s", "inject_s", "deliver_s")}
+        result["active_parts_s"] = parts
+        print("active steps, median core time in the hybrid's share: sending its slice "
+              f"{parts['start_s'] * 1e3:.1f} ms, waiting for and adding its gradient {parts['inject_s'] * 1e3:.1f} ms, "
+              f"sending the reduced gradient {parts['deliver_s'] * 1e3:.1f} ms")
     print(f"lockstep: the hybrid's parameter hash equalled the core's in step {result['lockstep_step']}")
     print(f"first active step (activation: last catch-up gradients, then the step): "
           f"{result['first_active_step_s']:.3f} s")

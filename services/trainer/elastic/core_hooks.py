@@ -103,6 +103,7 @@ class ElasticCore(GradientHook):
         self._first_seen: dict[str, float] = {}
         self._slices: dict[str, TrainBatch] = {}
         self._retained: dict[int, tuple[Any, dict[str, Any]]] = {}  # step -> (final gradient, config)
+        self.step_timings: dict[str, float] = {}
         self._snapshots: dict[str, str] = {}
         self._sent_upto: dict[str, int] = {}  # last kept gradient queued to each catching-up hybrid
         self._prepare_sent: set[str] = set()
@@ -144,6 +145,7 @@ class ElasticCore(GradientHook):
     # -- the boundary ------------------------------------------------------------------------
     def begin_step(self, step: int) -> StepManifest:
         """Freeze the manifest of `step` (collective over the core ranks when D > 1)."""
+        self.step_timings = {}  # seconds this step spent in start / inject / deliver (benchmarks read them)
         local = self._local_events()
         gathered = _all_gather(local)
         for rank_events in gathered:
@@ -311,6 +313,7 @@ class ElasticCore(GradientHook):
 
     def start(self, token_count: float, replicas: int, config: Any) -> None:
         self._step_started = self.clock()
+        began = time.perf_counter()
         step = self.manifest.step if self.manifest else 0
         epoch = self.manifest.epoch if self.manifest else 0
         self._digest = param_digest(self.backend.model) if self.verify_lockstep and self._slices else ""
@@ -321,8 +324,10 @@ class ElasticCore(GradientHook):
                       "sequences": [sequence_to_json(s) for s in batch.sequences]}
             if not self.endpoint.send(replica, "step", header):
                 self._fail(replica, "the hybrid's connection closed before its step")
+        self.step_timings["start_s"] = time.perf_counter() - began
 
     def inject(self, flat_grad: Any) -> HybridGradients:
+        began = time.perf_counter()
         missing_tokens, missing_replicas, metrics = 0.0, 0, collections.defaultdict(float)
         deadline = self._step_started + self.grad_deadline_s
         step = self.manifest.step if self.manifest else 0
@@ -340,15 +345,18 @@ class ElasticCore(GradientHook):
             for name, value in frame.header.get("metrics", {}).items():
                 metrics[name] += float(value)
             self._contributors.append(replica)
+        self.step_timings["inject_s"] = time.perf_counter() - began
         return HybridGradients(missing_tokens, missing_replicas, dict(metrics))
 
     def deliver(self, reduced_grad: Any, config: Any) -> None:
+        began = time.perf_counter()
         step = self.manifest.step if self.manifest else 0
         for replica in self._contributors:
             if self.endpoint.send(replica, "reduced", {"step": step}, reduced_grad):
                 self._acks.add(replica)
             else:
                 self._fail(replica, "the hybrid's connection closed before the reduced gradient")
+        self.step_timings["deliver_s"] = time.perf_counter() - began
         if self._catching_up():
             if len(self._retained) >= self.max_catch_up_steps:
                 for record in list(self.membership.records.values()):
