@@ -362,6 +362,19 @@ def test_widened_batches_give_whole_groups_to_hybrids_on_every_core_rank():
         split(_groups(5, 9), GROUP, manifest)
 
 
+def test_a_slice_crosses_the_wire_bit_for_bit():
+    import json
+    import math
+
+    from libra.services.trainer.elastic.work import slice_from_wire, slice_to_wire
+
+    sequences = [TrainSequence([151_000, 0, 7, 3], 1, [1, 0, 1], [-1e-300, -math.pi, -0.1 + 1e-17], -2.5),
+                 TrainSequence([5] * 9, 4, [0, 1, 1, 1, 0], [-0.0, -1.0, -2.0, -3.0, -4.0], 0.0)]
+    back = slice_from_wire(json.loads(json.dumps(slice_to_wire(sequences))))
+    assert back == sequences  # dataclass equality: every id, mask, log-prob and advantage
+    assert [math.copysign(1.0, lp) for lp in back[1].behaviour_logprobs][:1] == [-1.0]  # even -0.0
+
+
 def test_side_channel_frames_round_trip_and_a_peer_that_stops_reading_cannot_block_the_core():
     from libra.services.trainer.elastic.side_channel import LaneEndpoint
 

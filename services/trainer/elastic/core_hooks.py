@@ -48,6 +48,7 @@ from libra.services.trainer.elastic import snapshot as snap
 from libra.services.trainer.elastic.device_channel import model_device
 from libra.services.trainer.elastic.manifest import Action, HybridState, Membership, StepManifest
 from libra.services.trainer.elastic.side_channel import CLOSED, LaneEndpoint
+from libra.services.trainer.elastic.work import slice_to_wire
 
 _log = liblog.get("libra.trainer.elastic")
 MANIFEST_HISTORY = 64
@@ -63,11 +64,6 @@ def param_digest(model: Any) -> str:
     for p in model.parameters():  # as raw bytes: numpy has no bfloat16
         digest.update(p.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-def sequence_to_json(seq: Any) -> dict[str, Any]:
-    return {"token_ids": list(seq.token_ids), "prompt_length": seq.prompt_length, "loss_mask": list(seq.loss_mask),
-            "behaviour_logprobs": list(seq.behaviour_logprobs), "advantage": seq.advantage}
 
 
 class ElasticCore(GradientHook):
@@ -321,7 +317,7 @@ class ElasticCore(GradientHook):
             header = {"step": step, "epoch": epoch, "token_count": token_count, "replicas": replicas,
                       "verify_lockstep": bool(self._digest),
                       "config": config.model_dump(mode="json"),
-                      "sequences": [sequence_to_json(s) for s in batch.sequences]}
+                      "slice": slice_to_wire(batch.sequences)}
             if not self.endpoint.send(replica, "step", header):
                 self._fail(replica, "the hybrid's connection closed before its step")
         self.step_timings["start_s"] = time.perf_counter() - began

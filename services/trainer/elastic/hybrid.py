@@ -118,7 +118,7 @@ class HybridReplica:
         return None
 
     def _warm_up(self, backend: Any, meta: dict[str, Any]) -> None:
-        """Two throwaway forward/backward passes (two lengths) before `prepared`: the first real step
+        """Throwaway forward/backward passes (several shapes) before `prepared`: the first real step
         must not carry one-time costs the core then waits for — kernel compilation (Megatron's fused
         kernels are torch.compile'd, ~10 s on an H200 for the first active step before this), library
         handles, allocator growth. The core keeps training meanwhile and retains nothing yet (the
@@ -128,11 +128,14 @@ class HybridReplica:
 
         started = time.perf_counter()
         config = self._config(meta["config"])
-        for length in (24, 56):
+        rows = max(1, config.micro_batch_size)
+        # Full micro-batches at two widths, then fewer rows: torch.compile then compiles for dynamic
+        # widths and row counts, as real slices vary in both (one shape would be recompiled at once).
+        for count, length in ((rows, 24), (rows, 56), (max(2, rows // 2) if rows > 2 else rows, 40)):
             ids = [1 + i % 7 for i in range(length)]
             response = length - 8
-            batch = TrainBatch([TrainSequence(ids, 8, [1] * response, [0.0] * response, 1.0)])
-            backend.accumulate_gradients(batch, config, token_count=float(response))
+            batch = TrainBatch([TrainSequence(ids, 8, [1] * response, [0.0] * response, 1.0)] * count)
+            backend.accumulate_gradients(batch, config, token_count=float(response * count))
         _log.info("kernels warmed", replica=self.replica_id, seconds=round(time.perf_counter() - started, 3))
 
     def _join_failed(self, reason: str) -> int:
@@ -170,13 +173,14 @@ class HybridReplica:
         self.step = step
 
     def _train(self, frame: Any) -> None:
-        from libra.services.trainer.backend import TrainBatch, TrainSequence
+        from libra.services.trainer.backend import TrainBatch
+        from libra.services.trainer.elastic.work import slice_from_wire
 
         header = frame.header
         if self.die_at_step is not None and header["step"] >= self.die_at_step:
             raise ConnectionError(f"simulated death in step {header['step']}")
         config = self._config(header["config"])
-        batch = TrainBatch([TrainSequence(**s) for s in header["sequences"]])
+        batch = TrainBatch(slice_from_wire(header["slice"]))
         grad_header = {"step": header["step"], "epoch": header["epoch"]}  # acknowledges the step's manifest
         if header.get("verify_lockstep"):
             from libra.services.trainer.elastic.core_hooks import param_digest
