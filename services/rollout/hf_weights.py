@@ -18,7 +18,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from libra import log as liblog
 from libra.services.rollout.weight_flat import FlatWeights
+
+_log = liblog.get("libra.rollout.hf_weights")
 
 
 class HFWeightLoads:
@@ -31,6 +34,7 @@ class HFWeightLoads:
     dirty: str | None
     weights_group: Any
     flat_weights: FlatWeights | None = None  # the parameters, once laid out as the weights group's stream
+    flat_refused: bool = False  # laying them out ran out of memory once: not tried again
 
     def load_from_disk(self, path: str, version: int) -> dict[str, Any]:
         """Load the safetensors directory `path` as `version`; {"error"} leaves the weights alone."""
@@ -100,10 +104,14 @@ class HFWeightLoads:
         self.version = version
         seconds = time.perf_counter() - started
         layout = self.weights_group.last_layout
-        if flat is None or not flat.fits(layout):
+        if (flat is None or not flat.fits(layout)) and not self.flat_refused:
             # Lay the parameters out as the trainer's byte stream: later versions then land in them
             # with no unpack copy (weight_flat.py). Same parameter objects; one copy, once.
-            self.flat_weights = FlatWeights.adopt(params, layout)
+            try:
+                self.flat_weights = FlatWeights.adopt(params, layout)
+            except torch.OutOfMemoryError as error:  # nothing moved (the buffer comes first): stay as is
+                self.flat_weights, self.flat_refused = None, True
+                _log.warning("parameters stay unflattened: no memory for a second copy", error=str(error)[:200])
         return {"version": version, "seconds": seconds, "tensors": count,
                 "in_place": flat is not None and flat.fits(layout)}
 

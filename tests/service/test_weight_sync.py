@@ -442,3 +442,47 @@ def test_the_group_follows_the_workers_and_a_worker_that_misses_a_version_leaves
     finally:
         model.close_weights_group(release_store=True)
         arun(pool.stop_all())
+
+
+def test_an_engine_without_room_for_the_flat_copy_keeps_unpacking(monkeypatch):
+    """Laying the parameters out flat needs a second copy of them for a moment; a GPU without the
+    memory (simulated: OutOfMemoryError cannot be provoked on this CPU machine) keeps serving from
+    its parameters as they are, receives every version by unpacking, and does not try again."""
+    import threading
+
+    import torch
+
+    from libra.services.rollout.hf_weights import HFWeightLoads
+    from libra.services.rollout.weight_flat import FlatWeights
+
+    class Engine(HFWeightLoads):
+        def __init__(self) -> None:
+            self.model, self.device, self.version, self.dirty = torch.nn.Linear(8, 4), "cpu", 0, None
+
+    torch.manual_seed(0)
+    engine, trainer_model = Engine(), torch.nn.Linear(8, 4)
+    port, sent = free_port(), {}
+
+    def trainer() -> None:
+        group = WeightsGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=30, bucket_bytes=64)
+        for version in (1, 2):
+            with torch.no_grad():
+                trainer_model.weight.add_(1.0)
+            sent[version] = group.send(trainer_model.named_parameters(), version)
+
+    attempts = []
+
+    def no_room(tensors, layout):
+        attempts.append(layout.version)
+        raise torch.OutOfMemoryError("simulated: no room for a second copy of the weights")
+
+    monkeypatch.setattr(FlatWeights, "adopt", staticmethod(no_room))
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    engine.weights_group = WeightsGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=30, bucket_bytes=64)
+    first = engine.receive_weights(1)
+    second = engine.receive_weights(2)
+    thread.join(30)
+    assert first["version"] == 1 and second == {**second, "version": 2, "in_place": False}
+    assert attempts == [1] and engine.flat_refused and engine.flat_weights is None and engine.dirty is None
+    assert torch.equal(engine.model.weight, trainer_model.weight) and sorted(sent) == [1, 2]
