@@ -42,7 +42,7 @@ class TrainerElasticConfig(Section):
     grad_deadline_s: float = Field(
         60.0, gt=0, le=3600, description="seconds a step waits for a hybrid's gradient before dropping the hybrid")
     join_timeout_s: float = Field(
-        120.0, gt=0, le=86400, description="seconds an admitted hybrid has to connect and build its model")
+        120.0, gt=0, le=86400, description="seconds an admitted hybrid has to connect, build its model and run its warm-up steps")
     max_catch_up_steps: int = Field(
         64, ge=1, le=100_000, description="steps the core keeps gradients for a joining hybrid before failing the "
                                           "join (each kept step is one full gradient on the core's device: raise it "

@@ -6,7 +6,8 @@ batches are assembled. Start it as documented in `libra.services.trainer.elastic
 
     connect + hello{device} ─▶ [channel{backend, port}: join the pair group the core opened]
         ─▶ prepare{backend, model_dir, config, layout}: build the core's backend kind (torch, or
-           Megatron TP=PP=1 in a one-process world of its own), check the gradient layout ─▶ prepared
+           Megatron TP=PP=1 in a one-process world of its own), check the gradient layout, run
+           throwaway steps (kernel compilation) ─▶ prepared
         ─▶ snapshot{path} (taken at the next boundary) ─▶ load shards ─▶ loaded{step}
         ─▶ catch_up{step}+gradient × n (replay: same gradient, clip, Adam step as the core did)
         ─▶ active ─▶ per step: step{slice, N/W} ─▶ backward ─▶ grad ─▶ reduced ─▶ clip + step
