@@ -48,22 +48,26 @@ sender's `cancel` event is set, makes the sender abort that version *before* any
 starts (the group stays usable; the caller retries the version over the disk path). A failure
 inside a collective (a receiver that dies mid-broadcast) breaks the group: every later call raises
 until the next generation replaces it. On NCCL a dead peer is only noticed at the group's timeout.
-This module knows torch.distributed only: not HTTP, Redis or engines.
+This module holds the group (rendezvous, generations, the helpers both sides use); the sender's
+half is weight_send.py, the receivers' weight_receive.py. They know torch.distributed only: not
+HTTP, Redis or engines.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable
 
-from libra.errors import FailedPrecondition, Unavailable
+from libra.errors import FailedPrecondition
 from libra.services.rollout.weight_flat import FlatWeights
-from libra.services.rollout.weight_layout import (DEFAULT_DIRECT_BYTES, Layout, TensorSlot, plan_layout,
-                                                  slots_digest, slots_from_json, slots_to_json)
+from libra.services.rollout.weight_layout import DEFAULT_DIRECT_BYTES, Layout, TensorSlot, plan_layout
+from libra.services.rollout.weight_receive import WeightsReceiver
+from libra.services.rollout.weight_send import SyncReport, WeightSyncError, WeightsSender
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "FlatWeights", "Layout", "SyncReport", "WeightSyncError", "WeightsGroup",
+           "join_generation", "open_store", "plan_layout"]
 
 if TYPE_CHECKING:
     import torch
@@ -71,32 +75,6 @@ if TYPE_CHECKING:
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 BACKENDS = ("nccl", "gloo")
 POLL_S = 0.2  # a wait for other ranks looks at `cancel` and `abort` this often
-
-
-class WeightSyncError(Unavailable):
-    """A version could not be delivered: a receiver missed it, or the group broke mid-transfer."""
-
-
-def _bytes_of(tensor: "torch.Tensor") -> "torch.Tensor":
-    import torch
-
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-@dataclass
-class SyncReport:
-    """What one version cost: bytes moved, wall time on the sender, each receiver's own timings."""
-
-    version: int
-    bytes: int
-    buckets: int
-    seconds: float  # handshake excluded: first pack to last broadcast done
-    handshake_seconds: float
-    receivers: dict[int, dict[str, float]] = field(default_factory=dict)
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 def open_store(host: str, port: int | str, is_master: bool, timeout_s: float) -> Any:
@@ -109,7 +87,7 @@ def open_store(host: str, port: int | str, is_master: bool, timeout_s: float) ->
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-class WeightsGroup:
+class WeightsGroup(WeightsSender, WeightsReceiver):
     """This process's rank in one generation of the weights group (rank 0: trainer, ≥ 1: workers).
 
     Building it is the rendezvous: it returns once every rank of `generation` has joined, raises
@@ -249,92 +227,6 @@ class WeightsGroup:
 
             torch.cuda.synchronize(self.device)
 
-    # ---- sender (rank 0) -----------------------------------------------------------------
-    def send(self, named: Iterable[tuple[str, "torch.Tensor"]], version: int,
-             join_timeout_s: float | None = None, cancel: threading.Event | None = None) -> SyncReport:
-        """Broadcast `named` tensors as `version` to every receiver; return its timings.
-
-        A FlatWeights whose buffer fits the layout is broadcast bucket by bucket from that buffer
-        (no pack copy). Raises WeightSyncError naming the ranks that did not join within `join_timeout_s` or before
-        `cancel` was set (the version is aborted before any byte moves; the group stays usable), or
-        when a collective fails (the group is then broken). `cancel` only matters until every
-        receiver has joined: a transfer under way is never cut.
-        """
-        if self.rank != 0:
-            raise FailedPrecondition("only rank 0 (the trainer) sends weights")
-        self._check()
-        self._mark(version, "send")
-        flat = named if isinstance(named, FlatWeights) else None
-        tensors = dict(named)
-        layout, digest = self._layout(tensors, version)
-        if flat is not None and not flat.fits(layout):
-            flat = None
-        started = time.perf_counter()
-        self._mark(version, "planned")
-        # The layout goes out before the receivers are all there: each plans where its bytes land
-        # while the others arrive, so only the one-word `go` sits between the last arrival and the bytes.
-        if digest not in self._published:
-            self.keys.set(f"layouts/{digest}", self._plan[1])
-            self._published.add(digest)
-        self.keys.set(f"{version}/meta", json.dumps({"version": version, "bucket_bytes": layout.bucket_bytes,
-                                                     "layout": digest}))
-        self._await_receivers(version, join_timeout_s, cancel)
-        self._mark(version, "all ready")
-        self.keys.set(f"{version}/go", "")
-        handshake = time.perf_counter() - started
-        started = time.perf_counter()
-        self._mark(version, "go set")
-        direct = [self._broadcast(_bytes_of(tensors[slot.name])) for slot in layout.direct_slots]
-        if flat is not None:  # the tensors already sit at the stream's offsets: every bucket is a slice
-            pending = [self._broadcast(flat.bucket(layout, bucket)) for bucket in range(layout.num_buckets)]
-        else:
-            pending = [None, None]
-        for bucket in range(layout.num_buckets if flat is None else 0):
-            slot = bucket % 2
-            if pending[slot] is not None:  # the buffer's previous broadcast must be done first
-                self._wait(pending[slot], f"version {version} bucket {bucket - 2}")
-            low = bucket * layout.bucket_bytes
-            buffer = self._buffer(slot)[:min(layout.bucket_bytes, layout.stream_bytes - low)]
-            for tensor_slot, start, end in layout.overlapping(bucket):
-                source = _bytes_of(tensors[tensor_slot.name])
-                buffer[start - low:end - low].copy_(source[start - tensor_slot.offset:end - tensor_slot.offset],
-                                                    non_blocking=True)
-            pending[slot] = self._broadcast(buffer)
-        self._mark(version, "issued")
-        self._forget(version - 2)  # while the last buckets are in flight (the host is idle on NCCL)
-        for work in pending:
-            if work is not None:
-                self._wait(work, f"version {version} buckets")
-        for work, slot in zip(direct, layout.direct_slots):
-            self._wait(work, f"version {version} tensor {slot.name}")
-        self._sync()
-        seconds = time.perf_counter() - started
-        self._mark(version, "synced")
-        report = SyncReport(version, layout.total_bytes, layout.num_buckets, seconds, handshake)
-        report.receivers = self._exchange_timings(version, [0.0, 0.0, 0.0])
-        self._mark(version, "acked")
-        return report
-
-    def _layout(self, tensors: dict[str, "torch.Tensor"], version: int) -> tuple[Layout, str]:
-        """`tensors` laid out as `version`, and the layout's id; planned once per tensor set (names,
-        shapes and dtypes in order), as every version of a model has the same."""
-        key = tuple((name, tensor.shape, tensor.dtype) for name, tensor in tensors.items())
-        if key != self._plan_key:
-            slots = plan_layout(tensors.items(), version, self.bucket_bytes, self.direct_bytes).slots
-            text = slots_to_json(slots)
-            self._plan_key, self._plan = key, (slots, text, slots_digest(text))
-        slots, _, digest = self._plan
-        return Layout(version, self.bucket_bytes, slots), digest
-
-    def _await_receivers(self, version: int, timeout_s: float | None, cancel: threading.Event | None) -> None:
-        try:
-            self._await(f"{version}/ready/{{}}", range(1, self.world_size),
-                        self.timeout_s if timeout_s is None else timeout_s, cancel, f"version {version}")
-        except WeightSyncError as error:
-            self.keys.set(f"{version}/go", str(error) or "aborted")
-            raise WeightSyncError(f"{error}; the version was aborted before any transfer (load it from "
-                                  f"disk on those workers)") from error
-
     def _exchange_timings(self, version: int, mine: list[float]) -> dict[int, dict[str, float]]:
         """Every rank's [seconds, handshake_seconds, bytes] of `version`, by one all-gather over the
         group itself: the receivers' acknowledgement. (A round trip through the TCPStore cost
@@ -349,133 +241,6 @@ class WeightsGroup:
         rows = torch.stack(gathered).cpu().tolist()
         return {r: {"seconds": rows[r][0], "handshake_seconds": rows[r][1], "bytes": int(rows[r][2])}
                 for r in range(1, self.world_size)}
-
-    def _forget(self, version: int) -> None:
-        if version < 0:
-            return
-        for key in [f"{version}/meta", f"{version}/go", *(f"{version}/ready/{r}" for r in range(1, self.world_size))]:
-            try:
-                self.keys.delete_key(key)
-            except Exception:  # noqa: BLE001 - cleanup only; a missing key is fine
-                pass
-
-    # ---- receiver (rank ≥ 1) -------------------------------------------------------------
-    def receive(self, version: int, targets: Mapping[str, "torch.Tensor"] | None = None
-                ) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """Join the broadcast of `version`; yield (name, tensor) as each tensor completes.
-
-        A tensor whose name is in `targets` (same shape, dtype and device, contiguous) is written into
-        that tensor in place and yielded as it; others land in fresh tensors on this group's device
-        (so a caller detects a misfit by identity, after the transfer, without breaking it). When
-        `targets` is a FlatWeights that fits the version's layout, the buckets land in its buffer with
-        no unpack copy. Timings go back to the sender with the acknowledgement; `last_layout` keeps
-        the version's layout (for `FlatWeights.adopt`). Consume the iterator fully.
-        """
-        if self.rank == 0:
-            raise FailedPrecondition("rank 0 (the trainer) sends; it does not receive")
-        self._check()
-        self._mark(version, "receive")
-        started = time.perf_counter()
-        self.keys.set(f"{version}/ready/{self.rank}", "1")
-        self._mark(version, "ready set")
-        try:
-            meta = json.loads(self.keys.get(f"{version}/meta"))
-            slots = self._layouts.get(meta["layout"])
-            if slots is None:  # a tensor set this rank has not seen in this generation
-                slots = self._layouts[meta["layout"]] = slots_from_json(self.keys.get(f"layouts/{meta['layout']}").decode())
-        except Exception as error:  # noqa: BLE001
-            raise WeightSyncError(f"no metadata for version {version} from the trainer: {error}") from error
-        self._mark(version, "meta got")
-        layout = Layout(int(meta["version"]), int(meta["bucket_bytes"]), slots)
-        in_place = isinstance(targets, FlatWeights) and targets.fits(layout)
-        destinations = {} if in_place else {s.name: _destination(s, targets, self.device) for s in layout.slots}
-        self._mark(version, "planned")
-        try:
-            verdict = self.keys.get(f"{version}/go").decode()
-        except Exception as error:  # noqa: BLE001
-            raise WeightSyncError(f"no go for version {version} from the trainer: {error}") from error
-        if verdict:
-            raise WeightSyncError(f"version {version} was aborted by the sender: {verdict}")
-        self.last_layout = layout
-        handshake = time.perf_counter() - started
-        started = time.perf_counter()
-        self._mark(version, "go got")
-        direct = [(slot, self._broadcast(_bytes_of_inplace(destinations[slot.name]))) for slot in layout.direct_slots]
-        for slot, work in direct:
-            self._wait(work, f"version {version} tensor {slot.name}")
-            yield slot.name, destinations[slot.name]
-        if in_place:
-            yield from self._receive_in_place(targets, layout)
-        else:
-            yield from self._receive_unpacking(destinations, layout)
-        self._mark(version, "waited")
-        self._sync()
-        seconds = time.perf_counter() - started
-        self._mark(version, "synced")
-        self._exchange_timings(version, [seconds, handshake, float(layout.total_bytes)])
-        self._mark(version, "acked")
-
-    def _receive_in_place(self, flat: FlatWeights, layout: Layout) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """Every bucket straight into its slice of `flat`'s buffer (no unpack copy); all receives are
-        issued at once (they run in order on the group's stream), then each tensor is yielded once its
-        last bucket is in."""
-        pending = [self._broadcast(flat.bucket(layout, bucket)) for bucket in range(layout.num_buckets)]
-        self._mark(layout.version, "issued")
-        slots = iter(sorted((s for s in layout.slots if not s.direct), key=lambda s: s.offset))
-        slot = next(slots, None)
-        for bucket, work in enumerate(pending):
-            self._wait(work, f"version {layout.version} bucket {bucket}")
-            high = (bucket + 1) * layout.bucket_bytes
-            while slot is not None and slot.offset + slot.nbytes <= high:
-                yield slot.name, flat[slot.name]
-                slot = next(slots, None)
-
-    def _receive_unpacking(self, destinations: dict[str, "torch.Tensor"], layout: Layout
-                           ) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """Buckets into two reused buffers, each unpacked into the destinations while the next is in flight."""
-        version = layout.version
-        remaining = {s.name: s.nbytes for s in layout.slots if not s.direct}
-        pending: list[Any] = [None, None]
-        for bucket in range(layout.num_buckets + 1):
-            if bucket < layout.num_buckets:  # issue the receive of bucket k ...
-                low = bucket * layout.bucket_bytes
-                size = min(layout.bucket_bytes, layout.stream_bytes - low)
-                pending[bucket % 2] = self._broadcast(self._buffer(bucket % 2)[:size])
-                if bucket == 0:
-                    self._mark(version, "first issued")
-            if bucket == 0:
-                continue
-            done = bucket - 1  # ... then unpack bucket k-1 while bucket k is in flight
-            self._wait(pending[done % 2], f"version {version} bucket {done}")
-            buffer, low = self._buffer(done % 2), done * layout.bucket_bytes
-            for slot, start, end in layout.overlapping(done):
-                target = _bytes_of_inplace(destinations[slot.name])
-                target[start - slot.offset:end - slot.offset].copy_(buffer[start - low:end - low])
-                remaining[slot.name] -= end - start
-                if remaining[slot.name] == 0:
-                    yield slot.name, destinations[slot.name]
-            # The next receive into this buffer is issued after this unpack was queued, and a
-            # collective waits for the current stream at issue: no extra synchronisation needed.
-
-
-def _destination(slot: TensorSlot, targets: Mapping[str, Any] | None, device: Any) -> "torch.Tensor":
-    import torch
-
-    dtype = getattr(torch, slot.dtype)
-    target = targets.get(slot.name) if targets is not None else None
-    if (target is not None and tuple(target.shape) == slot.shape and target.dtype == dtype
-            and target.is_contiguous() and target.device == torch.device(device)):
-        return target
-    # No fitting target: receive into a fresh tensor anyway. Raising here would leave the sender
-    # blocked in a collective this rank never joins; the caller sees `tensor is not targets[name]`.
-    return torch.empty(slot.shape, dtype=dtype, device=device)
-
-
-def _bytes_of_inplace(tensor: "torch.Tensor") -> "torch.Tensor":
-    import torch
-
-    return tensor.data.view(-1).view(torch.uint8)
-
 
 def join_generation(previous: WeightsGroup | None, host: str, port: int | str, rank: int | str,
                     world_size: int | str, backend: str, device: str, timeout_s: float | str,
