@@ -59,6 +59,10 @@ class TrainerConfig(Section):
     backend: Literal["torch", "megatron"] = Field(
         "torch", description="training backend (torch: plain PyTorch, CPU or DDP; megatron: Megatron-Core, TP x PP x DP)")
     megatron: MegatronConfig = Field(default_factory=MegatronConfig, description="Megatron-Core backend settings")
+    ranks: int = Field(1, ge=1, le=4096, description=(
+        "processes the trainer runs on: 1, or the TP x PP x DP ranks of the megatron backend (libra up launches "
+        "them with torchrun on this node; under torchrun/srun the launcher's WORLD_SIZE must equal it); rank 0 "
+        "serves, the others follow its calls"))
     steps: int = Field(30, ge=1, le=10_000_000, description="GRPO steps to run")
     groups_per_step: int = Field(8, ge=1, le=1_000_000, description="prompt groups per training batch")
     group_size: int = Field(8, ge=2, le=4096, description="samples per prompt (GRPO group)")
@@ -82,4 +86,11 @@ class TrainerConfig(Section):
     def _clip(self) -> "TrainerConfig":
         if self.clip_high < self.clip_low * 0.5:
             raise ValueError("trainer.clip_high is far below clip_low; asymmetric clipping expects clip_high >= clip_low")
+        if self.ranks > 1 and self.backend != "megatron":
+            raise ValueError(f"trainer.ranks={self.ranks} needs trainer.backend: megatron (the torch backend trains in "
+                             "one process); set trainer.ranks=1 or trainer.backend=megatron")
+        model_parallel = self.megatron.tensor_parallel * self.megatron.pipeline_parallel
+        if self.ranks > 1 and self.ranks % model_parallel:
+            raise ValueError(f"trainer.ranks={self.ranks} is not a multiple of trainer.megatron.tensor_parallel x "
+                             f"pipeline_parallel = {model_parallel}; the data-parallel size is ranks / {model_parallel}")
         return self

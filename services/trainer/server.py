@@ -15,6 +15,7 @@ from libra.rpc import channel, wait_for_peers
 from libra.runtime import Service, serve as run_service
 from libra.service_base import connect_store
 from libra.services.trainer.loop import GrpoLoop
+from libra.services.trainer import ranks
 from libra.services.trainer.model_state import ModelState, make_backend
 from libra.services.trainer.plot import reward_curve
 from libra.services.trainer.servicer import TrainerServicer
@@ -32,8 +33,9 @@ class TrainerService(Service):
     drain_s = 30.0
     ready_after_start = False  # health turns SERVING once rollout and elastic answer
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, world: int = 1):
         self.config = config
+        self.world = world  # ranks the trainer was launched on (ranks.py); rank 0 runs this service
         self.run_id = config.run_id
         self.status = TrainerStatus(config.trainer.steps)
         self.store = None
@@ -76,14 +78,17 @@ class TrainerService(Service):
         await self.status.set(P.TRAINER_PHASE_WAITING_FOR_PEERS, "redis")
         self.store = await connect_store(self.config.redis.url, self.run_id)
         await self.status.set(P.TRAINER_PHASE_WARMUP, "")
-        model = self.model = ModelState(self.config, make_backend(self.config),
-                                        self.store)
+        backend = make_backend(self.config)
+        if self.world > 1:  # the other ranks follow every collective call (ranks.py)
+            backend = ranks.LeaderBackend(backend, await asyncio.to_thread(ranks.join), self.world)
+        model = self.model = ModelState(self.config, backend, self.store)
         position = await model.prepare(lambda detail: self.status.set(detail=detail))
         rollout = self._stub(rollout_pb2_grpc.RolloutStub, "rollout")
         workload = build_workload(self.config.workload)
         self.loop = GrpoLoop(self.config, self.store, rollout, model, self.status, workload.num_prompts)
         self.loop.position = position
-        self.elastic = self.loop.elastic = await self._elastic(model.backend)
+        if self.world == 1:  # hybrids join single-rank trainers (LeaderBackend.hybrid_refusal says why)
+            self.elastic = self.loop.elastic = await self._elastic(model.backend)
         for record in await self.store.step_records(1):
             await self.status.add_record(P.StepRecord.FromString(record))
         # The weights in memory become the next policy version; rollout starts (or reloads) on them.
@@ -114,6 +119,9 @@ class TrainerService(Service):
         return control
 
     def elastic_control(self):
+        if self.world > 1:
+            raise FailedPrecondition(self.model.backend.hybrid_refusal() if self.model is not None else
+                                     f"the trainer runs on {self.world} ranks; hybrids join a one-rank trainer")
         if self.elastic is None:
             raise FailedPrecondition("the trainer has no model yet (still warming up); retry AdmitHybrid shortly")
         return self.elastic
@@ -151,6 +159,8 @@ class TrainerService(Service):
 
     async def manifest(self, step: int) -> P.StepManifest:
         """The frozen membership of `step` (0: the latest), with every hybrid's state."""
+        if self.world > 1:
+            return P.StepManifest(step=self.loop.position.step if self.loop else 0)  # no hybrids, ever
         if self.elastic is None:
             raise FailedPrecondition("the trainer has no model yet (still warming up)")
         return await self.elastic.manifest_proto(step)
@@ -166,6 +176,8 @@ class TrainerService(Service):
     async def close(self) -> None:
         if self.model is not None:
             self.model.close_weights_group(release_store=True)
+            if isinstance(self.model.backend, ranks.LeaderBackend):
+                await asyncio.to_thread(self.model.backend.stop)
         if self.elastic is not None:
             self.elastic.core.close()
         for chan in self._channels:
@@ -175,5 +187,15 @@ class TrainerService(Service):
 
 
 def serve(config: RunConfig, port: int | None = None) -> int:
-    return run_service(TrainerService(config), port if port is not None else config.port_of("trainer"),
+    """Serve the trainer; launched on several ranks (torchrun, srun), ranks other than 0 follow."""
+    rank, world = ranks.launched()
+    if world == 1 and config.trainer.ranks > 1:  # start the ranks here (ranks.launch), each serves as below
+        return ranks.launch(config.trainer.ranks)
+    ranks.check(config, world)
+    if rank != 0:
+        group = ranks.join()
+        _log.info("following rank 0", rank=rank, world=world)
+        ranks.follow(make_backend(config), group)
+        return 0
+    return run_service(TrainerService(config, world), port if port is not None else config.port_of("trainer"),
                        config.metrics_port_of("trainer"))
