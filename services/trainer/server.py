@@ -14,8 +14,8 @@ from libra.errors import FailedPrecondition
 from libra.rpc import channel, wait_for_peers
 from libra.runtime import Service, serve as run_service
 from libra.service_base import connect_store
-from libra.services.trainer.loop import GrpoLoop
 from libra.services.trainer import ranks
+from libra.services.trainer.loop import GrpoLoop
 from libra.services.trainer.model_state import ModelState, make_backend
 from libra.services.trainer.plot import reward_curve
 from libra.services.trainer.servicer import TrainerServicer
