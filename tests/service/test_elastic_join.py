@@ -38,7 +38,7 @@ from libra.services.trainer.server import TrainerService
 from libra.services.trainer.torch_backend import TorchBackend
 from libra.v1 import common_pb2, trainer_pb2 as P, trainer_pb2_grpc
 from tests.service.helpers import code_of, run_config
-from tests.unit.test_elastic_math import GROUP, GROUPS, _config, _groups
+from tests.unit.test_elastic_math import GROUP, GROUPS, _config, _groups, step_until_two_hybrids
 
 pytestmark = pytest.mark.slow
 HYBRID = [sys.executable, "-m", "libra.services.trainer.elastic.hybrid"]
@@ -191,13 +191,7 @@ def _core_rank(rank: int, world: int, model_dir: str, port: int, out: str) -> No
         record["seconds"][step] = time.monotonic() - began
         core.end_step()
 
-    step = 0
-    while step < 200 and len(core.manifest.hybrids if core.manifest else ()) < 2:
-        step += 1
-        one_step(step)
-    for _ in range(2):
-        step += 1
-        one_step(step)
+    step = step_until_two_hybrids(one_step, core, then=2)
     if rank == 0:
         core.release("h-a")
     step += 1

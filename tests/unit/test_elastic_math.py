@@ -94,6 +94,19 @@ def _wait(predicate, timeout: float = 120.0) -> None:
         time.sleep(0.01)
 
 
+def step_until_two_hybrids(one_step, core: ElasticCore, then: int, limit: int = 200) -> int:
+    """The multi-rank drivers' opening: `one_step(n)` until the manifest carries two hybrids (at most
+    `limit` steps), then `then` steps more; returns the last step number."""
+    step = 0
+    while step < limit and len(core.manifest.hybrids if core.manifest else ()) < 2:
+        step += 1
+        one_step(step)
+    for _ in range(then):
+        step += 1
+        one_step(step)
+    return step
+
+
 def _control_pending(core: ElasticCore) -> bool:
     return not core.endpoint._control.empty()
 

@@ -28,7 +28,8 @@ from libra.services.trainer.elastic import snapshot as snap
 from libra.services.trainer.elastic.core_hooks import ElasticCore
 from libra.services.trainer.elastic.hybrid import EXIT_JOIN_FAILED, EXIT_RELEASED
 from libra.services.trainer.elastic.manifest import HybridState
-from tests.unit.test_elastic_math import GROUP, GROUPS, VOCAB, Run, _groups, _join, _params, _wait
+from tests.unit.test_elastic_math import (GROUP, GROUPS, VOCAB, Run, _groups, _join, _params, _wait,
+                                         step_until_two_hybrids)
 
 pytest.importorskip("megatron.core")
 
@@ -230,13 +231,7 @@ def _megatron_core_rank(rank: int, world: int, model_dir: str, port: int, out: s
         backend.train_step(slices[f"core-{rank}"], _config(0.5))
         core.end_step()
 
-    step = 0
-    while step < 200 and len(core.manifest.hybrids if core.manifest else ()) < 2:
-        step += 1
-        one_step(step)
-    for _ in range(3):
-        step += 1
-        one_step(step)
+    step = step_until_two_hybrids(one_step, core, then=3)
     if rank == 0:
         core.release("h-a")
     step += 1

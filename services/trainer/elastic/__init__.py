@@ -92,6 +92,7 @@ wire format), ``device_channel`` (the channel choice and the pair group),
 ``snapshot`` (asynchronous sharded snapshot of model + optimizer), ``backends`` (which backend a
 hybrid builds, the gradient layout, a backend's state as snapshot tensors), ``core_hooks`` (the gradient
 injector the training backends call between backward and the data-parallel all-reduce),
-``hybrid`` (the hybrid replica process), ``work`` (widened batches: whole groups per replica),
+``checks`` (a hybrid's gradient frame and the lockstep hash), ``hybrid`` (the hybrid replica
+process), ``work`` (widened batches: whole groups per replica, and a slice on the wire),
 ``control`` (the trainer service's RPC semantics and Redis persistence).
 """

@@ -45,6 +45,7 @@ from libra.errors import FailedPrecondition
 from libra.services.trainer.backend import GradientHook, HybridGradients, HybridShare, TrainBatch
 from libra.services.trainer.elastic import backends
 from libra.services.trainer.elastic import snapshot as snap
+from libra.services.trainer.elastic.checks import bad_gradient, param_digest
 from libra.services.trainer.elastic.device_channel import model_device
 from libra.services.trainer.elastic.manifest import Action, HybridState, Membership, StepManifest
 from libra.services.trainer.elastic.side_channel import CLOSED, LaneEndpoint
@@ -52,18 +53,6 @@ from libra.services.trainer.elastic.work import slice_to_wire
 
 _log = liblog.get("libra.trainer.elastic")
 MANIFEST_HISTORY = 64
-
-
-def param_digest(model: Any) -> str:
-    """A hash of every parameter's bytes: equal digests mean bitwise-equal replicas (lockstep check)."""
-    import hashlib
-
-    import torch
-
-    digest = hashlib.blake2b(digest_size=16)
-    for p in model.parameters():  # as raw bytes: numpy has no bfloat16
-        digest.update(p.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 class ElasticCore(GradientHook):
@@ -330,7 +319,7 @@ class ElasticCore(GradientHook):
         self._contributors = []
         for replica, batch in self._slices.items():
             frame = self.endpoint.wait_grad(replica, deadline - self.clock())
-            reason = _bad_grad(frame, step, flat_grad.numel(), self.grad_deadline_s, self._digest)
+            reason = bad_gradient(frame, step, flat_grad.numel(), self.grad_deadline_s, self._digest)
             if reason:
                 self._fail(replica, reason)
                 self.endpoint.disconnect(replica)
@@ -374,20 +363,6 @@ class ElasticCore(GradientHook):
         self.endpoint.close()
         for directory in self._snapshots.values():
             shutil.rmtree(directory, ignore_errors=True)
-
-
-def _bad_grad(frame: Any, step: int, numel: int, deadline_s: float, digest: str) -> str:
-    if frame is None:
-        return f"missed the gradient deadline of {deadline_s} s in step {step}"
-    if frame.kind == CLOSED:
-        return f"the hybrid's connection closed during step {step}"
-    if frame.header.get("step") != step:
-        return f"sent the gradient of step {frame.header.get('step')} during step {step}"
-    if frame.tensor().numel() != numel:
-        return f"sent a gradient of {frame.tensor().numel()} values, expected {numel}"
-    if digest and frame.header.get("param_digest") != digest:
-        return f"its parameters diverged from the core's before step {step} (lockstep check)"
-    return ""
 
 
 def _all_gather(value: Any) -> list[Any]:

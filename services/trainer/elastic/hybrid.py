@@ -184,7 +184,7 @@ class HybridReplica:
         batch = TrainBatch(slice_from_wire(header["slice"]))
         grad_header = {"step": header["step"], "epoch": header["epoch"]}  # acknowledges the step's manifest
         if header.get("verify_lockstep"):
-            from libra.services.trainer.elastic.core_hooks import param_digest
+            from libra.services.trainer.elastic.checks import param_digest
 
             grad_header["param_digest"] = param_digest(self.backend.model)
         sums = self.backend.accumulate_gradients(batch, config, token_count=header["token_count"])
