@@ -79,7 +79,7 @@ class HFWeightLoads:
         version = _check_version(version)
         started = time.perf_counter()
         params = dict(self.model.named_parameters())
-        flat = getattr(self, "flat_weights", None)
+        flat = self.flat_weights
         count, misfits = 0, []
         try:
             with torch.no_grad():
@@ -104,7 +104,8 @@ class HFWeightLoads:
         self.version = version
         seconds = time.perf_counter() - started
         layout = self.weights_group.last_layout
-        if (flat is None or not flat.fits(layout)) and not self.flat_refused:
+        in_place = flat is not None and flat.fits(layout)
+        if not in_place and not self.flat_refused:
             # Lay the parameters out as the trainer's byte stream: later versions then land in them
             # with no unpack copy (weight_flat.py). Same parameter objects; one copy, once.
             try:
@@ -112,8 +113,7 @@ class HFWeightLoads:
             except torch.OutOfMemoryError as error:  # nothing moved (the buffer comes first): stay as is
                 self.flat_weights, self.flat_refused = None, True
                 _log.warning("parameters stay unflattened: no memory for a second copy", error=str(error)[:200])
-        return {"version": version, "seconds": seconds, "tensors": count,
-                "in_place": flat is not None and flat.fits(layout)}
+        return {"version": version, "seconds": seconds, "tensors": count, "in_place": in_place}
 
 
 def _check_version(version: int | str) -> int:

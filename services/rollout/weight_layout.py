@@ -72,23 +72,30 @@ class Layout:
             if start < end:
                 yield slot, start, end
 
-    def to_json(self) -> str:  # offset -1 marks a direct tensor
-        return json.dumps({"version": self.version, "bucket_bytes": self.bucket_bytes,
-                           "slots": json.loads(slots_to_json(self.slots))})
+    def to_json(self) -> str:
+        return json.dumps({"version": self.version, "bucket_bytes": self.bucket_bytes, "slots": _rows(self.slots)})
 
     @staticmethod
     def from_json(text: str) -> "Layout":
         raw = json.loads(text)
-        return Layout(raw["version"], raw["bucket_bytes"], slots_from_json(json.dumps(raw["slots"])))
+        return Layout(raw["version"], raw["bucket_bytes"], _slots(raw["slots"]))
+
+
+def _rows(slots: tuple[TensorSlot, ...]) -> list[list]:  # offset -1 marks a direct tensor
+    return [[s.name, list(s.shape), s.dtype, s.offset, s.nbytes] for s in slots]
+
+
+def _slots(rows: list[list]) -> tuple[TensorSlot, ...]:
+    return tuple(TensorSlot(n, tuple(shape), d, o, b) for n, shape, d, o, b in rows)
 
 
 def slots_to_json(slots: tuple[TensorSlot, ...]) -> str:
-    """The slots as JSON (offset -1 marks a direct tensor); what `slots_digest` names."""
-    return json.dumps([[s.name, list(s.shape), s.dtype, s.offset, s.nbytes] for s in slots])
+    """The slots as JSON; what `slots_digest` names."""
+    return json.dumps(_rows(slots))
 
 
 def slots_from_json(text: str) -> tuple[TensorSlot, ...]:
-    return tuple(TensorSlot(n, tuple(shape), d, o, b) for n, shape, d, o, b in json.loads(text))
+    return _slots(json.loads(text))
 
 
 def slots_digest(text: str) -> str:

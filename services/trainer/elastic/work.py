@@ -9,8 +9,8 @@ hybrid attached to any core rank gets its own slice, not only hybrids of the fir
 
 A slice travels to its hybrid in the `step` frame's header as `slice_to_wire` packs it: the
 per-token lists as base64 of little-endian arrays (int32 ids, int8 mask, float64 log-probs,
-exact), not JSON lists: for 16 × 512 tokens 0.9 ms to encode instead of 5.4 ms, on the core's
-critical path (measured on the 2-core development machine).
+exact), not JSON lists: 5× faster to encode on the core's critical path
+(`benchmarks/slice_encoding.py`; docs/benchmarks.md).
 """
 
 from __future__ import annotations
