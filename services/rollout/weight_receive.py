@@ -45,9 +45,10 @@ class WeightsReceiver:
         self._mark(version, "ready set")
         try:
             meta = json.loads(self.keys.get(f"{version}/meta"))
-            slots = self._layouts.get(meta["layout"])
+            layout_id = meta["layout"]
+            slots = self._layouts.get(layout_id)
             if slots is None:  # a tensor set this rank has not seen in this generation
-                slots = self._layouts[meta["layout"]] = slots_from_json(self.keys.get(f"layouts/{meta['layout']}").decode())
+                slots = self._layouts[layout_id] = slots_from_json(self.keys.get(f"layouts/{layout_id}").decode())
         except Exception as error:  # noqa: BLE001
             raise WeightSyncError(f"no metadata for version {version} from the trainer: {error}") from error
         self._mark(version, "meta got")

@@ -121,8 +121,8 @@ class HybridReplica:
     def _warm_up(self, backend: Any, meta: dict[str, Any]) -> None:
         """Throwaway forward/backward passes (several shapes) before `prepared`: the first real step
         must not carry one-time costs the core then waits for — kernel compilation (Megatron's fused
-        kernels are torch.compile'd: 10.1 s of the first active step on an H200 before this, docs/benchmarks.md), library
-        handles, allocator growth. The core keeps training meanwhile and retains nothing yet (the
+        kernels are torch.compile'd: 10.1 s of the first active step on an H200 before this,
+        docs/benchmarks.md), library handles, allocator growth. The core keeps training meanwhile and retains nothing yet (the
         snapshot boundary comes after `prepared`). The gradients are discarded: every step zeroes
         them first, and the catch-up sets them."""
         from libra.services.trainer.backend import TrainBatch, TrainSequence
