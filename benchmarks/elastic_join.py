@@ -125,7 +125,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, wo
                            groups_per_step=args.groups * world, group_size=args.group_size, backend=args.backend,
                            megatron={"distributed_optimizer": False})  # hybrids need the whole reduced gradient
     if args.backend == "megatron":  # the core rank's GPU (or the CPU) is chosen by Megatron's init
-        from libra.services.trainer.megatron_backend import MegatronBackend
+        from libra.services.trainer.megatron.backend import MegatronBackend
 
         if args.device.startswith("cuda"):
             os.environ["LOCAL_RANK"] = str(torch.device(args.device).index or 0)

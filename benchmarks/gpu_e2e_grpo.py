@@ -127,7 +127,7 @@ class MegatronTrainer:
 
     def __init__(self, args, device) -> None:
         from libra.services.trainer.config import TrainerConfig
-        from libra.services.trainer.megatron_backend import MegatronBackend
+        from libra.services.trainer.megatron.backend import MegatronBackend
 
         self.config = TrainerConfig(lr=args.lr, micro_batch_size=args.micro_batch, max_grad_norm=1.0,
                                     clip_low=args.clip_low, clip_high=args.clip_high, backend="megatron")
@@ -153,7 +153,7 @@ class MegatronTrainer:
 
 
 def start_engine(args, port: int, log_path: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "libra.services.rollout.hf_engine", "--model", args.model, "--port", str(port),
+    command = [sys.executable, "-m", "libra.services.rollout.engines.hf_engine", "--model", args.model, "--port", str(port),
                "--device", args.engine_device, "--dtype", args.dtype, "--max-model-len", str(args.max_total_tokens + 64),
                "--max-num-seqs", str(args.groups * args.group_size), "--policy-version", "0"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -189,8 +189,8 @@ async def run(args) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from libra.redis_server import free_port
-    from libra.services.rollout.engine_client import EngineClient
-    from libra.services.rollout.weight_sync import WeightsGroup
+    from libra.services.rollout.engines.client import EngineClient
+    from libra.weights.group import WeightsGroup
     from libra.services.trainer.backend import TrainSequence
     from libra.services.trainer.grpo import group_advantages
     from libra.tiny_model import load_tokenizer, stop_token_ids

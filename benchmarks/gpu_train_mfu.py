@@ -154,7 +154,7 @@ def time_steps(backend, args: argparse.Namespace, train_batch, config) -> dict:
 def run_megatron(args: argparse.Namespace) -> dict:
     import torch
 
-    from libra.services.trainer.megatron_backend import MegatronBackend
+    from libra.services.trainer.megatron.backend import MegatronBackend
 
     config = trainer_config(args, args.spec, args.tp)
     backend = MegatronBackend(config, seed=0)

@@ -70,8 +70,8 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from libra.services.rollout.weight_flat import FlatWeights
-    from libra.services.rollout.weight_sync import WeightsGroup, plan_layout
+    from libra.weights.flat import FlatWeights
+    from libra.weights.group import WeightsGroup, plan_layout
 
     device = torch.device(args.devices.split(",")[rank])
     dtype = getattr(torch, args.dtype)

@@ -32,7 +32,7 @@ from libra.services.rollout.membership import Membership
 from libra.services.rollout.router import SchedulerRouter
 from libra.services.rollout.servicer import RolloutServicer
 from libra.services.rollout.weight_delivery import WeightDelivery
-from libra.services.rollout.weights_roster import BLOB as GROUP_BLOB, GroupRecord
+from libra.weights.roster import BLOB as GROUP_BLOB, GroupRecord
 from libra.services.rollout.workers import WorkerPool
 from libra.trace_record import TraceWriter
 from libra.v1 import common_pb2, planner_pb2, planner_pb2_grpc, rollout_pb2, rollout_pb2_grpc

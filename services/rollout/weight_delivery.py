@@ -2,7 +2,7 @@
 
 ```
  from_disk(v, path)         every target loads weights/vN (retried once on a transport error)
- over_group(v, path, G)     delivery() says group | join | disk  (weights_roster.py)
+ over_group(v, path, G)     delivery() says group | join | disk  (libra/weights/roster.py)
    join:  G's members join generation G (each closes its old one); workers that left the roster leave
    group: members receive v ─ missed it? ─▶ load v from disk ─ missed again? ─▶ UNHEALTHY
           other targets (not members: just started, caught up) load v from disk
@@ -25,7 +25,7 @@ from typing import Any
 
 from libra import log as liblog
 from libra.errors import Unavailable
-from libra.services.rollout.weights_roster import Delivery, GroupRecord, delivery
+from libra.weights.roster import Delivery, GroupRecord, delivery
 from libra.services.rollout.workers import PoolWorker, WorkerPool, collective_rpc
 from libra.v1 import common_pb2, rollout_pb2
 
@@ -130,7 +130,7 @@ class WeightDelivery:
     # ---- disk and bookkeeping -----------------------------------------------------------------
     async def _load(self, worker: PoolWorker, version: int, path: str,
                     started: float | None = None) -> tuple[Any, str]:
-        from libra.services.rollout.engine_client import WeightSetError
+        from libra.services.rollout.engines.client import WeightSetError
 
         started = time.monotonic() if started is None else started
         for attempt in range(WEIGHT_RETRIES + 1):

@@ -30,10 +30,10 @@ _log = liblog.get("libra.rollout")
 
 def _hf_worker_class() -> type:
     """`HfWorkerProcess`, built lazily on `VllmWorkerProcess` (same start, readiness and stop)."""
-    from libra.services.rollout.vllm_worker import VllmWorkerProcess
+    from libra.services.rollout.engines.vllm_worker import VllmWorkerProcess
 
     class HfWorkerProcess(VllmWorkerProcess):
-        """One transformers-based engine server (hf_engine.py); TP 1 only."""
+        """One transformers-based engine server (engines/hf_engine.py); TP 1 only."""
 
         engine = "hf"
 
@@ -46,7 +46,7 @@ def _hf_worker_class() -> type:
 
         def command(self) -> list[str]:
             c = self.config
-            return [sys.executable, "-m", "libra.services.rollout.hf_engine", "--model", str(self.model_dir),
+            return [sys.executable, "-m", "libra.services.rollout.engines.hf_engine", "--model", str(self.model_dir),
                     "--host", c.host, "--port", str(self.port), "--device", c.device, "--dtype", c.dtype,
                     "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
                     "--logprobs-mode", c.logprobs_mode, "--policy-version", str(self.policy_version),
@@ -58,7 +58,7 @@ def _hf_worker_class() -> type:
 def worker_process_class(engine: str) -> type:
     """The launcher of rollout.worker.engine `engine`."""
     if engine == "vllm":
-        from libra.services.rollout.vllm_worker import VllmWorkerProcess
+        from libra.services.rollout.engines.vllm_worker import VllmWorkerProcess
 
         return VllmWorkerProcess
     if engine == "hf":
@@ -95,7 +95,7 @@ class WorkerPool:
 
     async def start(self, plan: Plan, model_dir: str, version: int) -> list[PoolWorker]:
         """Launch the plan's workers on `model_dir` (policy `version`) and wait until all serve."""
-        from libra.services.rollout.engine_client import EngineClient
+        from libra.services.rollout.engines.client import EngineClient
 
         launcher = worker_process_class(self.config.engine)
         started: list[PoolWorker] = []

@@ -185,7 +185,7 @@ class GrpoLoop:
 
         The generation follows rollout's serving workers (a new one when they change, or when the
         last one failed a version). Rollout's reply ends the wait for ranks that never came."""
-        from libra.services.rollout.weights_roster import Roster
+        from libra.weights.roster import Roster
 
         try:
             listed = await self.rollout.ListWorkers(rollout_pb2.ListWorkersRequest(run_id=self.config.run_id),

@@ -34,7 +34,7 @@ CHECKPOINT_RE = re.compile(r"^step(\d+)\.pt$")
 def make_backend(config: RunConfig) -> TrainBackend:
     """The training backend that `trainer.backend` names (torch: plain PyTorch; megatron: Megatron-Core)."""
     if config.trainer.backend == "megatron":
-        from libra.services.trainer.megatron_backend import MegatronBackend
+        from libra.services.trainer.megatron.backend import MegatronBackend
 
         return MegatronBackend(config.trainer, seed=config.seed)
     from libra.services.trainer.torch_backend import TorchBackend
@@ -125,11 +125,11 @@ class ModelState:
     # ---- the weights group (rollout.worker.weight_sync: group) ------------------------------
     async def plan_weights_round(self, version: int, roster: Any) -> Any:
         """The generation `version` goes on (a GroupRecord), announcing a new one in Redis when the
-        roster changed or there is no usable one (services/rollout/weights_roster.py).
+        roster changed or there is no usable one (libra/weights/roster.py).
 
         Call it before asking rollout for the version: rollout reads the announcement."""
-        from libra.services.rollout.weight_sync import open_store
-        from libra.services.rollout.weights_roster import BLOB, GroupRecord, reform_reason
+        from libra.weights.group import open_store
+        from libra.weights.roster import BLOB, GroupRecord, reform_reason
 
         current = self._group_record.roster if self._group_record is not None else None
         reason = reform_reason(current, roster)
@@ -155,7 +155,7 @@ class ModelState:
         Run it concurrently with rollout's UpdateWeights over the group and set `cancel` when that
         returns. On any failure the generation is dropped: the next version forms a new one.
         """
-        from libra.services.rollout.weight_sync import WeightsGroup
+        from libra.weights.group import WeightsGroup
 
         record = self._group_record
         if record is None:

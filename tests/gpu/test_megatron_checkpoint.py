@@ -49,7 +49,7 @@ def _batch(shard: int):
 
 def _backend(model_dir: str, tp: int):
     from libra.services.trainer.config import TrainerConfig
-    from libra.services.trainer.megatron_backend import MegatronBackend
+    from libra.services.trainer.megatron.backend import MegatronBackend
 
     config = TrainerConfig(lr=1e-3, micro_batch_size=2, megatron={"tensor_parallel": tp})
     backend = MegatronBackend(config, seed=0)
@@ -58,11 +58,11 @@ def _backend(model_dir: str, tp: int):
 
 
 def _states(backend) -> tuple[dict, dict]:
-    from libra.services.trainer import megatron_checkpoint
+    from libra.services.trainer.megatron import checkpoint
 
     model = {k: v.detach().float().cpu().clone() for k, v in backend.model.state_dict().items()
              if not k.endswith("_extra_state")}
-    return model, megatron_checkpoint.optimizer_state(backend).get_states()
+    return model, checkpoint.optimizer_state(backend).get_states()
 
 
 def _equal(a: dict, b: dict) -> list[str]:

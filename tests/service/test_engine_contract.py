@@ -25,7 +25,7 @@ import pytest
 
 from libra.redis_server import free_port
 from libra.services.rollout.config import WorkerConfig
-from libra.services.rollout.engine_client import EngineClient, EngineRequestError, WeightSetError
+from libra.services.rollout.engines.client import EngineClient, EngineRequestError, WeightSetError
 from libra.services.rollout.workers import worker_process_class
 
 from tests.fixtures_model import make_random_llama
@@ -176,7 +176,7 @@ def test_a_version_arrives_over_the_weights_group(engine, client, weights, arun)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from libra.services.rollout.weight_sync import WeightsGroup
+    from libra.weights.group import WeightsGroup
     from libra.services.rollout.workers import collective_rpc
 
     port = free_port()
@@ -231,7 +231,7 @@ def test_hf_engine_fails_a_broken_step_and_keeps_serving(weights):
     """An exception inside a decode step answers that step's requests with it; later ones are served."""
     import threading
 
-    from libra.services.rollout.hf_engine import HFEngine, Request
+    from libra.services.rollout.engines.hf_engine import HFEngine, Request
 
     with pytest.raises(ValueError, match="tensor parallel size 1 only"):
         HFEngine(str(weights["base"]), tensor_parallel_size=2)

@@ -30,9 +30,9 @@ if importlib.util.find_spec("vllm") is None:  # find, not import: vLLM takes sec
 pytestmark = pytest.mark.slow
 
 from libra.services.rollout.config import WorkerConfig  # noqa: E402
-from libra.services.rollout.engine_client import (  # noqa: E402
+from libra.services.rollout.engines.client import (  # noqa: E402
     EngineClient, EngineError, EngineRequestError, WeightSetError)
-from libra.services.rollout.vllm_worker import VllmWorkerProcess, worker_cores  # noqa: E402
+from libra.services.rollout.engines.vllm_worker import VllmWorkerProcess, worker_cores  # noqa: E402
 
 PROMPT = [1, 350, 379, 399, 260]
 LONG = 480  # tokens of the in-flight generation: PROMPT + LONG fits max_model_len 512

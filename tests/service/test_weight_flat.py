@@ -1,4 +1,4 @@
-"""Flat weights (services/rollout/weight_flat.py) on the weights group, over gloo with real processes.
+"""Flat weights (libra/weights/flat.py) on the weights group, over gloo with real processes.
 
 - Adopting: the same tensor objects, their values, now at the stream's offsets; a layout cut
   otherwise, a tensor moved out of the buffer, a misfit dtype or a direct tensor are noticed.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from libra.redis_server import free_port
-from libra.services.rollout.weight_sync import WeightsGroup, plan_layout
+from libra.weights.group import WeightsGroup, plan_layout
 from tests.service.test_weight_sync import _tensors
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def _flat_main(rank: int, port: int, out_dir: str, scenario: str) -> None:
     it), v2 a flat sender, v3 a packing sender again; rank 1 flat from v2 on, rank 2 never."""
     import torch
 
-    from libra.services.rollout.weight_flat import FlatWeights
+    from libra.weights.flat import FlatWeights
 
     group = WeightsGroup("127.0.0.1", port, rank, 3, "gloo", timeout_s=5, bucket_bytes=4096)
     outcome: dict = {}
@@ -73,7 +73,7 @@ def test_flat_sides_skip_the_copies_and_mix_with_packing_sides(tmp_path):
 def test_flat_weights_adopt_tensors_in_place_and_notice_a_moved_one():
     import torch
 
-    from libra.services.rollout.weight_flat import FlatWeights
+    from libra.weights.flat import FlatWeights
 
     tensors = _tensors(1)
     values = {k: t.clone() for k, t in tensors.items()}
@@ -102,8 +102,8 @@ def test_an_engine_without_room_for_the_flat_copy_keeps_unpacking(monkeypatch):
 
     import torch
 
-    from libra.services.rollout.hf_weights import HFWeightLoads
-    from libra.services.rollout.weight_flat import FlatWeights
+    from libra.services.rollout.engines.hf_weights import HFWeightLoads
+    from libra.weights.flat import FlatWeights
 
     class Engine(HFWeightLoads):
         def __init__(self) -> None:

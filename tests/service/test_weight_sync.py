@@ -26,7 +26,7 @@ import pytest
 
 from libra.errors import FailedPrecondition
 from libra.redis_server import free_port
-from libra.services.rollout.weight_sync import Layout, WeightSyncError, WeightsGroup, open_store, plan_layout
+from libra.weights.group import Layout, WeightSyncError, WeightsGroup, open_store, plan_layout
 
 pytestmark = pytest.mark.slow
 
@@ -227,7 +227,7 @@ class Spy:
     """Counts how each version reaches one worker; on demand loses its receive answers or fails its loads."""
 
     def __init__(self, client):
-        from libra.services.rollout.engine_client import EngineError
+        from libra.services.rollout.engines.client import EngineError
 
         self.calls: list[tuple[str, int]] = []
         self.lose_receive = self.fail_load = False
@@ -259,7 +259,7 @@ def test_the_group_follows_the_workers_and_a_worker_that_misses_a_version_leaves
     from libra.errors import Unavailable
     from libra.plans import Bucket, Plan
     from libra.services.rollout.server import RolloutService
-    from libra.services.rollout.weights_roster import BLOB
+    from libra.weights.roster import BLOB
     from libra.services.trainer.loop import GrpoLoop
     from libra.services.trainer.model_state import ModelState
     from libra.services.trainer.status import TrainerStatus

@@ -118,7 +118,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def worker(model_dir, tmp_path_factory):
-    from libra.services.rollout.vllm_worker import VllmWorkerProcess
+    from libra.services.rollout.engines.vllm_worker import VllmWorkerProcess
 
     config = WorkerConfig(max_model_len=512, max_num_seqs=32, kv_cache_gib=0.125, cpu_threads=1)
     process = VllmWorkerProcess(config, model_dir, 0, tmp_path_factory.mktemp("worker-logs"), port=free_port(),
@@ -131,7 +131,7 @@ def worker(model_dir, tmp_path_factory):
 
 
 def play(worker, model_dir, workload: Workload, rollout, trajectories: list[pb.Trajectory]):
-    from libra.services.rollout.engine_client import EngineClient
+    from libra.services.rollout.engines.client import EngineClient
     from libra.tiny_model import load_tokenizer, stop_token_ids
 
     tokenizer = load_tokenizer(model_dir)

@@ -37,7 +37,7 @@ def _backend(kind: str, model_dir: str, **overrides):
 
         backend = TorchBackend(config, seed=0)
     else:
-        from libra.services.trainer.megatron_backend import MegatronBackend
+        from libra.services.trainer.megatron.backend import MegatronBackend
 
         backend = MegatronBackend(config, seed=0)
     backend.load(model_dir)

@@ -45,7 +45,7 @@ def _config(max_grad_norm: float = 1e6, **megatron) -> TrainerConfig:
 
 
 def _backend(model_dir: str, max_grad_norm: float = 1e6):
-    from libra.services.trainer.megatron_backend import MegatronBackend
+    from libra.services.trainer.megatron.backend import MegatronBackend
 
     backend = MegatronBackend(_config(max_grad_norm), seed=0)
     backend.load(model_dir)
@@ -73,7 +73,7 @@ def _in_lockstep(hybrid, run, steps) -> None:
 
 
 def test_two_megatron_hybrids_join_by_snapshot_train_in_lockstep_and_leave(model_dir, tmp_path):
-    from libra.services.trainer.megatron_backend import MegatronBackend
+    from libra.services.trainer.megatron.backend import MegatronBackend
 
     run = MegatronRun(model_dir, tmp_path, max_grad_norm=0.5)  # clipped: hybrids clip as the core does
     first = _join(run, "h-a")  # steps 1, 2 without it; snapshot of the state after step 1, step 2 replayed
@@ -142,7 +142,7 @@ def test_a_hybrid_whose_gradient_layout_differs_fails_its_join_with_the_reason(m
 
 
 def test_a_tensor_parallel_megatron_core_refuses_hybrids_at_admission(tmp_path):
-    from libra.services.trainer.megatron_backend import MegatronBackend
+    from libra.services.trainer.megatron.backend import MegatronBackend
 
     backend = MegatronBackend(_config(tensor_parallel=2))
     assert "trainer.megatron.tensor_parallel=2" in backend.hybrid_refusal()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from libra.redis_server import free_port
-from libra.services.trainer import megatron_convert as convert
+from libra.services.trainer.megatron import convert as convert
 from libra.services.trainer.backend import TrainBatch, TrainSequence
 from libra.services.trainer.config import TrainerConfig
 
@@ -73,7 +73,7 @@ def _reference(model_dir: str, batch: TrainBatch) -> list[torch.Tensor]:
 
 
 def _megatron(model_dir: str, spec: str = "sdpa", tp: int = 1, **overrides):
-    from libra.services.trainer.megatron_backend import MegatronBackend
+    from libra.services.trainer.megatron.backend import MegatronBackend
 
     config = TrainerConfig(lr=1e-2, micro_batch_size=2, megatron={"tensor_parallel": tp, "layer_spec": spec}, **overrides)
     backend = MegatronBackend(config, seed=0)

@@ -68,7 +68,7 @@ def _config(tp: int = 1, pp: int = 1, spec: str = "sdpa", **overrides) -> Traine
 
 
 def _backend(model_dir: str, tp: int = 1, pp: int = 1, spec: str = "sdpa"):
-    from libra.services.trainer.megatron_backend import MegatronBackend
+    from libra.services.trainer.megatron.backend import MegatronBackend
 
     backend = MegatronBackend(_config(tp, pp, spec), seed=0)
     backend.load(model_dir)
@@ -191,7 +191,7 @@ def test_tensor_and_pipeline_parallel_four_ranks_equal_one(model_dirs, tmp_path)
 
 
 def test_layouts_that_cannot_work_are_refused(model_dirs):
-    from libra.services.trainer.megatron_backend import MegatronBackend
+    from libra.services.trainer.megatron.backend import MegatronBackend
 
     # One process cannot hold two stages.
     with pytest.raises(ValueError, match="pipeline_parallel=2 = 2 does not divide the world size 1"):

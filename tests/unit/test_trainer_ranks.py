@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> Non
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_RANK=str(rank), LIBRA_TEST_MODEL=model_dir)
     from libra.services.trainer import ranks
-    from libra.services.trainer.megatron_backend import MegatronBackend
+    from libra.services.trainer.megatron.backend import MegatronBackend
 
     assert ranks.launched() == (rank, world)
     group = ranks.join()
@@ -97,7 +97,7 @@ def test_two_ranks_follow_the_leader_and_train_like_one_process(model_dir, tmp_p
     assert follower == {"calls": 8}  # load, log-probs, 2 steps, 2 exports, weights, checkpoint
     assert "2 ranks" in leader["refusal"]
 
-    from libra.services.trainer.megatron_backend import MegatronBackend
+    from libra.services.trainer.megatron.backend import MegatronBackend
 
     os.environ["LIBRA_TEST_MODEL"] = model_dir
     single = _calls(MegatronBackend(_config(), seed=0), str(tmp_path / "single"))

@@ -10,9 +10,9 @@ import asyncio
 import pathlib
 
 from libra.services.rollout.config import WorkerConfig
-from libra.services.rollout.engine_client import EngineError
+from libra.services.rollout.engines.client import EngineError
 from libra.services.rollout.weight_delivery import WeightDelivery
-from libra.services.rollout.weights_roster import GroupRecord, Roster
+from libra.weights.roster import GroupRecord, Roster
 from libra.services.rollout.workers import PoolWorker, WorkerPool
 from libra.v1 import common_pb2
 

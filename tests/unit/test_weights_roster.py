@@ -1,8 +1,8 @@
-"""The weights group's roster and generation decisions (services/rollout/weights_roster.py)."""
+"""The weights group's roster and generation decisions (libra/weights/roster.py)."""
 
 from __future__ import annotations
 
-from libra.services.rollout.weights_roster import GroupRecord, Roster, delivery, reform_reason
+from libra.weights.roster import GroupRecord, Roster, delivery, reform_reason
 
 
 def test_roster_orders_workers_and_gives_each_tp_rank_its_own_rank():

@@ -22,7 +22,7 @@ State in a snapshot, per kind:
             per trainable parameter index, {exp_avg, exp_avg_sq, main}: Adam's moments and the fp32
             master (GPU mixed precision; on CPU the parameter itself), whole on every core rank
             since the distributed optimizer is refused with a hook; Adam's step count in `extra`.
-            Loading goes through `megatron_checkpoint`'s optimizer adapters, the same code that
+            Loading goes through `megatron.checkpoint`'s optimizer adapters, the same code that
             restores checkpoints, so torch AdamW (CPU) and Megatron's optimizers (GPU) both work.
 """
 
@@ -39,7 +39,7 @@ def kind_of(backend: Any) -> str:
     """"megatron" for a MegatronBackend (checked without importing Megatron), else "torch"."""
     import sys
 
-    module = sys.modules.get("libra.services.trainer.megatron_backend")
+    module = sys.modules.get("libra.services.trainer.megatron.backend")
     return "megatron" if module is not None and isinstance(backend, module.MegatronBackend) else "torch"
 
 
@@ -70,7 +70,7 @@ def build(meta: dict[str, Any], threads: int, device: str) -> Any:
 def _build_megatron(config: Any, model_dir: str, device: str) -> Any:
     import torch
 
-    from libra.services.trainer.megatron_backend import MegatronBackend
+    from libra.services.trainer.megatron.backend import MegatronBackend
 
     settings = config.megatron
     if settings.tensor_parallel != 1 or settings.pipeline_parallel != 1:
@@ -163,7 +163,7 @@ def load_state(backend: Any, model: dict[str, Any], optimizer: dict[int, Any], g
 def _megatron_state(backend: Any) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[dict], dict[str, Any]]:
     import torch
 
-    from libra.services.trainer import megatron_checkpoint as ckpt
+    from libra.services.trainer.megatron import checkpoint as ckpt
 
     model = {k: t.detach().clone() for k, t in backend.model.state_dict().items() if torch.is_tensor(t)}
     adapter = ckpt.optimizer_state(backend)
@@ -181,8 +181,8 @@ def _megatron_state(backend: Any) -> tuple[dict[str, Any], dict[int, dict[str, A
 
 def _load_megatron_state(backend: Any, model: dict[str, Any], optimizer: dict[int, Any],
                          extra: dict[str, Any]) -> None:
-    from libra.services.trainer import megatron_checkpoint as ckpt
-    from libra.services.trainer.megatron_build import load_state
+    from libra.services.trainer.megatron import checkpoint as ckpt
+    from libra.services.trainer.megatron.build import load_state
 
     names = [name for name, _ in ckpt.trainable_parameters(backend)]
     if names != extra["names"]:

@@ -4,7 +4,7 @@ Owns: choosing a hybrid's channel (TCP only, or a pair group over NCCL or gloo),
 group, moving one tensor at a time over it with a deadline, and tearing it down. Must not know:
 frames, models, membership, Redis.
 
-The pair group is built like the weights group (services/rollout/weight_sync.py): its own
+The pair group is built like the weights group (libra/weights/group.py): its own
 TCPStore (hosted by the core rank on a free port) and a standalone `ProcessGroupNCCL` (GPUs) or
 `ProcessGroupGloo` (CPU), never `init_process_group`, so the core's own process group is never
 created, rebuilt or used for a hybrid. It lives exactly as long as the hybrid's connection: built

@@ -4,7 +4,7 @@ The counterpart of `vllm_ext.LibraWorkerExtension` for the hf engine, and mixed 
 `HFEngine` takes these methods from `HFWeightLoads`, and `hf_server` reaches them through the same
 `/collective_rpc` method names. Two sources: a safetensors directory on disk (every name and shape
 checked before the model is touched, so a bad directory leaves the weights alone) and the weights
-group (weight_sync.py: broadcast straight into the parameters; hf_server joins and leaves its
+group (libra/weights/group.py: broadcast straight into the parameters; hf_server joins and leaves its
 generations). A load that fails half-way marks
 the engine `dirty` (its /health then answers 503) instead of serving mixed weights.
 
@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from libra import log as liblog
-from libra.services.rollout.weight_flat import FlatWeights
+from libra.weights.flat import FlatWeights
 
 _log = liblog.get("libra.rollout.hf_weights")
 
@@ -41,7 +41,7 @@ class HFWeightLoads:
         import torch
         from safetensors import SafetensorError, safe_open
 
-        from libra.services.rollout.vllm_ext import safetensors_files
+        from libra.services.rollout.engines.vllm_ext import safetensors_files
 
         started = time.perf_counter()
         try:
@@ -72,7 +72,7 @@ class HFWeightLoads:
         import torch
 
         from libra.errors import FailedPrecondition
-        from libra.services.rollout.weight_sync import WeightSyncError
+        from libra.weights.group import WeightSyncError
 
         if self.weights_group is None:
             return {"error": "FailedPrecondition: this engine has not joined a weights group"}
@@ -107,7 +107,7 @@ class HFWeightLoads:
         in_place = flat is not None and flat.fits(layout)
         if not in_place and not self.flat_refused:
             # Lay the parameters out as the trainer's byte stream: later versions then land in them
-            # with no unpack copy (weight_flat.py). Same parameter objects; one copy, once.
+            # with no unpack copy (libra/weights/flat.py). Same parameter objects; one copy, once.
             try:
                 self.flat_weights = FlatWeights.adopt(params, layout)
             except torch.OutOfMemoryError as error:  # nothing moved (the buffer comes first): stay as is

@@ -3,7 +3,7 @@
 Owns: the GPTModel of this rank's pipeline stage (layer spec, fusions, device and dtype), Megatron
 DDP and the optimizer around it (Megatron's on GPUs, torch AdamW on CPU), and loading a Megatron
 state dict into a model. Must not know: the GRPO step, batches, checkpoints' layout, Redis.
-Used by `megatron_backend` (load), `megatron_checkpoint` and the elastic snapshots (load_state).
+Used by `megatron.backend` (load), `megatron.checkpoint` and the elastic snapshots (load_state).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from libra.services.trainer.config import TrainerConfig
-    from libra.services.trainer.megatron_convert import Shape
+    from libra.services.trainer.megatron.convert import Shape
 
 
 def build_model(hf_config: Any, shape: Shape, config: TrainerConfig, layer_spec_name: str, bf16: bool,
@@ -23,8 +23,8 @@ def build_model(hf_config: Any, shape: Shape, config: TrainerConfig, layer_spec_
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    from libra.services.trainer import megatron_convert as convert
-    from libra.services.trainer.megatron_specs import layer_spec
+    from libra.services.trainer.megatron import convert as convert
+    from libra.services.trainer.megatron.specs import layer_spec
 
     settings = config.megatron
     tconfig = convert.transformer_config(

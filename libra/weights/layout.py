@@ -1,4 +1,4 @@
-"""How one policy version's tensors are laid out for the weights group (weight_sync.py).
+"""How one policy version's tensors are laid out for the weights group (libra/weights/group.py).
 
 Tensors of at least `direct_bytes` are broadcast on their own; the rest form one virtual byte
 stream (each tensor 16-byte aligned) cut into fixed-size buckets. The layout travels as JSON in
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 ALIGN = 16  # bytes; every tensor starts at a multiple, so a bucket slice can be viewed as any dtype
 # Tensors this big are broadcast on their own (no pack/unpack copy); None: every tensor through the
-# buckets, the faster choice measured on H200 (weight_sync.py's docstring).
+# buckets, the faster choice measured on H200 (libra/weights/group.py's docstring).
 DEFAULT_DIRECT_BYTES: int | None = None
 _DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 

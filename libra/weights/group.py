@@ -2,7 +2,7 @@
 
 A group has a *generation*: one fixed set of ranks, reused for every policy version until that set
 changes (workers added, drained, failed) or a version fails on it; then the trainer forms the next
-generation and every rank of the old one closes it (weights_roster.py says who decides what). The
+generation and every rank of the old one closes it (libra/weights/roster.py says who decides what). The
 trainer is rank 0 and each worker engine process (each TP rank of a vLLM worker) is one rank ≥ 1.
 All generations meet in one TCPStore hosted by the trainer for the life of its process, each under
 its own key prefix (`libra-weights/g{G}/`), and each is a standalone
@@ -29,7 +29,7 @@ One version, as the two sides see it (the store carries the handshake, the group
     all-gather of every rank's timings ◀──────────▶  (the acknowledgement: done when all bytes are in)
 
 All tensors form one virtual byte stream (each tensor 16-byte aligned) cut into fixed-size
-buckets (weight_layout.py), so a tensor larger than a bucket spans several and the buffers never
+buckets (libra/weights/layout.py), so a tensor larger than a bucket spans several and the buffers never
 grow. Optionally, tensors of at least `direct_bytes` are broadcast one by one straight from the
 trainer's parameter into the worker's, with no copy on either side (they go first, then the
 buckets); it is off by default: on two H200s it was slower than packing (1B-sized set: 61.9% of a
@@ -49,7 +49,7 @@ starts (the group stays usable; the caller retries the version over the disk pat
 inside a collective (a receiver that dies mid-broadcast) breaks the group: every later call raises
 until the next generation replaces it. On NCCL a dead peer is only noticed at the group's timeout.
 This module holds the group (rendezvous, generations, the helpers both sides use); the sender's
-half is weight_send.py, the receivers' weight_receive.py. They know torch.distributed only: not
+half is libra/weights/send.py, the receivers' libra/weights/receive.py. They know torch.distributed only: not
 HTTP, Redis or engines.
 """
 
@@ -61,10 +61,10 @@ import time
 from typing import TYPE_CHECKING, Any, Iterable
 
 from libra.errors import FailedPrecondition
-from libra.services.rollout.weight_flat import FlatWeights
-from libra.services.rollout.weight_layout import DEFAULT_DIRECT_BYTES, Layout, TensorSlot, plan_layout
-from libra.services.rollout.weight_receive import WeightsReceiver
-from libra.services.rollout.weight_send import SyncReport, WeightSyncError, WeightsSender
+from libra.weights.flat import FlatWeights
+from libra.weights.layout import DEFAULT_DIRECT_BYTES, Layout, TensorSlot, plan_layout
+from libra.weights.receive import WeightsReceiver
+from libra.weights.send import SyncReport, WeightSyncError, WeightsSender
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "FlatWeights", "Layout", "SyncReport", "WeightSyncError", "WeightsGroup",
            "join_generation", "open_store", "plan_layout"]

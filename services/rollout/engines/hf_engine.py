@@ -11,7 +11,7 @@
 Continuous batching, lite: the running batch keeps one KV cache per layer ([B, heads, L, dim],
 left-padded, with a [B, L] mask and explicit positions); new requests are prefilled together and
 padded into it between steps, finished rows are dropped, and columns no row needs are trimmed.
-Weight loads (hf_weights.py) run in the decode thread between two steps, so running requests
+Weight loads (engines/hf_weights.py) run in the decode thread between two steps, so running requests
 keep their KV cache and their next tokens come from the new weights: no request is dropped.
 
 The HTTP surface is the subset of vLLM's that `EngineClient` uses: token ids in and out,
@@ -20,7 +20,7 @@ token ids or EOS (the stop id is the last id returned), `seed`, and `/collective
 same method names as `LibraWorkerExtension` (plus the weights-group ones), so the gateway cannot
 tell the engines apart. Tensor parallelism is not supported (TP 1 only).
 
-Start: `python -m libra.services.rollout.hf_engine --model DIR --port P --device cuda|cpu`.
+Start: `python -m libra.services.rollout.engines.hf_engine --model DIR --port P --device cuda|cpu`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from libra.services.rollout.hf_weights import HFWeightLoads
+from libra.services.rollout.engines.hf_weights import HFWeightLoads
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 
@@ -300,7 +300,7 @@ def _pad_left(tensor: Any, width: int, dim: int) -> Any:
 
 # ---- command line: build the engine, serve hf_server.build_app -----------------------------
 def main(argv: list[str] | None = None) -> int:
-    from libra.services.rollout import hf_server  # the HTTP layer (imports this module's engine)
+    from libra.services.rollout.engines import hf_server  # the HTTP layer (imports this module's engine)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="HF model directory (config, safetensors, tokenizer)")

@@ -32,14 +32,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from libra.services.trainer import megatron_runtime as rt
+from libra.services.trainer.megatron import runtime as rt
 from libra.services.trainer.backend import PackedBatch, TrainBatch, pack
 
 if TYPE_CHECKING:
     import torch
 
     from libra.services.trainer.config import TrainerConfig
-    from libra.services.trainer.megatron_convert import Shape
+    from libra.services.trainer.megatron.convert import Shape
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ def stage_of(model: Any) -> Stage:
 
 def stage_state(model: Any, model_dir: str, shape: Shape, tp: int, tp_rank: int) -> dict[str, torch.Tensor]:
     """The Megatron state dict of this stage and TP rank, reading only the HF tensors it needs."""
-    from libra.services.trainer import megatron_convert as convert
+    from libra.services.trainer.megatron import convert as convert
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
@@ -272,7 +272,7 @@ def hf_state_dict(model: Any, shape: Shape, to_cpu: bool, device: Any) -> dict[s
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from libra.services.trainer import megatron_convert as convert
+    from libra.services.trainer.megatron import convert as convert
 
     if ps.get_data_parallel_rank() != 0:  # the TP and PP groups of a rank lie within its DP replica
         return None

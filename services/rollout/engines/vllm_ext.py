@@ -1,8 +1,8 @@
 """Libra's extension of the vLLM worker: in-place weight reload from a safetensors directory or
-from the weights group (NCCL on GPUs, gloo on CPU; see weight_sync.py).
+from the weights group (NCCL on GPUs, gloo on CPU; see libra/weights/group.py).
 
 vLLM mixes this class into its worker class when the server is started with
-`--worker-extension-cls libra.services.rollout.vllm_ext.LibraWorkerExtension` (see
+`--worker-extension-cls libra.services.rollout.engines.vllm_ext.LibraWorkerExtension` (see
 `vllm/v1/worker/worker_base.py`: the class is appended to the worker's bases, and a name that
 clashes with a worker attribute is an assertion error, hence the `libra_` prefix). Its methods
 run in the worker process and are reached from outside through the engine's `collective_rpc`,
@@ -106,11 +106,11 @@ class LibraWorkerExtension:
                                  backend: str, timeout_s: float | str, bucket_mb: int | str,
                                  generation: int | str = 0) -> dict[str, Any]:
         """Join generation `generation` of the weights group as rank `first_rank` + this worker's TP
-        rank, closing the generation it was in (weight_sync.py).
+        rank, closing the generation it was in (libra/weights/group.py).
 
         Blocks until every rank has joined, so the trainer (rank 0) joins at the same time.
         """
-        from libra.services.rollout.weight_sync import join_generation
+        from libra.weights.group import join_generation
 
         rank = int(first_rank) + int(getattr(self, "rank", 0))
         previous, self.libra_group = getattr(self, "libra_group", None), None
@@ -134,7 +134,7 @@ class LibraWorkerExtension:
         marks the worker unhealthy if that fails too).
         """
         from libra.errors import FailedPrecondition
-        from libra.services.rollout.weight_sync import WeightSyncError
+        from libra.weights.group import WeightSyncError
 
         group = getattr(self, "libra_group", None)
         if group is None:

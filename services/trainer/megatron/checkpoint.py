@@ -43,11 +43,11 @@ import random
 import shutil
 from typing import TYPE_CHECKING, Any
 
-from libra.services.trainer import megatron_runtime as rt
-from libra.services.trainer.megatron_build import load_state
+from libra.services.trainer.megatron import runtime as rt
+from libra.services.trainer.megatron.build import load_state
 
 if TYPE_CHECKING:
-    from libra.services.trainer.megatron_backend import MegatronBackend
+    from libra.services.trainer.megatron.backend import MegatronBackend
 
 CHECKPOINT_FORMAT = 2
 MOMENTS = ("exp_avg", "exp_avg_sq")

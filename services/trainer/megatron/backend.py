@@ -1,9 +1,9 @@
 """The Megatron-Core training backend: an HF Llama/Qwen2/Qwen3 model as a Megatron GPTModel.
 
 Owns: the process-group layout (TP × PP × DP), this rank's stage of the GPTModel built from the
-HF config (`megatron_convert`), its optimizer, the GRPO step (the same `policy_loss` as the torch
-backend, run through Megatron's pipeline schedule by `megatron_pipeline`), HF weight publication,
-distributed checkpoints (`megatron_checkpoint`), and the elastic gradient hook.
+HF config (`megatron.convert`), its optimizer, the GRPO step (the same `policy_loss` as the torch
+backend, run through Megatron's pipeline schedule by `megatron.pipeline`), HF weight publication,
+distributed checkpoints (`megatron.checkpoint`), and the elastic gradient hook.
 Must not know: Redis, gRPC, how batches are assembled.
 
 Two execution paths, one model:
@@ -29,9 +29,9 @@ the whole model's gradient, a pipeline stage or tensor-parallel shard only its p
 train without using the hook and refuse hybrids at admission (`hybrid_refusal`). A hybrid builds
 this backend itself (TP = PP = 1, its own one-process world) and loads a snapshot of this rank's
 model and Adam state (`elastic.backends`, `elastic.snapshot`). Model and optimizer are built by
-`megatron_build`.
+`megatron.build`.
 
-CPU (tests, tiny runs): Megatron-Core assumes CUDA in a few helpers; `megatron_runtime.
+CPU (tests, tiny runs): Megatron-Core assumes CUDA in a few helpers; `megatron.runtime.
 patch_megatron_for_cpu` adapts exactly those, and only when torch has no CUDA.
 """
 
@@ -43,9 +43,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
-from libra.services.trainer import megatron_build as build
-from libra.services.trainer import megatron_pipeline as pipeline
-from libra.services.trainer import megatron_runtime as rt
+from libra.services.trainer.megatron import build as build
+from libra.services.trainer.megatron import pipeline as pipeline
+from libra.services.trainer.megatron import runtime as rt
 from libra.services.trainer.backend import GradientHook, HybridShare, TrainBackend, TrainBatch, write_weights_dir
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class MegatronBackend(TrainBackend):
         import torch
         from transformers import AutoConfig
 
-        from libra.services.trainer import megatron_convert as convert
+        from libra.services.trainer.megatron import convert as convert
 
         if not os.path.isdir(model_dir):
             raise ValueError(f"MegatronBackend.load: {model_dir!r} is not a model directory")
@@ -322,12 +322,12 @@ class MegatronBackend(TrainBackend):
         rt.barrier()
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
-        """A Megatron distributed checkpoint (model + optimizer in model space): `megatron_checkpoint`."""
-        from libra.services.trainer import megatron_checkpoint
+        """A Megatron distributed checkpoint (model + optimizer in model space): `megatron.checkpoint`."""
+        from libra.services.trainer.megatron import checkpoint
 
-        megatron_checkpoint.save(self, path, extra)
+        checkpoint.save(self, path, extra)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from libra.services.trainer import megatron_checkpoint
+        from libra.services.trainer.megatron import checkpoint
 
-        return megatron_checkpoint.load(self, path)
+        return checkpoint.load(self, path)

@@ -8,11 +8,11 @@
 
 The server exposes `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health` and, with
 `VLLM_SERVER_DEV_MODE=1`, `/collective_rpc`, through which `EngineClient.load_weights` reaches
-`LibraWorkerExtension` (see vllm_ext.py). The dev endpoints are unauthenticated: keep `host` on
+`LibraWorkerExtension` (see engines/vllm_ext.py). The dev endpoints are unauthenticated: keep `host` on
 a private interface.
 
 This module owns the command line, the environment, readiness and shutdown. It does not speak
-the completion protocol (engine_client.py does) and does not decide where workers go.
+the completion protocol (engines/client.py does) and does not decide where workers go.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import httpx
 
 from libra.errors import FailedPrecondition
 from libra.services.rollout.config import WorkerConfig
-from libra.services.rollout.vllm_ext import INITIAL_VERSION_ENV
+from libra.services.rollout.engines.vllm_ext import INITIAL_VERSION_ENV
 
 SERVED_MODEL_NAME = "policy"  # what every engine serves the policy as (hf_server too): readiness asks for it
-EXTENSION_CLS = "libra.services.rollout.vllm_ext.LibraWorkerExtension"
+EXTENSION_CLS = "libra.services.rollout.engines.vllm_ext.LibraWorkerExtension"
 POLL_INTERVAL_S = 0.5
 
 

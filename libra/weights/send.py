@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
 from libra.errors import FailedPrecondition, Unavailable
-from libra.services.rollout.weight_flat import FlatWeights
-from libra.services.rollout.weight_layout import Layout, plan_layout, slots_digest, slots_to_json
+from libra.weights.flat import FlatWeights
+from libra.weights.layout import Layout, plan_layout, slots_digest, slots_to_json
 
 if TYPE_CHECKING:
     import torch

@@ -14,9 +14,9 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from libra.errors import FailedPrecondition
-from libra.services.rollout.weight_flat import FlatWeights
-from libra.services.rollout.weight_layout import Layout, TensorSlot, slots_from_json
-from libra.services.rollout.weight_send import WeightSyncError
+from libra.weights.flat import FlatWeights
+from libra.weights.layout import Layout, TensorSlot, slots_from_json
+from libra.weights.send import WeightSyncError
 
 if TYPE_CHECKING:
     import torch

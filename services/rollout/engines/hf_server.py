@@ -1,8 +1,8 @@
 """The HTTP face of the transformers engine (`hf_engine.HFEngine`): vLLM's OpenAI-compatible
 endpoints that Libra uses, plus the weight-update endpoints, as an aiohttp application.
 
-Kept apart from the engine so that the batching/decoding loop (hf_engine.py) reads on its own;
-`python -m libra.services.rollout.hf_engine` builds the engine and serves this app.
+Kept apart from the engine so that the batching/decoding loop (engines/hf_engine.py) reads on its own;
+`python -m libra.services.rollout.engines.hf_engine` builds the engine and serves this app.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from libra.services.rollout.hf_engine import HFEngine, Request
-from libra.services.rollout.vllm_worker import SERVED_MODEL_NAME  # what the launcher's readiness check asks for
+from libra.services.rollout.engines.hf_engine import HFEngine, Request
+from libra.services.rollout.engines.vllm_worker import SERVED_MODEL_NAME  # what the launcher's readiness check asks for
 
 
 def build_app(engine: HFEngine, tokenizer: Any = None) -> Any:
@@ -143,7 +143,7 @@ def build_app(engine: HFEngine, tokenizer: Any = None) -> Any:
 def _join_group(engine: HFEngine, host: str, port: int, rank: int, world_size: int, backend: str,
                 timeout_s: float, bucket_mb: int, generation: int = 0) -> dict[str, Any]:
     """Make the engine rank `rank` of weights-group generation `generation`, closing its old one."""
-    from libra.services.rollout.weight_sync import join_generation
+    from libra.weights.group import join_generation
 
     previous, engine.weights_group = engine.weights_group, None
     engine.weights_group = join_generation(previous, host, port, rank, world_size, backend, str(engine.device),

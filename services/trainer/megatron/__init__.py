@@ -1,0 +1,1 @@
+"""Megatron-Core training backend of the trainer (runs in every trainer rank process)."""
