@@ -121,9 +121,10 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, model_dir: str, wo
     torch.set_num_threads(args.threads)
     if args.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(args.device))
+    settings = ("torch" if args.backend == "torch"  # megatron: hybrids need the whole reduced gradient
+                else {"type": "megatron", "distributed_optimizer": False})
     config = TrainerConfig(lr=1e-4, micro_batch_size=args.group_size * args.groups, torch_threads=args.threads,
-                           groups_per_step=args.groups * world, group_size=args.group_size, backend=args.backend,
-                           megatron={"distributed_optimizer": False})  # hybrids need the whole reduced gradient
+                           groups_per_step=args.groups * world, group_size=args.group_size, backend=settings)
     if args.backend == "megatron":  # the core rank's GPU (or the CPU) is chosen by Megatron's init
         from libra.services.trainer.megatron.backend import MegatronBackend
 

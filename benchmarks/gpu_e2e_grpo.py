@@ -153,7 +153,7 @@ class MegatronTrainer:
 
 
 def start_engine(args, port: int, log_path: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "libra.services.rollout.engines.hf_engine", "--model", args.model, "--port", str(port),
+    command = [sys.executable, "-m", "libra.services.rollout.engines.hf_server", "--model", args.model, "--port", str(port),
                "--device", args.engine_device, "--dtype", args.dtype, "--max-model-len", str(args.max_total_tokens + 64),
                "--max-num-seqs", str(args.groups * args.group_size), "--policy-version", "0"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

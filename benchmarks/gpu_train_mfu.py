@@ -106,12 +106,13 @@ def batch(args: argparse.Namespace, shard: int = 0):
     return TrainBatch(sequences)
 
 
-def trainer_config(args: argparse.Namespace, spec: str, tp: int):
+def trainer_config(args: argparse.Namespace, spec: str | None = None, tp: int = 1):
+    """The torch backend's config, or with a layer `spec` the Megatron backend's."""
     from libra.services.trainer.config import TrainerConfig
 
-    return TrainerConfig(lr=1e-5, micro_batch_size=args.micro, max_grad_norm=1.0,
-                         megatron={"tensor_parallel": tp, "pipeline_parallel": args.pp, "layer_spec": spec,
-                                   "fused_kernels": args.fused})
+    backend = "torch" if spec is None else {"type": "megatron", "tensor_parallel": tp, "pipeline_parallel": args.pp,
+                                            "layer_spec": spec, "fused_kernels": args.fused}
+    return TrainerConfig(lr=1e-5, micro_batch_size=args.micro, max_grad_norm=1.0, backend=backend)
 
 
 def _device() -> str:
@@ -224,7 +225,7 @@ def run_torch(args: argparse.Namespace) -> dict:
             logits = self.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
             return packed, token_logprobs(logits, packed.input_ids)
 
-    config = trainer_config(args, "sdpa", 1)
+    config = trainer_config(args)
     backend = CudaTorchBackend(config, seed=0)
     started = time.perf_counter()
     backend.load(args.model_dir)
@@ -343,7 +344,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--checkpoint-check", action="store_true")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one extra step")
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
-                        help="trainer.megatron.fused_kernels (fused SwiGLU and cross entropy)")
+                        help="trainer.backend.fused_kernels (fused SwiGLU and cross entropy)")
     parser.add_argument("--run-timeout", type=int, default=240)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=2048)

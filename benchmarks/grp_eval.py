@@ -25,9 +25,9 @@ import os
 import pathlib
 import time
 
-from libra.services.planner import sim_run
 from libra.services.planner.hardware import gpu_named, model_named
-from libra.services.planner.simulator import SimConfig
+from libra.services.planner.sim import run as sim_run
+from libra.services.planner.sim.cluster import SimConfig
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 RUNS = [("(a) static + cmlfq", "static", "cmlfq"), ("(b) tp2 + load_balance", "tp2", "load_balance"),

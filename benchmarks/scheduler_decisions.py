@@ -19,9 +19,10 @@ import argparse
 import random
 import time
 
-from libra.services.scheduler.cmlfq import CMLFQ
-from libra.services.scheduler.core import LoadBalance, Policy, Turn, Worker
-from libra.services.scheduler.prefix_tree import PrefixForest
+from libra.routing.baselines import LoadBalance
+from libra.routing.cmlfq import CMLFQ
+from libra.routing.policy import Policy, Turn, Worker
+from libra.routing.prefix_tree import PrefixForest
 
 BUCKETS = [("short", 4_000), ("medium", 12_000), ("long", 30_000)]
 TOOLS = ("search", "python", "browse")

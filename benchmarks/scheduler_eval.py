@@ -1,11 +1,12 @@
 """Makespan and throughput of the routing policies on the rollout simulator, side by side.
 
 Every policy (C-MLFQ, load balance, length-aware, LA-MLFQ, and the oracle that knows each
-trajectory's true remaining output) runs on the same layouts and the same traces
-(`services/scheduler/simulate.py`): one where the first tool outcome predicts the continuation
-("signal") and one with the same lengths but random tool outcomes ("no signal"). Each policy
-object first replays a warm-up trace (other trajectories, same prompt pool), then the evaluated
-trace; it keeps learning during both.
+trajectory's true remaining output) runs on the same layouts and the same traces, on the
+planner's simulator with its simple instance model (`services/planner/sim/`: `rollout.Window`,
+`simple.SimpleModel`; traces from `libra/traces/synthetic.py`): one where the first tool outcome
+predicts the continuation ("signal") and one with the same lengths but random tool outcomes
+("no signal"). Each policy object first plays a warm-up trace (other trajectories, same prompt
+pool), then the evaluated trace; it keeps learning during both.
 
     .venv/bin/python benchmarks/scheduler_eval.py [--trajectories 400] [--seeds 3] [--cap 1000000]
         [--recorded RUN_DIR/trace.jsonl --recorded-buckets short:10,long:512]
@@ -24,27 +25,31 @@ from __future__ import annotations
 import argparse
 import functools
 import time
+from dataclasses import dataclass
 
-from libra.services.scheduler.baselines import LAMLFQ, LengthAware, Oracle
-from libra.services.scheduler.cmlfq import CMLFQ
-from libra.services.scheduler.core import LoadBalance, Policy
-from libra.services.scheduler.prefix_tree import PrefixForest
-from libra.services.scheduler.simulate import Group, Result, Simulator, no_signal_trace, recorded_trace, signal_trace
+from libra.routing.baselines import LAMLFQ, LengthAware, LoadBalance, Oracle
+from libra.routing.cmlfq import CMLFQ
+from libra.routing.policy import Policy
+from libra.routing.prefix_tree import PrefixForest
+from libra.services.planner.sim.instance import Group
+from libra.services.planner.sim.result import RolloutResult
+from libra.services.planner.sim.rollout import Window
+from libra.traces import files, synthetic
 
 BUCKETS = [("short", 2_000), ("medium", 8_000), ("long", 32_000)]
 LAYOUTS = {
     "TP1x4+TP2x2+TP4x1": [Group("short", 1, 4), Group("medium", 2, 2), Group("long", 4, 1)],
     "TP1x8+TP2x2+TP4x2": [Group("short", 1, 8), Group("medium", 2, 2), Group("long", 4, 2)],
 }
-TRACES = {"signal": signal_trace, "no signal": no_signal_trace}
+TRACES = {"signal": synthetic.signal, "no signal": synthetic.no_signal}
 POLICY_NAMES = ("cmlfq", "load_balance", "length_aware", "la_mlfq", "oracle")
 CAP = 1_000_000  # outstanding tokens per worker before spilling (the service default)
 
 
 class Holder:
-    """Lets the oracle ask whichever simulator is running for the true remaining output."""
+    """Lets the oracle ask whichever window is running for the true remaining output."""
 
-    sim: Simulator | None = None
+    sim: Window | None = None
 
     def remaining_of(self, trajectory_id: str) -> int:
         assert self.sim is not None
@@ -64,23 +69,34 @@ def build(name: str, holder: Holder, cap: int = CAP, buckets=BUCKETS) -> Policy:
 
 
 def evaluate(name: str, layout: list[Group], make_trace, n: int, seed: int, cap: int = CAP,
-             buckets=BUCKETS) -> Result:
+             buckets=BUCKETS) -> RolloutResult:
     """Warm the policy on one trace, then measure it on another (same prompt pool)."""
     holder = Holder()
     policy = build(name, holder, cap, buckets)
     for trace_seed in (seed * 1000 + 1, seed * 1000 + 2):  # warm-up, then evaluation
-        holder.sim = Simulator(layout, make_trace(n, trace_seed, prefix=f"s{trace_seed}-"))
+        holder.sim = Window(layout, make_trace(n, trace_seed, prefix=f"s{trace_seed}-"))
         result = holder.sim.run(policy)
     return result
 
 
-def mean_result(runs: list[Result]) -> Result:
+@dataclass
+class Row:
+    """One table row: the seed-average of a policy's runs."""
+
+    makespan_s: float
+    trajectories_per_s: float
+    tokens_per_s: float
+    busy: dict[str, float]
+    moves: int
+
+
+def mean_result(runs: list[RolloutResult]) -> Row:
     """The seed-average of several runs (makespans are dominated by a few long trajectories: noisy)."""
     avg = lambda values: sum(values) / len(values)
     buckets = {bucket for run in runs for bucket in run.busy}
-    return Result(avg([r.makespan_s for r in runs]), avg([r.trajectories_per_s for r in runs]),
-                  avg([r.tokens_per_s for r in runs]), {b: avg([r.busy.get(b, 0.0) for r in runs]) for b in buckets},
-                  round(avg([r.moves for r in runs])))
+    return Row(avg([r.makespan_s for r in runs]), avg([r.trajectories_per_s for r in runs]),
+               avg([r.tokens_per_s for r in runs]), {b: avg([r.busy.get(b, 0.0) for r in runs]) for b in buckets},
+               round(avg([r.moves for r in runs])))
 
 
 def main() -> None:
@@ -88,7 +104,8 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=400)
     parser.add_argument("--seeds", type=int, default=3, help="seeds averaged per row (1..N)")
     parser.add_argument("--cap", type=int, default=CAP, help="per-worker cap on outstanding tokens")
-    parser.add_argument("--recorded", help="a trace.jsonl a run recorded (RUN_DIR/trace.jsonl)")
+    parser.add_argument("--recorded", help="a trace.jsonl a run recorded (RUN_DIR/trace.jsonl; any format "
+                                           "libra.traces.files reads)")
     parser.add_argument("--recorded-buckets", default="short:10,long:512",
                         help="that run's buckets as name:max_tokens,... (the quickstart's by default)")
     parser.add_argument("--only-recorded", action="store_true", help="skip the synthetic traces")
@@ -101,7 +118,8 @@ def main() -> None:
         shapes = [(1, 4), (2, 2), (4, 1)]
         layout = [Group(name, *shapes[i]) for i, (name, _) in enumerate(buckets[:3])]
         layout_name = "+".join(f"TP{g.tp}x{g.count}" for g in layout)
-        runs.append((layout_name, layout, "recorded", functools.partial(recorded_trace, args.recorded), buckets))
+        runs.append((layout_name, layout, "recorded", functools.partial(files.sample, files.read(args.recorded)),
+                     buckets))
     print(f"{args.trajectories} trajectories, mean of {args.seeds} seeds, per-worker cap {args.cap} tokens")
     print(f"{'layout':<18} {'trace':<9} {'policy':<13} {'makespan s':>10} {'traj/s':>6} {'tok/s':>6} "
           f"{'vs LB':>5} {'vs oracle':>9} {'moves':>5}  busy per bucket")

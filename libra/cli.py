@@ -1,15 +1,20 @@
 """The `libra` command.
 
-    libra up --config configs/quickstart.yaml      # the whole job on one machine
+    libra up --config configs/quickstart.yaml [--fresh | --resume]   # the whole job on one machine
     libra serve SERVICE --config FILE [--port P]   # one service (what compose and Slurm run)
     libra status --config FILE                     # plan, pool, workers, trainer progress
-    libra check-config FILE                        # validate a config and print it resolved
+    libra check-config --config FILE               # validate a config and print it resolved
     libra plan --cluster HW.yaml --model M.yaml --trace T --gpus N   # preflight allocation
     libra plan explain --config FILE               # the planner's decisions and calibration
     libra data prepare WORKLOAD --source RAW [--out FILE]   # a dataset -> Libra's prompt JSONL
     libra sim --cluster HW.yaml --model M.yaml --gpus N --steps S --trace synthetic|FILE   # cluster simulator
 
-Exit codes: 0 success, 1 a failure while running, 2 an invalid config or command line, 130 Ctrl-C.
+Every command that reads a run config takes it as `--config FILE` (check-config also as a plain
+FILE argument), with `--set KEY=VALUE` overrides.
+
+Exit codes: 0 success, 1 a failure while running, 2 an invalid config or command line (or, for
+`libra up`, ports in use or a finished run), 128 + N stopped by signal N (130 Ctrl-C, 143
+SIGTERM, 129 SIGHUP).
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from libra.up import up
 
-    return up(_load(args))
+    return up(_load(args), fresh=args.fresh, resume=args.resume)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -130,11 +135,11 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    """Discrete-event simulation of the whole loop at cluster scale (services/planner/simulator.py)."""
+    """Discrete-event simulation of the whole loop at cluster scale (services/planner/sim/)."""
     from libra.errors import InvalidArgument
-    from libra.services.planner import sim_run
     from libra.services.planner.hardware import load_gpu, load_model
-    from libra.services.planner.simulator import SimConfig
+    from libra.services.planner.sim import run as sim_run
+    from libra.services.planner.sim.cluster import SimConfig
 
     try:
         model, gpu = load_model(args.model), load_gpu(args.cluster)
@@ -172,6 +177,12 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     import yaml
 
+    if args.config_path and args.config and args.config_path != args.config:
+        raise ConfigError(f"check-config was given two configs, {args.config_path} and --config {args.config}; "
+                          "pass one")
+    args.config = args.config or args.config_path
+    if not args.config:
+        raise ConfigError("check-config needs a config: libra check-config --config FILE")
     config = _load(args)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
@@ -194,8 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="listen port (default: the config's address)")
     _common(serve, config_required=False)
     serve.set_defaults(func=cmd_serve)
-    up = sub.add_parser("up", help="run the whole job on this machine")
+    up = sub.add_parser("up", help="run the whole job on this machine",
+                        description="Run the whole job on this machine. Over an existing run directory it "
+                                    "resumes from the trainer's last checkpoint; a finished run is refused "
+                                    "(exit 2) until --fresh or a larger trainer.steps.")
     _common(up, config_required=True)
+    start = up.add_mutually_exclusive_group()
+    start.add_argument("--fresh", action="store_true",
+                       help="start over: move an existing run directory aside to RUN_DIR.prev-<time> (and, on "
+                            "a Redis given by redis.url or --redis-url, delete the run's keys there)")
+    start.add_argument("--resume", action="store_true",
+                       help="insist on resuming: fail (exit 2) if the run directory has nothing to resume")
     up.set_defaults(func=cmd_up)
     status = sub.add_parser("status", help="show plan, pool, workers and trainer progress")
     _common(status, config_required=False)
@@ -218,9 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(explain, config_required=False)
     explain.set_defaults(func=cmd_plan_explain)
     check = sub.add_parser("check-config", help="validate a config and print it with defaults")
-    check.add_argument("config_path", metavar="FILE")
+    check.add_argument("config_path", nargs="?", help=argparse.SUPPRESS)  # the older form: check-config FILE
     _common(check, config_required=False)
-    check.set_defaults(func=lambda a: cmd_check(argparse.Namespace(**{**vars(a), "config": a.config_path})))
+    check.set_defaults(func=cmd_check)
     sim = sub.add_parser("sim", help="simulate the whole loop at cluster scale (plans, routing, drift)")
     sim.add_argument("--cluster", required=True, help="hardware description, e.g. configs/hardware/h200-141g.yaml")
     sim.add_argument("--model", required=True, help="model description, e.g. configs/models/qwen2.5-7b.yaml")

@@ -12,7 +12,7 @@ import pathlib
 from typing import Any, Mapping
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from libra.configbase import Section, check_address
 from libra.errors import ConfigError
@@ -22,6 +22,7 @@ from libra.services.planner.config import PlannerConfig
 from libra.services.rollout.config import RolloutConfig
 from libra.services.scheduler.config import SchedulerConfig
 from libra.services.trainer.config import TrainerConfig
+from libra.weights.config import DiskWeights, WeightsConfig
 from libra.workloads.config import CalculatorConfig, WorkloadConfig
 
 SERVICES = ("planner", "scheduler", "trainer", "rollout", "elastic")
@@ -78,6 +79,17 @@ class RunConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="rollout service")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="trainer service")
     elastic: ElasticConfig = Field(default_factory=ElasticConfig, description="elastic coordinator")
+    weights: WeightsConfig = Field(default_factory=DiskWeights,
+                                   description="how policy versions reach the rollout workers: disk or group")
+
+    @model_validator(mode="after")
+    def _weights_backend(self) -> "RunConfig":
+        engine = self.rollout.worker.engine
+        if self.weights.type == "group" and self.weights.backend == "nccl" and engine.type == "hf" \
+                and engine.device == "cpu":
+            raise ValueError("weights.backend nccl needs GPU workers; set rollout.worker.engine.device: cuda "
+                             "or weights.backend: gloo")
+        return self
 
     @property
     def run_path(self) -> pathlib.Path:
@@ -97,6 +109,8 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
     for key in keys[:-1]:
+        if isinstance(node.get(key), str):  # a union's short form (`weights: group`): {type: group}
+            node[key] = {"type": node[key]}
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
             raise ConfigError(f"cannot set {dotted}: {key} is not a section")

@@ -25,7 +25,10 @@ class ProgressPrinter:
         self.records: list[trainer_pb2.StepRecord] = []
 
     def _line(self, text: str) -> None:
-        print(f"[{time.monotonic() - self.started:6.0f}s] {text}", file=self.stream, flush=True)
+        try:
+            print(f"[{time.monotonic() - self.started:6.0f}s] {text}", file=self.stream, flush=True)
+        except OSError:  # the terminal is gone (SIGHUP, a closed pipe): the run goes on, or stops, regardless
+            pass
 
     def info(self, text: str) -> None:
         self._line(text)
@@ -41,9 +44,10 @@ class ProgressPrinter:
             f"wait {record.wait_seconds:.1f}s train {record.train_seconds:.1f}s sync {record.publish_seconds:.1f}s"
             f" | v{record.policy_version} gap {record.behaviour_logprob_gap:.1e} ({record.fresh_sequences} fresh)")
 
-    async def follow(self, config: RunConfig) -> None:
-        """Print the trainer's status changes and steps until cancelled (reconnects as needed)."""
-        last_detail, next_step = "", 1
+    async def follow(self, config: RunConfig, first_step: int = 1) -> None:
+        """Print the trainer's status changes and its steps from `first_step` on (a resumed run: the
+        step after its checkpoint) until cancelled; reconnects as needed."""
+        last_detail, next_step = "", first_step
         while True:
             try:
                 async with channel(config.address_of("trainer")) as chan:
@@ -63,11 +67,18 @@ class ProgressPrinter:
             await asyncio.sleep(1.0)
 
     def finish(self, run_path) -> None:
+        """The run's summary: mean reward of the first and last `reward_window` steps it printed."""
         if not self.records:
             self._line("finished")
             return
-        window = max(1, min(5, len(self.records) // 3))
+        window = reward_window(len(self.records))
         first = sum(r.mean_reward for r in self.records[:window]) / window
         last = sum(r.mean_reward for r in self.records[-window:]) / window
         self._line(f"finished {len(self.records)} steps: mean reward of the first {window} steps {first:.3f}, "
                    f"of the last {window} steps {last:.3f}; reward curve: {run_path / 'reward.png'}")
+
+
+def reward_window(steps: int) -> int:
+    """Steps averaged at each end of a run's summary: 10, as the README's table, from 20 steps on;
+    half the run below that, so the two windows never overlap."""
+    return 10 if steps >= 20 else max(1, steps // 2)

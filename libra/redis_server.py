@@ -1,13 +1,20 @@
-"""A private redis-server for `libra up` and the tests (loopback only, no persistence)."""
+"""A private redis-server for `libra up` and the tests (loopback only, no persistence).
+
+It runs in its own session and is SIGKILLed by the kernel when the process that started it dies
+(libra/procs.py): a killed `libra up` or test session leaves no Redis behind.
+"""
 
 from __future__ import annotations
 
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import time
+from typing import Mapping
 
+from libra import procs
 from libra.errors import FailedPrecondition
 
 INSTALL_HINT = ("redis-server was not found on PATH. Install it (Debian/Ubuntu: `sudo apt-get install -y "
@@ -22,11 +29,18 @@ def free_port() -> int:
 
 
 class PrivateRedis:
-    """Start `redis-server` on a free loopback port in `directory`; stop it on `stop()`."""
+    """Start `redis-server` on a free loopback port in `directory`; stop it on `stop()`.
 
-    def __init__(self, directory: pathlib.Path, port: int | None = None):
+    `log_path`: where its output goes (default `directory`/redis.log, appended); `env`: its
+    environment (default this process's).
+    """
+
+    def __init__(self, directory: pathlib.Path, port: int | None = None, log_path: pathlib.Path | None = None,
+                 env: Mapping[str, str] | None = None):
         self.directory = pathlib.Path(directory)
         self.port = port or free_port()
+        self.log_path = pathlib.Path(log_path) if log_path is not None else self.directory / "redis.log"
+        self.env = dict(env) if env is not None else None
         self.process: subprocess.Popen | None = None
 
     @property
@@ -50,16 +64,17 @@ class PrivateRedis:
         if binary is None:
             raise FailedPrecondition(INSTALL_HINT)
         self.directory.mkdir(parents=True, exist_ok=True)
-        log = open(self.directory / "redis.log", "ab")
-        self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory), "--protected-mode", "yes"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = procs.start_group(
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", str(self.directory), "--protected-mode", "yes"],
+                signal.SIGKILL, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise FailedPrecondition(f"redis-server exited with {self.process.returncode}; see "
-                                         f"{self.directory / 'redis.log'}")
+                                         f"{self.log_path}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                     sock.sendall(b"PING\r\n")

@@ -1,17 +1,24 @@
-"""gRPC plumbing shared by every service: the server with health and reflection, error mapping,
-client channels, and waiting for peers.
+"""gRPC plumbing shared by every service: the server with health and reflection, client channels
+with their retry policy, and the few waits that gRPC cannot do for us.
 
-Servicer methods are wrapped by `guard`, the one place where exceptions become status codes
-(table in `libra.errors.status_code`): bad input -> INVALID_ARGUMENT, unknown ids -> NOT_FOUND, and
-anything unexpected -> INTERNAL with the service still running.
+Servicer methods go through `libra.boundary.rpc` (run check, request id, replay, status codes).
+
+Retries are declared once, in the service config of every channel (`channel()`): a unary call
+to a Libra service that fails with UNAVAILABLE is retried by gRPC itself, with backoff, within
+the call's deadline; a channel made with `wait_for_ready=True` also waits (within the deadline)
+for a peer that is not up yet instead of failing at once. Retrying a mutating call is safe
+because every mutating RPC answers a repeated request id with its first reply (docs/rpc.md).
+What the service config cannot cover keeps one shared helper, `Backoff` (see its docstring).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
-from typing import Any, Awaitable, Callable, Iterable
+import importlib
+import json
+import pkgutil
+from typing import Awaitable, Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,7 +26,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from libra import log as liblog
-from libra.errors import FailedPrecondition, status_code
+from libra.errors import FailedPrecondition
 
 _log = liblog.get("libra.rpc")
 
@@ -34,42 +41,19 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MESSAGE_BYTES),
     ("grpc.max_send_message_length", MESSAGE_BYTES),
     ("grpc.enable_retries", 1),
+    ("grpc.service_config_disable_resolution", 1),  # our service config, never one from DNS
+    # Reconnect to a restarted peer within ~2 s (gRPC's default backoff grows to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-
-
-def guard(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Map exceptions raised by a servicer method to gRPC status codes (unary and streaming)."""
-
-    async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
-        code = status_code(error)
-        if code == grpc.StatusCode.INTERNAL:
-            _log.exception("rpc failed", method=method.__name__)
-            message = f"internal error in {method.__name__}: {type(error).__name__}: {error}"
-        else:
-            message = str(error) or type(error).__name__
-        await context.abort(code, message)
-
-    if inspect.isasyncgenfunction(method):
-        @functools.wraps(method)
-        async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
-            try:
-                async for item in method(self, request, context):
-                    yield item
-            except (asyncio.CancelledError, grpc.aio.AbortError):
-                raise
-            except Exception as error:  # noqa: BLE001 - mapped to a status, service keeps running
-                await _abort(context, error)
-        return stream_wrapper
-
-    @functools.wraps(method)
-    async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext):
-        try:
-            return await method(self, request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as error:  # noqa: BLE001 - mapped to a status, service keeps running
-            await _abort(context, error)
-    return unary_wrapper
+RETRY_POLICY = {
+    "maxAttempts": 5,  # gRPC's upper limit
+    "initialBackoff": "0.1s",
+    "maxBackoff": "2s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["UNAVAILABLE"],
+}
+"""gRPC's retry policy for every unary Libra RPC (streams are reopened by their owners)."""
 
 
 class ServiceHost:
@@ -114,9 +98,39 @@ class ServiceHost:
         await self.server.stop(grace_s)
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """An insecure asyncio channel to a peer (HOST:PORT)."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def wire_services() -> list:
+    """The ServiceDescriptors of every service in libra.v1 (the generated code), by full name."""
+    import libra.v1
+
+    found = {}
+    for module in pkgutil.iter_modules(libra.v1.__path__):
+        if module.name.endswith("_pb2"):
+            descriptor = importlib.import_module(f"libra.v1.{module.name}").DESCRIPTOR
+            found.update({s.full_name: s for s in descriptor.services_by_name.values()})
+    return [found[name] for name in sorted(found)]
+
+
+@functools.cache
+def service_config(wait_for_ready: bool) -> str:
+    """The service config (JSON) of `channel()`: RETRY_POLICY for every unary method of every Libra
+    service, and `waitForReady` if asked. Health checks and streams are left out on purpose: a
+    health check must say NOT_SERVING at once, and a broken stream is reopened by its owner."""
+    unary = [{"service": service.full_name, "method": method.name}
+             for service in wire_services() for method in service.methods
+             if not method.client_streaming and not method.server_streaming]
+    method_config = {"name": unary, "retryPolicy": RETRY_POLICY}
+    if wait_for_ready:
+        method_config["waitForReady"] = True
+    return json.dumps({"methodConfig": [method_config]})
+
+
+def channel(address: str, *, wait_for_ready: bool = False) -> grpc.aio.Channel:
+    """An insecure asyncio channel to a peer (HOST:PORT) with Libra's retry policy.
+
+    `wait_for_ready=True` for a peer that may not be up yet (or may be restarting) when a call is
+    made: its unary calls wait for the connection, within their deadline, instead of failing."""
+    options = [*CHANNEL_OPTIONS, ("grpc.service_config", service_config(wait_for_ready))]
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 async def peer_serving(address: str, timeout_s: float = 2.0) -> bool:
@@ -130,24 +144,51 @@ async def peer_serving(address: str, timeout_s: float = 2.0) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+class Backoff:
+    """Growing waits, for the retry loops that gRPC's service config cannot express.
+
+    Three remain, and each uses this: waiting for Redis when a service starts (not gRPC at all),
+    waiting for a peer's health to say SERVING (the peer answers, but is not ready: nothing to
+    retry), and reopening the scheduler's Session stream after it broke (gRPC never retries a
+    stream once a response arrived). `wait()` sleeps the next delay, or raises TimeoutError once
+    `give_up_s` have passed since the first failure after the last `reset()` (progress).
+    """
+
+    def __init__(self, first_s: float = 0.1, max_s: float = 5.0, factor: float = 1.6,
+                 give_up_s: float | None = None):
+        self.first_s, self.max_s, self.factor, self.give_up_s = first_s, max_s, factor, give_up_s
+        self.reset()
+
+    def reset(self) -> None:
+        self.delay_s, self.tries, self._failing_since = self.first_s, 0, None
+
+    async def wait(self, what: str) -> None:
+        loop = asyncio.get_running_loop()
+        if self._failing_since is None:
+            self._failing_since = loop.time()
+        if self.give_up_s is not None and loop.time() - self._failing_since >= self.give_up_s:
+            raise TimeoutError(f"gave up waiting for {what} after {self.give_up_s:.0f}s")
+        self.tries += 1
+        await asyncio.sleep(self.delay_s)
+        self.delay_s = min(self.max_s, self.delay_s * self.factor)
+
+
 async def retry_until(attempt: Callable[[], Awaitable[bool]], what: str,
                       timeout_s: float | None = None, max_backoff_s: float = 5.0) -> None:
-    """Call `attempt` with exponential backoff until it returns True (or raise TimeoutError)."""
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout_s is None else loop.time() + timeout_s
-    backoff, tries = 0.1, 0
+    """Call `attempt` with backoff until it returns True (or raise TimeoutError after `timeout_s`).
+
+    For waits that are not a gRPC call (see `Backoff`); an exception from `attempt` counts as a
+    False (a peer that is not up yet) and is logged now and then."""
+    backoff = Backoff(max_s=max_backoff_s, give_up_s=timeout_s)
     while True:
-        tries += 1
         try:
             if await attempt():
                 return
         except Exception as error:  # noqa: BLE001 - a peer that is not up yet; keep trying
+            tries = backoff.tries + 1
             if tries in (1, 10) or tries % 50 == 0:
                 _log.info("waiting", what=what, error=f"{type(error).__name__}: {error}", tries=tries)
-        if deadline is not None and loop.time() >= deadline:
-            raise TimeoutError(f"gave up waiting for {what} after {timeout_s:.0f}s")
-        await asyncio.sleep(backoff)
-        backoff = min(max_backoff_s, backoff * 1.6)
+        await backoff.wait(what)
 
 
 async def wait_for_peers(addresses: dict[str, str], timeout_s: float | None = None) -> None:

@@ -1,10 +1,13 @@
-"""Helpers every service uses: Redis with retries, run checks, request validation."""
+"""Helpers every service uses: Redis with retries at start, and request-field validation.
+
+The run check and the request id of a call are the RPC boundary's (`libra.boundary`).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from libra.errors import InvalidArgument, NotFound
+from libra.errors import InvalidArgument
 from libra.rpc import retry_until
 
 
@@ -26,19 +29,8 @@ async def connect_store(url: str, run_id: str, timeout_s: float | None = None):
     return holder["store"]
 
 
-def check_run(requested: str, own: str) -> None:
-    """Requests name their run; an empty run id means this service's run."""
-    if requested and requested != own:
-        raise NotFound(f"unknown run {requested!r}: this service serves run {own!r}")
-
-
 def require(value: Any, field: str, hint: str = "") -> Any:
     """Raise INVALID_ARGUMENT when a required request field is empty."""
     if value in (None, "", 0) or (hasattr(value, "__len__") and len(value) == 0):
         raise InvalidArgument(f"{field} is required" + (f": {hint}" if hint else ""))
     return value
-
-
-def request_id(meta: Any) -> str:
-    """The request id of a mutating RPC (idempotency key)."""
-    return require(meta.request_id, "meta.request_id", "every mutating call carries a unique request id")

@@ -1,4 +1,4 @@
-"""Recorded trajectory traces: what a real run played, in a form the simulators replay.
+"""Recorded trajectory traces: what a real run played, in a form the simulator replays.
 
 The rollout service appends one JSON line per finished trajectory to `RUN_DIR/trace.jsonl` (on
 by default: `rollout.record_trace`). A line keeps what routing and capacity planning need and
@@ -14,7 +14,8 @@ Per-turn outputs come from the loss mask: each maximal run of trained-on tokens 
 (tool results are masked out between them). A trajectory that stopped after a tool call (turn or
 token budget) keeps that trailing call in `tools` only if another turn followed it, so that
 `len(tools) == len(outputs) - 1` always holds; failed trajectories are recorded with their status
-and skipped by `load` unless asked for.
+and skipped by `load` unless asked for. This module owns the line format (writing and validating
+it); `libra.traces.files.read` turns a recording into the `TrajectorySpec`s every simulation plays.
 """
 
 from __future__ import annotations

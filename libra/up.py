@@ -1,11 +1,21 @@
 """`libra up`: the whole job on one machine, each service its own process.
 
 ```
- libra up ─┬─ redis-server (private, unless redis.url is given)
+ libra up ─┬─ run dir: resume / refuse a finished run / --fresh (run_dir.py); logs rotated
+           ├─ redis-server (private, unless redis.url is given)
            ├─ libra serve planner | elastic | scheduler | rollout | trainer   (logs: RUN_DIR/logs/)
            └─ progress: Trainer.WatchSteps ─▶ terminal;  a child that dies ─▶ stop all, exit 1
 ```
-Ctrl-C or the trainer finishing stops everything: SIGTERM in reverse start order, then SIGKILL.
+Every child leads its own session and is SIGKILLed by the kernel if `libra up` dies, even by
+SIGKILL (libra/procs.py). The trainer finishing, a failed service, Ctrl-C, SIGTERM or SIGHUP
+stop everything: SIGTERM to one service at a time in reverse start order (each drains while its
+peers are up), SIGKILL to its process group after STOP_TIMEOUT_S, all services within
+STOP_BUDGET_S; a second signal kills at once. Last, whatever still carries this start's marker
+(MARKER in its environment, inherited by the services' own children: engine workers, vLLM's
+processes, hybrids) is killed, so nothing of the job outlives `libra up`.
+
+Exit codes: 0 the job finished, 1 a service failed, 2 refused to start (config, ports in use, run
+directory), 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP).
 """
 
 from __future__ import annotations
@@ -17,14 +27,20 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+import uuid
 
+from libra import procs, run_dir
 from libra.config import SERVICES, RunConfig
 from libra.errors import FailedPrecondition
 from libra.progress import ProgressPrinter
 from libra.redis_server import PrivateRedis
 
 START_ORDER = ("planner", "elastic", "scheduler", "rollout", "trainer")
-STOP_TIMEOUT_S = 40.0  # per service: its drain budget plus shutdown
+STOP_TIMEOUT_S = 40.0  # one service: its drain budget plus shutdown
+STOP_BUDGET_S = 60.0  # all services; then Redis (5 s) and the sweep (3 s grace)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+MARKER = "LIBRA_UP_TOKEN"  # environment variable every process of one start inherits
 
 
 def _check_ports(config: RunConfig) -> None:
@@ -54,22 +70,49 @@ def write_resolved(config: RunConfig) -> pathlib.Path:
     return path
 
 
+class StopSignals:
+    """While installed, Ctrl-C, SIGTERM and SIGHUP are recorded, never raised: a start or a
+    stop in progress is never cut in half (which would orphan what it had started)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _record(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+
+    @property
+    def first(self) -> int | None:
+        return self.received[0] if self.received else None
+
+
 class Children:
     """The service processes of one `libra up`."""
 
-    def __init__(self, config: RunConfig, config_path: str, redis_url: str):
+    def __init__(self, config: RunConfig, config_path: str, redis_url: str, env: dict[str, str]):
         self.config, self.config_path, self.redis_url = config, config_path, redis_url
         self.logs = config.run_path / "logs"
+        self.env = env
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, service: str) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "LIBRA_REDIS_URL": self.redis_url, "LIBRA_RUN_ID": self.config.run_id,
-               "LIBRA_RUN_DIR": str(self.config.run_path), "LIBRA_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1", **QUIET_ENV}
-        log = open(self.logs / f"{service}.log", "ab")
-        self.procs[service] = subprocess.Popen(
-            [sys.executable, "-m", "libra.cli", "serve", service, "--config", self.config_path],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**self.env, "LIBRA_REDIS_URL": self.redis_url, "LIBRA_RUN_ID": self.config.run_id,
+               "LIBRA_RUN_DIR": str(self.config.run_path), "LIBRA_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1",
+               **QUIET_ENV}
+        with open(self.logs / f"{service}.log", "ab") as log:
+            self.procs[service] = procs.start_group(
+                [sys.executable, "-m", "libra.cli", "serve", service, "--config", self.config_path],
+                signal.SIGKILL, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def failed(self) -> tuple[str, int] | None:
         for name, proc in self.procs.items():
@@ -87,29 +130,24 @@ class Children:
         text = path.read_text(errors="replace") if path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def stop(self) -> None:
+    def stop(self, hurry) -> None:
         """SIGTERM one service at a time in reverse start order, so each drains while the
-        services it talks to are still up (trainer checkpoints, rollout finishes its turns)."""
+        services it talks to are still up (trainer checkpoints, rollout finishes its turns);
+        SIGKILL its group after its budget, or at once when `hurry()`."""
+        deadline = time.monotonic() + STOP_BUDGET_S
         for name in reversed(list(self.procs)):
-            proc = self.procs[name]
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            try:  # whatever the service left in its process group (e.g. engine processes)
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            budget = max(0.0, min(STOP_TIMEOUT_S, deadline - time.monotonic()))
+            procs.stop_group(self.procs[name], budget, hurry)
 
 
-async def _watch(config: RunConfig, children: Children, printer: ProgressPrinter) -> int:
-    """Follow the trainer's progress until it finishes or a service fails."""
-    watcher = asyncio.create_task(printer.follow(config))
+async def _watch(config: RunConfig, children: Children, printer: ProgressPrinter, signals: StopSignals,
+                 first_step: int) -> int:
+    """Follow the trainer's progress until it finishes, a service fails or a stop signal comes."""
+    watcher = asyncio.create_task(printer.follow(config, first_step))
     try:
         while True:
+            if signals.first is not None:
+                return 128 + signals.first
             failure = children.failed()
             if failure is not None:
                 name, code = failure
@@ -124,32 +162,82 @@ async def _watch(config: RunConfig, children: Children, printer: ProgressPrinter
         watcher.cancel()
 
 
-def up(config: RunConfig) -> int:
+def _prepare_run_dir(config: RunConfig, printer: ProgressPrinter, fresh: bool, resume: bool) -> int:
+    """Resume, refuse or move aside (run_dir.py), rotate the logs; the first step this start trains."""
     run_path = config.run_path
+    state = run_dir.inspect(run_path)
+    note = run_dir.decide(state, config.run_id, config.trainer.steps, fresh, resume)
+    if fresh:
+        moved = run_dir.move_aside(run_path)
+        if moved is not None:
+            printer.info(f"--fresh: moved the earlier run directory aside to {moved}")
+        if config.redis.url:
+            cleared = run_dir.clear_redis_run(config.redis.url, config.run_id)
+            printer.info(f"--fresh: deleted {cleared} keys of run {config.run_id} from {config.redis.url}")
     run_path.mkdir(parents=True, exist_ok=True)
-    _check_ports(config)
-    redis = None
-    redis_url = config.redis.url
+    if note:
+        printer.info(note)
+    rotated = run_dir.rotate_logs(run_path / "logs")
+    if rotated is not None:
+        printer.info(f"the previous start's logs are in {rotated}")
+    return 1 if fresh else state.step + 1
+
+
+def up(config: RunConfig, fresh: bool = False, resume: bool = False) -> int:
     printer = ProgressPrinter()
-    if not redis_url:
-        redis = PrivateRedis(run_path / "redis").start()
-        redis_url = redis.url
-    config = config.model_copy(update={"redis": config.redis.model_copy(update={"url": redis_url})})
-    printer.info(f"run {config.run_id} in {run_path} (redis {redis_url})")
-    children = Children(config, str(write_resolved(config)), redis_url)
-    code = 1
+    _check_ports(config)  # a live run on these ports: refuse before touching its directory
+    first_step = _prepare_run_dir(config, printer, fresh, resume)
+    with StopSignals() as signals:
+        return _run(config, printer, signals, first_step)
+
+
+def _run(config: RunConfig, printer: ProgressPrinter, signals: StopSignals, first_step: int) -> int:
+    run_path = config.run_path
+    token = uuid.uuid4().hex
+    env = {**os.environ, MARKER: token}
+    redis, children, code = None, None, 1
     try:
+        redis_url = config.redis.url
+        if not redis_url:
+            redis = PrivateRedis(run_path / "redis", log_path=run_path / "logs" / "redis.log", env=env).start()
+            redis_url = redis.url
+        config = config.model_copy(update={"redis": config.redis.model_copy(update={"url": redis_url})})
+        printer.info(f"run {config.run_id} in {run_path} (redis {redis_url})")
+        children = Children(config, str(write_resolved(config)), redis_url, env)
         for service in START_ORDER:
+            if signals.first is not None:
+                break
             children.start(service)
-        printer.info(f"started {', '.join(START_ORDER)}; logs in {children.logs}")
-        code = asyncio.run(_watch(config, children, printer))
-    except KeyboardInterrupt:
-        printer.info("interrupted: stopping services")
-        code = 130
+        else:
+            printer.info(f"started {', '.join(START_ORDER)}; logs in {children.logs}")
+            code = asyncio.run(_watch(config, children, printer, signals, first_step))
     finally:
-        children.stop()
-        if redis is not None:
-            redis.stop()
+        if signals.first is not None:
+            code = 128 + signals.first
+        _stop_all(children, redis, token, printer, signals)
     if code == 0:
         printer.finish(run_path)
     return code
+
+
+def _stop_all(children: Children | None, redis: PrivateRedis | None, token: str, printer: ProgressPrinter,
+              signals: StopSignals) -> None:
+    started, before = time.monotonic(), len(signals.received)
+    if signals.first is not None:
+        printer.info(f"{signal.Signals(signals.first).name} received: stopping every service of the run (at most "
+                     f"{STOP_BUDGET_S + 10:.0f}s; a second signal kills at once)")
+    hurried: list[bool] = []
+
+    def hurry() -> bool:  # a signal after the stop began
+        if len(signals.received) > before and not hurried:
+            hurried.append(True)
+            printer.info("second signal: killing every process of the run now")
+        return bool(hurried)
+
+    if children is not None:
+        children.stop(hurry)
+    if redis is not None:
+        redis.stop()
+    killed = procs.sweep(MARKER, token)
+    left = f"; killed {len(killed)} leftover processes ({', '.join(map(str, killed))})" if killed else ""
+    printer.info(f"stopped in {time.monotonic() - started:.0f}s: nothing of this run is running{left}")

@@ -78,9 +78,10 @@ def _section(model: type[BaseModel], prefix: str, lines: list[str], title: str =
         if sub is not None:
             nested.append((key + "[]", sub))
     for key, sub in nested:
-        name = sub.model_fields.get("name")
-        tagged = name is not None and typing.get_origin(name.annotation) is typing.Literal
-        _section(sub, key, lines, f" (name: {name.get_default()})" if tagged else "")
+        tag = next((t for t in ("name", "type") if t in sub.model_fields), None)  # a union's discriminator
+        field = sub.model_fields.get(tag) if tag else None
+        tagged = field is not None and typing.get_origin(field.annotation) is typing.Literal
+        _section(sub, key, lines, f" ({tag}: {field.get_default()})" if tagged else "")
 
 
 def render() -> str:

@@ -172,8 +172,8 @@ fi
 # --- done ----------------------------------------------------------------------------------------
 step "Done in $((SECONDS - started)) s"
 cat <<EOF
-    Activate:   source $venv/bin/activate
-    Then:       libra check-config configs/quickstart.yaml
-                libra up --config configs/quickstart.yaml
+    Run:        $venv/bin/libra up --config configs/quickstart.yaml     # the quickstart job (README)
     Tests:      $vpy -m pytest -q
+    Config:     $venv/bin/libra check-config --config configs/quickstart.yaml   # validated, every default shown
+    (or activate the venv, source $venv/bin/activate, and leave out the $venv/bin/ prefix)
 EOF

@@ -82,6 +82,10 @@ class Keys:
         """String with TTL: the first answer to a request, returned to replays."""
         return self._key("reply", check_name(scope, "scope"), check_id(request_id, "request id"))
 
+    def claim(self, scope: str, request_id: str) -> str:
+        """String with a short TTL (a lease): the token of the call running a request now."""
+        return self._key("claim", check_name(scope, "scope"), check_id(request_id, "request id"))
+
     # -- trajectories and groups -----------------------------------------------------------
     def trajectory(self, trajectory_id: str) -> str:
         """Hash: scalar fields of one trajectory plus the serialized proto in `data`."""
@@ -118,12 +122,8 @@ class Keys:
 
     @property
     def weights(self) -> str:
-        """Hash: version -> JSON {path, published_at} of each published weight set."""
+        """Hash: version -> JSON {path, published_at} of each published weight set (path "": not on disk)."""
         return self._key("weights")
-
-    def worker_acks(self, version: int) -> str:
-        """Hash: worker id -> seconds the worker took to load `version`."""
-        return self._key("acks", str(int(version)))
 
     # -- runtime history -------------------------------------------------------------------
     def history(self, kind: str) -> str:
@@ -133,7 +133,7 @@ class Keys:
     # -- trainer ---------------------------------------------------------------------------
     @property
     def trainer_progress(self) -> str:
-        """Hash: step, version, data position, checkpoint path, last acked stream id."""
+        """Hash: step, version, data position, checkpoint path."""
         return self._key("trainer", "progress")
 
     @property

@@ -1,22 +1,17 @@
 """`StateStore`: the one async client of a run's Redis state, used by all five services.
 
-Owns the connection lifecycle, request-id idempotency and small named records (the scheduler's
-tree and loads); the rest of the key space is owned by the parts it is assembled from:
+Owns the connection lifecycle and small named records (the scheduler's tree and loads); the rest
+of the key space is owned by the parts it is assembled from:
 
     StateStore ─┬─ TrajectoryStore  (trajectories.py)  trajectories, groups, completed-stream append
                 ├─ CompletedStream  (completed.py)     consumer group: read, ack, reclaim
-                ├─ VersionStore     (versions.py)      policy versions, worker acks, trainer progress
+                ├─ VersionStore     (versions.py)      policy versions, weight paths, trainer progress
                 ├─ RecordStore      (records.py)       runtime history, membership, plans
+                ├─ ReplyStore       (replies.py)       request-id idempotency: claims, stored replies
                 └─ StoreBase        (base.py)          client, keys, schema check, Lua, CAS records
 
-Idempotency for a mutating RPC (request id from `RequestMeta`):
-
-    if await store.once("trainer.publish", request_id):
-        reply = <do the work>; await store.remember_result("trainer.publish", request_id, reply)
-    else:
-        reply = await store.recall_result("trainer.publish", request_id)   # None: still running
-
-If the work fails, `forget_request` lets a retry with the same request id run it again.
+Mutating RPCs get their once-per-request-id answer from the RPC boundary (`libra.boundary`, over
+`ReplyStore`); see docs/rpc.md.
 """
 
 from __future__ import annotations
@@ -28,24 +23,16 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from libra.errors import InvalidArgument, Unavailable
+from libra.errors import Unavailable
 from libra.state.base import VersionedRecord
 from libra.state.completed import CompletedStream
 from libra.state.keys import check_run_id
 from libra.state.records import RecordStore
+from libra.state.replies import ReplyStore
 from libra.state.trajectories import TrajectoryStore
 from libra.state.versions import VersionStore
 
-DAY_S = 86_400
-
-
-def _check_ttl(ttl_s: int) -> int:
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 1:
-        raise InvalidArgument(f"ttl_s must be an int >= 1; got {ttl_s!r}")
-    return ttl_s
-
-
-class StateStore(TrajectoryStore, CompletedStream, VersionStore, RecordStore):
+class StateStore(TrajectoryStore, CompletedStream, VersionStore, RecordStore, ReplyStore):
     """All durable state of one run, over a `redis.asyncio.Redis` client (decode_responses=False)."""
 
     def __init__(self, redis: aioredis.Redis, run_id: str, *, clock: Callable[[], float] = time.time,
@@ -86,31 +73,6 @@ class StateStore(TrajectoryStore, CompletedStream, VersionStore, RecordStore):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-    # -- idempotency -----------------------------------------------------------------------
-    async def once(self, scope: str, request_id: str, ttl_s: int = DAY_S) -> bool:
-        """True the first time `request_id` is seen in `scope` (within `ttl_s`); False for replays."""
-        key = self.keys.request(scope, request_id)
-        redis = await self._ready()
-        return bool(await redis.set(key, repr(self._clock()), nx=True, ex=_check_ttl(ttl_s)))
-
-    async def remember_result(self, scope: str, request_id: str, payload: bytes, ttl_s: int = DAY_S) -> bool:
-        """Keep the first answer to a request for its replays; False if one was kept already."""
-        key = self.keys.reply(scope, request_id)
-        redis = await self._ready()
-        return bool(await redis.set(key, bytes(payload), nx=True, ex=_check_ttl(ttl_s)))
-
-    async def recall_result(self, scope: str, request_id: str) -> bytes | None:
-        """The answer kept for a request; None if the first call has not finished (or it expired)."""
-        key = self.keys.reply(scope, request_id)
-        redis = await self._ready()
-        found = await redis.get(key)
-        return bytes(found) if found is not None else None
-
-    async def forget_request(self, scope: str, request_id: str) -> None:
-        """Drop a request's marker and answer, so that a retry after a failed first call runs again."""
-        redis = await self._ready()
-        await redis.delete(self.keys.request(scope, request_id), self.keys.reply(scope, request_id))
 
     # -- small named records ---------------------------------------------------------------
     async def save_blob(self, name: str, payload: bytes, expected_generation: int | None = None) -> int:

@@ -1,11 +1,14 @@
 """Policy versions and the trainer's durable progress.
 
-Owns `version`, `weights`, `acks:*` (which weight set each rollout worker loaded) and the
+Owns `version`, `weights` (where each version's weight set is on disk, if it is) and the
 `trainer:*` keys (progress for exact resume, and per-step records).
 
 The policy version moves by exactly one per published weight set: `publish_version` is a Lua
 compare-and-set, so two trainers (or a trainer and its restarted self) can never both publish
-version v, and a replay of the very same publication is a no-op.
+version v, and a replay of the very same publication is a no-op. A version sent over the weights
+group is published before it is on disk (path empty); `record_path` adds its path once written.
+Which worker holds which version is not kept here: the gateway reports it (UpdateWeights replies,
+ListWorkers), and every token carries the version that produced it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from typing import Any, NamedTuple
 
 from libra.errors import Conflict, InvalidArgument, NotFound
 from libra.state.base import StoreBase, text
-from libra.state.keys import check_id
 
 # KEYS: version counter, weights hash   ARGV: version, path, record JSON
 # Returns {1, version} published, {0, version} identical replay, {-1, current} conflict.
@@ -32,21 +34,34 @@ redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
 return {1, wanted}
 """
 
+# KEYS: weights hash   ARGV: version, record JSON read, record JSON to write (compare-and-set).
+# Returns 1 written, 0 when the record changed since it was read.
+RECORD_PATH = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
 PROGRESS_FIELDS: dict[str, type] = {
     "step": int,              # last committed training step
     "version": int,           # policy version after that step
     "data_position": int,     # prompts consumed from the dataset
     "checkpoint_path": str,   # directory of the last complete checkpoint
-    "last_acked_id": str,     # last completed-stream entry acknowledged
 }
 
 
 class PublishedVersion(NamedTuple):
-    """Where the weights of one policy version are, and when they were published."""
+    """Where the weights of one policy version are ("": not on disk), and when they were published."""
 
     version: int
     path: str
     published_at: float
+
+
+def _check_version(version: Any) -> int:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise InvalidArgument(f"policy version must be an int >= 1; got {version!r}")
+    return version
 
 
 def _check_progress(progress: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +77,7 @@ def _check_progress(progress: dict[str, Any]) -> dict[str, Any]:
 
 
 class VersionStore(StoreBase):
-    """Policy versions, worker acknowledgements and trainer progress (mixed into `StateStore`)."""
+    """Policy versions, where their weights are, and trainer progress (mixed into `StateStore`)."""
 
     async def current_version(self) -> int:
         """The latest published policy version; 0 before the first publication."""
@@ -70,15 +85,15 @@ class VersionStore(StoreBase):
         return int(await redis.get(self.keys.policy_version) or 0)
 
     async def publish_version(self, version: int, path: str) -> bool:
-        """Publish weights at `path` as `version`, which must be current + 1.
+        """Publish weights at `path` as `version`, which must be current + 1; `path` "": the weights
+        are not on disk (yet: `record_path` adds it).
 
         Returns True when this call published it, False when the same version with the same path
         was already published (a replay); raises Conflict for any other version.
         """
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise InvalidArgument(f"policy version must be an int >= 1; got {version!r}")
-        if not path:
-            raise InvalidArgument("weights path must not be empty")
+        _check_version(version)
+        if not isinstance(path, str):
+            raise InvalidArgument(f"weights path must be a string; got {path!r}")
         record = json.dumps({"path": path, "published_at": self._clock()})
         keys = [self.keys.policy_version, self.keys.weights]
         outcome, current = await self._eval(PUBLISH_VERSION, keys, [version, path, record])
@@ -97,19 +112,37 @@ class VersionStore(StoreBase):
         return PublishedVersion(int(version), record["path"], float(record["published_at"]))
 
     async def weights_path(self, version: int) -> str:
-        """Where the weights of `version` are; NotFound if it was never published."""
-        return (await self.published_version(version)).path
+        """Where the weights of `version` are on disk; NotFound if it was never published or never
+        written (sent over the weights group only)."""
+        path = (await self.published_version(version)).path
+        if not path:
+            raise NotFound(f"policy version {version} of run {self.run_id!r} was not written to disk")
+        return path
 
-    async def record_worker_ack(self, version: int, worker_id: str, seconds: float) -> None:
-        """Record that a worker serves `version`, having taken `seconds` to load it (last write wins)."""
+    async def record_path(self, version: int, path: str) -> None:
+        """Add the disk path of `version`, published before it was written (weights: group)."""
+        _check_version(version)
+        if not path:
+            raise InvalidArgument("weights path must not be empty")
         redis = await self._ready()
-        await redis.hset(self.keys.worker_acks(version), check_id(worker_id, "worker id"), repr(float(seconds)))
+        stored = await redis.hget(self.keys.weights, str(version))
+        if stored is None:
+            raise NotFound(f"policy version {version} was not published in run {self.run_id!r}")
+        record = json.dumps({**json.loads(stored), "path": path})  # in Python: Lua's cjson rounds floats
+        if not await self._eval(RECORD_PATH, [self.keys.weights], [version, stored, record]):
+            raise Conflict(f"the record of policy version {version} changed while its path was added; retry")
 
-    async def worker_acks(self, version: int) -> dict[str, float]:
-        """Worker id -> load seconds, for every worker that acknowledged `version`."""
+    async def latest_on_disk(self) -> PublishedVersion | None:
+        """The newest published version whose weights are on disk; None before the first one."""
         redis = await self._ready()
-        found = await redis.hgetall(self.keys.worker_acks(version))
-        return {text(worker): float(seconds) for worker, seconds in found.items()}
+        version = int(await redis.get(self.keys.policy_version) or 0)
+        while version >= 1:  # a few steps at most: a version is written at least every disk_every
+            stored = await redis.hget(self.keys.weights, str(version))
+            if stored is not None and json.loads(stored)["path"]:
+                record = json.loads(stored)
+                return PublishedVersion(version, record["path"], float(record["published_at"]))
+            version -= 1
+        return None
 
     async def set_trainer_progress(self, progress: dict[str, Any]) -> None:
         """Update some fields of the trainer's progress record (see PROGRESS_FIELDS), in one write."""

@@ -45,17 +45,35 @@ class GetTrajectoryRequest(_message.Message):
     trajectory_id: str
     def __init__(self, run_id: _Optional[str] = ..., trajectory_id: _Optional[str] = ...) -> None: ...
 
+class GroupMember(_message.Message):
+    __slots__ = ("worker_id", "tp")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    tp: int
+    def __init__(self, worker_id: _Optional[str] = ..., tp: _Optional[int] = ...) -> None: ...
+
+class WeightsGeneration(_message.Message):
+    __slots__ = ("generation", "formed_for", "members")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    FORMED_FOR_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    formed_for: int
+    members: _containers.RepeatedCompositeFieldContainer[GroupMember]
+    def __init__(self, generation: _Optional[int] = ..., formed_for: _Optional[int] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ...) -> None: ...
+
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("meta", "version", "path", "over_group")
+    __slots__ = ("meta", "version", "path", "group")
     META_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
-    OVER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     meta: _common_pb2.RequestMeta
     version: int
     path: str
-    over_group: bool
-    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., version: _Optional[int] = ..., path: _Optional[str] = ..., over_group: _Optional[bool] = ...) -> None: ...
+    group: WeightsGeneration
+    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., version: _Optional[int] = ..., path: _Optional[str] = ..., group: _Optional[_Union[WeightsGeneration, _Mapping]] = ...) -> None: ...
 
 class WorkerAck(_message.Message):
     __slots__ = ("worker_id", "version", "seconds", "ok", "error")
@@ -72,12 +90,16 @@ class WorkerAck(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., version: _Optional[int] = ..., seconds: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("version", "acks")
+    __slots__ = ("version", "acks", "serving", "group_unusable")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACKS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    GROUP_UNUSABLE_FIELD_NUMBER: _ClassVar[int]
     version: int
     acks: _containers.RepeatedCompositeFieldContainer[WorkerAck]
-    def __init__(self, version: _Optional[int] = ..., acks: _Optional[_Iterable[_Union[WorkerAck, _Mapping]]] = ...) -> None: ...
+    serving: _containers.RepeatedCompositeFieldContainer[GroupMember]
+    group_unusable: str
+    def __init__(self, version: _Optional[int] = ..., acks: _Optional[_Iterable[_Union[WorkerAck, _Mapping]]] = ..., serving: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., group_unusable: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("run_id",)

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from libra.v1 import common_pb2 as libra_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16libra/v1/trainer.proto\x12\x08libra.v1\x1a\x15libra/v1/common.proto\"&\n\x14TrainerStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x9b\x01\n\rTrainerStatus\x12%\n\x05phase\x18\x01 \x01(\x0e\x32\x16.libra.v1.TrainerPhase\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\x18\n\x10last_mean_reward\x18\x05 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"6\n\x11WatchStepsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x04\"\x9a\x03\n\nStepRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x13\n\x0bmean_reward\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x14\n\x0ctrajectories\x18\x05 \x01(\r\x12\x16\n\x0erejected_stale\x18\x06 \x01(\r\x12\x16\n\x0emean_staleness\x18\x07 \x01(\x01\x12\x15\n\rtrain_seconds\x18\x08 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\t \x01(\x01\x12\x17\n\x0fpublish_seconds\x18\n \x01(\x01\x12\x12\n\nmean_turns\x18\x0b \x01(\x01\x12\x0e\n\x06tokens\x18\x0c \x01(\x04\x12%\n\x05phase\x18\r \x01(\x0e\x32\x16.libra.v1.TrainerPhase\x12\x11\n\ttimestamp\x18\x0e \x01(\x01\x12\x15\n\rclip_fraction\x18\x0f \x01(\x01\x12\n\n\x02kl\x18\x10 \x01(\x01\x12\x1d\n\x15\x62\x65haviour_logprob_gap\x18\x11 \x01(\x01\x12\x17\n\x0f\x66resh_sequences\x18\x12 \x01(\r\"<\n\x15SaveCheckpointRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\"D\n\x0e\x43heckpointInfo\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0c\n\x04path\x18\x03 \x01(\t\"3\n\x0cPauseRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\"3\n\x13StepManifestRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"\xc1\x01\n\x0cStepManifest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x18\n\x10membership_epoch\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63tive_replicas\x18\x03 \x03(\t\x12\x17\n\x0f\x61\x63knowledged_by\x18\x04 \x03(\t\x12(\n\x07hybrids\x18\x05 \x03(\x0b\x32\x17.libra.v1.HybridReplica\x12\x16\n\x0elane_endpoints\x18\x06 \x03(\t\x12\x15\n\rcore_replicas\x18\x07 \x01(\r\"\xc1\x01\n\rHybridReplica\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.libra.v1.HybridState\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x15\n\rsnapshot_step\x18\x07 \x01(\x03\x12\x18\n\x10\x61\x63tive_from_step\x18\x08 \x01(\x04\"\\\n\rHybridRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04*\xd4\x01\n\x0cTrainerPhase\x12\x1d\n\x19TRAINER_PHASE_UNSPECIFIED\x10\x00\x12#\n\x1fTRAINER_PHASE_WAITING_FOR_PEERS\x10\x01\x12\x18\n\x14TRAINER_PHASE_WARMUP\x10\x02\x12\x1a\n\x16TRAINER_PHASE_TRAINING\x10\x03\x12\x18\n\x14TRAINER_PHASE_PAUSED\x10\x04\x12\x16\n\x12TRAINER_PHASE_DONE\x10\x05\x12\x18\n\x14TRAINER_PHASE_FAILED\x10\x06*\xad\x01\n\x0bHybridState\x12\x1c\n\x18HYBRID_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14HYBRID_STATE_JOINING\x10\x01\x12\x19\n\x15HYBRID_STATE_SNAPSHOT\x10\x02\x12\x17\n\x13HYBRID_STATE_ACTIVE\x10\x03\x12\x19\n\x15HYBRID_STATE_RELEASED\x10\x04\x12\x17\n\x13HYBRID_STATE_FAILED\x10\x05\x32\xfa\x03\n\x07Trainer\x12\x44\n\tGetStatus\x12\x1e.libra.v1.TrainerStatusRequest\x1a\x17.libra.v1.TrainerStatus\x12\x41\n\nWatchSteps\x12\x1b.libra.v1.WatchStepsRequest\x1a\x14.libra.v1.StepRecord0\x01\x12K\n\x0eSaveCheckpoint\x12\x1f.libra.v1.SaveCheckpointRequest\x1a\x18.libra.v1.CheckpointInfo\x12.\n\x05Pause\x12\x16.libra.v1.PauseRequest\x1a\r.libra.v1.Ack\x12/\n\x06Resume\x12\x16.libra.v1.PauseRequest\x1a\r.libra.v1.Ack\x12H\n\x0fGetStepManifest\x12\x1d.libra.v1.StepManifestRequest\x1a\x16.libra.v1.StepManifest\x12\x35\n\x0b\x41\x64mitHybrid\x12\x17.libra.v1.HybridRequest\x1a\r.libra.v1.Ack\x12\x37\n\rReleaseHybrid\x12\x17.libra.v1.HybridRequest\x1a\r.libra.v1.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16libra/v1/trainer.proto\x12\x08libra.v1\x1a\x15libra/v1/common.proto\"&\n\x14TrainerStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x9b\x01\n\rTrainerStatus\x12%\n\x05phase\x18\x01 \x01(\x0e\x32\x16.libra.v1.TrainerPhase\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\x18\n\x10last_mean_reward\x18\x05 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"6\n\x11WatchStepsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tfrom_step\x18\x02 \x01(\x04\"\x8d\x04\n\nStepRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x13\n\x0bmean_reward\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x14\n\x0ctrajectories\x18\x05 \x01(\r\x12\x16\n\x0erejected_stale\x18\x06 \x01(\r\x12\x16\n\x0emean_staleness\x18\x07 \x01(\x01\x12\x15\n\rtrain_seconds\x18\x08 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\t \x01(\x01\x12\x17\n\x0fpublish_seconds\x18\n \x01(\x01\x12\x12\n\nmean_turns\x18\x0b \x01(\x01\x12\x0e\n\x06tokens\x18\x0c \x01(\x04\x12%\n\x05phase\x18\r \x01(\x0e\x32\x16.libra.v1.TrainerPhase\x12\x11\n\ttimestamp\x18\x0e \x01(\x01\x12\x15\n\rclip_fraction\x18\x0f \x01(\x01\x12\n\n\x02kl\x18\x10 \x01(\x01\x12\x1d\n\x15\x62\x65haviour_logprob_gap\x18\x11 \x01(\x01\x12\x17\n\x0f\x66resh_sequences\x18\x12 \x01(\r\x12\x1d\n\x15publish_write_seconds\x18\x13 \x01(\x01\x12\x1c\n\x14publish_send_seconds\x18\x14 \x01(\x01\x12\x1b\n\x13publish_rpc_seconds\x18\x15 \x01(\x01\x12\x17\n\x0fworkers_updated\x18\x16 \x01(\r\"<\n\x15SaveCheckpointRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\"D\n\x0e\x43heckpointInfo\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x04\x12\x0c\n\x04path\x18\x03 \x01(\t\"3\n\x0cPauseRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\"3\n\x13StepManifestRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"\xc1\x01\n\x0cStepManifest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x18\n\x10membership_epoch\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63tive_replicas\x18\x03 \x03(\t\x12\x17\n\x0f\x61\x63knowledged_by\x18\x04 \x03(\t\x12(\n\x07hybrids\x18\x05 \x03(\x0b\x32\x17.libra.v1.HybridReplica\x12\x16\n\x0elane_endpoints\x18\x06 \x03(\t\x12\x15\n\rcore_replicas\x18\x07 \x01(\r\"\xc1\x01\n\rHybridReplica\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.libra.v1.HybridState\x12\x0f\n\x07\x64p_rank\x18\x03 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x15\n\rsnapshot_step\x18\x07 \x01(\x03\x12\x18\n\x10\x61\x63tive_from_step\x18\x08 \x01(\x04\"\\\n\rHybridRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04*\xd4\x01\n\x0cTrainerPhase\x12\x1d\n\x19TRAINER_PHASE_UNSPECIFIED\x10\x00\x12#\n\x1fTRAINER_PHASE_WAITING_FOR_PEERS\x10\x01\x12\x18\n\x14TRAINER_PHASE_WARMUP\x10\x02\x12\x1a\n\x16TRAINER_PHASE_TRAINING\x10\x03\x12\x18\n\x14TRAINER_PHASE_PAUSED\x10\x04\x12\x16\n\x12TRAINER_PHASE_DONE\x10\x05\x12\x18\n\x14TRAINER_PHASE_FAILED\x10\x06*\xad\x01\n\x0bHybridState\x12\x1c\n\x18HYBRID_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14HYBRID_STATE_JOINING\x10\x01\x12\x19\n\x15HYBRID_STATE_SNAPSHOT\x10\x02\x12\x17\n\x13HYBRID_STATE_ACTIVE\x10\x03\x12\x19\n\x15HYBRID_STATE_RELEASED\x10\x04\x12\x17\n\x13HYBRID_STATE_FAILED\x10\x05\x32\xfa\x03\n\x07Trainer\x12\x44\n\tGetStatus\x12\x1e.libra.v1.TrainerStatusRequest\x1a\x17.libra.v1.TrainerStatus\x12\x41\n\nWatchSteps\x12\x1b.libra.v1.WatchStepsRequest\x1a\x14.libra.v1.StepRecord0\x01\x12K\n\x0eSaveCheckpoint\x12\x1f.libra.v1.SaveCheckpointRequest\x1a\x18.libra.v1.CheckpointInfo\x12.\n\x05Pause\x12\x16.libra.v1.PauseRequest\x1a\r.libra.v1.Ack\x12/\n\x06Resume\x12\x16.libra.v1.PauseRequest\x1a\r.libra.v1.Ack\x12H\n\x0fGetStepManifest\x12\x1d.libra.v1.StepManifestRequest\x1a\x16.libra.v1.StepManifest\x12\x35\n\x0b\x41\x64mitHybrid\x12\x17.libra.v1.HybridRequest\x1a\r.libra.v1.Ack\x12\x37\n\rReleaseHybrid\x12\x17.libra.v1.HybridRequest\x1a\r.libra.v1.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'libra.v1.trainer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRAINERPHASE']._serialized_start=1451
-  _globals['_TRAINERPHASE']._serialized_end=1663
-  _globals['_HYBRIDSTATE']._serialized_start=1666
-  _globals['_HYBRIDSTATE']._serialized_end=1839
+  _globals['_TRAINERPHASE']._serialized_start=1566
+  _globals['_TRAINERPHASE']._serialized_end=1778
+  _globals['_HYBRIDSTATE']._serialized_start=1781
+  _globals['_HYBRIDSTATE']._serialized_end=1954
   _globals['_TRAINERSTATUSREQUEST']._serialized_start=59
   _globals['_TRAINERSTATUSREQUEST']._serialized_end=97
   _globals['_TRAINERSTATUS']._serialized_start=100
@@ -43,21 +43,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHSTEPSREQUEST']._serialized_start=257
   _globals['_WATCHSTEPSREQUEST']._serialized_end=311
   _globals['_STEPRECORD']._serialized_start=314
-  _globals['_STEPRECORD']._serialized_end=724
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=726
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=786
-  _globals['_CHECKPOINTINFO']._serialized_start=788
-  _globals['_CHECKPOINTINFO']._serialized_end=856
-  _globals['_PAUSEREQUEST']._serialized_start=858
-  _globals['_PAUSEREQUEST']._serialized_end=909
-  _globals['_STEPMANIFESTREQUEST']._serialized_start=911
-  _globals['_STEPMANIFESTREQUEST']._serialized_end=962
-  _globals['_STEPMANIFEST']._serialized_start=965
-  _globals['_STEPMANIFEST']._serialized_end=1158
-  _globals['_HYBRIDREPLICA']._serialized_start=1161
-  _globals['_HYBRIDREPLICA']._serialized_end=1354
-  _globals['_HYBRIDREQUEST']._serialized_start=1356
-  _globals['_HYBRIDREQUEST']._serialized_end=1448
-  _globals['_TRAINER']._serialized_start=1842
-  _globals['_TRAINER']._serialized_end=2348
+  _globals['_STEPRECORD']._serialized_end=839
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=841
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=901
+  _globals['_CHECKPOINTINFO']._serialized_start=903
+  _globals['_CHECKPOINTINFO']._serialized_end=971
+  _globals['_PAUSEREQUEST']._serialized_start=973
+  _globals['_PAUSEREQUEST']._serialized_end=1024
+  _globals['_STEPMANIFESTREQUEST']._serialized_start=1026
+  _globals['_STEPMANIFESTREQUEST']._serialized_end=1077
+  _globals['_STEPMANIFEST']._serialized_start=1080
+  _globals['_STEPMANIFEST']._serialized_end=1273
+  _globals['_HYBRIDREPLICA']._serialized_start=1276
+  _globals['_HYBRIDREPLICA']._serialized_end=1469
+  _globals['_HYBRIDREQUEST']._serialized_start=1471
+  _globals['_HYBRIDREQUEST']._serialized_end=1563
+  _globals['_TRAINER']._serialized_start=1957
+  _globals['_TRAINER']._serialized_end=2463
 # @@protoc_insertion_point(module_scope)

@@ -71,7 +71,7 @@ class WatchStepsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., from_step: _Optional[int] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "policy_version", "mean_reward", "loss", "trajectories", "rejected_stale", "mean_staleness", "train_seconds", "wait_seconds", "publish_seconds", "mean_turns", "tokens", "phase", "timestamp", "clip_fraction", "kl", "behaviour_logprob_gap", "fresh_sequences")
+    __slots__ = ("step", "policy_version", "mean_reward", "loss", "trajectories", "rejected_stale", "mean_staleness", "train_seconds", "wait_seconds", "publish_seconds", "mean_turns", "tokens", "phase", "timestamp", "clip_fraction", "kl", "behaviour_logprob_gap", "fresh_sequences", "publish_write_seconds", "publish_send_seconds", "publish_rpc_seconds", "workers_updated")
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,10 @@ class StepRecord(_message.Message):
     KL_FIELD_NUMBER: _ClassVar[int]
     BEHAVIOUR_LOGPROB_GAP_FIELD_NUMBER: _ClassVar[int]
     FRESH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_RPC_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_UPDATED_FIELD_NUMBER: _ClassVar[int]
     step: int
     policy_version: int
     mean_reward: float
@@ -108,7 +112,11 @@ class StepRecord(_message.Message):
     kl: float
     behaviour_logprob_gap: float
     fresh_sequences: int
-    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., mean_reward: _Optional[float] = ..., loss: _Optional[float] = ..., trajectories: _Optional[int] = ..., rejected_stale: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., train_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., publish_seconds: _Optional[float] = ..., mean_turns: _Optional[float] = ..., tokens: _Optional[int] = ..., phase: _Optional[_Union[TrainerPhase, str]] = ..., timestamp: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., behaviour_logprob_gap: _Optional[float] = ..., fresh_sequences: _Optional[int] = ...) -> None: ...
+    publish_write_seconds: float
+    publish_send_seconds: float
+    publish_rpc_seconds: float
+    workers_updated: int
+    def __init__(self, step: _Optional[int] = ..., policy_version: _Optional[int] = ..., mean_reward: _Optional[float] = ..., loss: _Optional[float] = ..., trajectories: _Optional[int] = ..., rejected_stale: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., train_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., publish_seconds: _Optional[float] = ..., mean_turns: _Optional[float] = ..., tokens: _Optional[int] = ..., phase: _Optional[_Union[TrainerPhase, str]] = ..., timestamp: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., kl: _Optional[float] = ..., behaviour_logprob_gap: _Optional[float] = ..., fresh_sequences: _Optional[int] = ..., publish_write_seconds: _Optional[float] = ..., publish_send_seconds: _Optional[float] = ..., publish_rpc_seconds: _Optional[float] = ..., workers_updated: _Optional[int] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("meta",)

@@ -6,8 +6,8 @@ generation and every rank of the old one closes it (libra/weights/roster.py says
 trainer is rank 0 and each worker engine process (each TP rank of a vLLM worker) is one rank ≥ 1.
 All generations meet in one TCPStore hosted by the trainer for the life of its process, each under
 its own key prefix (`libra-weights/g{G}/`), and each is a standalone
-`ProcessGroupNCCL`/`ProcessGroupGloo`, never `init_process_group`, so it cannot collide with the
-trainer's own training group.
+`ProcessGroupNCCL`/`ProcessGroupGloo` (libra/process_group.py), never `init_process_group`, so it
+cannot collide with the trainer's own training group.
 
 Forming generation G: every rank sets `joined/{rank}` and waits for all the others (the trainer
 gives up at once when its caller says the workers will not come, and then writes `abort`, which
@@ -38,7 +38,7 @@ one NCCL call per tensor costs more than the device copies it saves. Receivers c
 when one is given, else into a fresh tensor, and yield every tensor once it is complete.
 
 No copy at all where a side's tensors already sit at the stream's offsets in one buffer
-(`weight_flat.FlatWeights`, which the hf engine adopts for its parameters after its first version):
+(`libra.weights.flat.FlatWeights`, which the hf engine adopts for its parameters after its first version):
 then a bucket is a slice of that buffer, broadcast from it or received into it as it is. Each side
 decides alone (both cut the same buckets, every bucket exactly its bytes long), so a flat sender
 works with packing receivers and the other way round.
@@ -60,6 +60,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
+from libra import process_group
 from libra.errors import FailedPrecondition
 from libra.weights.flat import FlatWeights
 from libra.weights.layout import DEFAULT_DIRECT_BYTES, Layout, TensorSlot, plan_layout
@@ -73,18 +74,14 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
-BACKENDS = ("nccl", "gloo")
+BACKENDS = process_group.BACKENDS
 POLL_S = 0.2  # a wait for other ranks looks at `cancel` and `abort` this often
 
 
 def open_store(host: str, port: int | str, is_master: bool, timeout_s: float) -> Any:
-    """The TCPStore every generation meets in: hosted by the trainer (`is_master`), a client elsewhere.
-
-    wait_for_workers=False: the trainer must not block until workers exist."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(host, int(port), None, is_master=is_master,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    """The TCPStore every generation meets in: hosted by the trainer (`is_master`), a client elsewhere
+    (libra/process_group.py: the trainer does not block until workers exist)."""
+    return process_group.open_store(host, port, is_master, timeout_s)
 
 
 class WeightsGroup(WeightsSender, WeightsReceiver):
@@ -129,18 +126,10 @@ class WeightsGroup(WeightsSender, WeightsReceiver):
         try:
             self.keys.set(f"joined/{rank}", "1")  # wait for every rank before the backend connects
             self._await("joined/{}", range(world_size), self.timeout_s, cancel, f"generation {self.generation}")
-            pg_store = dist.PrefixStore(f"{root}/pg", self.store)
-            timeout = datetime.timedelta(seconds=timeout_s)
             if backend == "nccl":
                 torch.cuda.set_device(self.device)
-                options = dist.ProcessGroupNCCL.Options()
-                try:
-                    options._timeout = timeout
-                except AttributeError:  # older torch: the options carry no timeout; NCCL's default applies
-                    pass
-                self.group = dist.ProcessGroupNCCL(pg_store, rank, world_size, options)
-            else:
-                self.group = dist.ProcessGroupGloo(pg_store, rank, world_size, timeout)
+            self.group = process_group.build_group(self.store, f"{root}/pg", rank, world_size, backend,
+                                                   self.device, timeout_s)
         except Exception as error:
             if rank == 0:  # the ranks that did come stop waiting at once
                 try:

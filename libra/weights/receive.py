@@ -1,5 +1,5 @@
 """The receivers' side of the weights group (ranks ≥ 1, the rollout engines): `WeightsReceiver`,
-mixed into `weight_sync.WeightsGroup`, which provides the store keys, the process group and the
+mixed into `libra.weights.group.WeightsGroup`, which provides the store keys, the process group and the
 shared helpers.
 
 One version: ready, the meta (and the layout, once per id), where every byte lands (straight into
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class WeightsReceiver:
-    """`receive` and its helpers; see weight_sync.WeightsGroup for the attributes they use."""
+    """`receive` and its helpers; see libra.weights.group.WeightsGroup for the attributes they use."""
 
     def receive(self, version: int, targets: Mapping[str, "torch.Tensor"] | None = None
                 ) -> Iterator[tuple[str, "torch.Tensor"]]:

@@ -1,28 +1,32 @@
 """Who is in the weights group, generation by generation, and how each worker gets a version.
 
-The trainer decides, the rollout gateway follows; they agree through one Redis record (blob
-`weights.group`, written by the trainer only, its generation number = the group's generation):
+The trainer decides, the rollout gateway follows. The decision travels in the UpdateWeights RPC
+(its `group`: this module's GroupRecord); Redis keeps the durable record (blob `weights.group`,
+written by the trainer only, compare-and-set, its generation number = the group's generation, so
+generations keep counting up across trainer restarts):
 
 ```
- trainer, version v (rollout.worker.weight_sync: group)
-   roster = rollout's SERVING workers (ListWorkers), by worker id, one rank per TP rank
+ trainer, version v (weights: group)                          (services/trainer/publisher.py)
+   roster = the serving workers of rollout's last UpdateWeights reply, one rank per TP rank
    new generation when: none yet │ the roster changed │ the last one failed a version
      └▶ blob weights.group = {version: v, workers: roster}   (compare-and-set: generation G+1)
-   send v on generation G (forming it first when new)  ‖  rollout UpdateWeights(v, over_group)
+   send v on generation G (forming it first when new)  ‖  rollout UpdateWeights(v, group G)
    rollout's reply ─▶ stop waiting for ranks that never came (the version was aborted for all)
+                   ─▶ a worker not ok and v not on disk: write v, UpdateWeights(v, path)
 
- rollout gateway, UpdateWeights(v, over_group)            (delivery(), below)
+ rollout gateway, UpdateWeights(v, group G)               (delivery(), below)
    its members are ranks of G                          ─▶ "group": they receive v
    G was formed for v and every member is here         ─▶ "join": they join G, then receive v
-   otherwise (a member is gone, G formed without us)   ─▶ "disk": every worker loads v from disk;
-                                                           the trainer forms a new generation for v+1
+   otherwise (a member is gone, G formed without us)   ─▶ "disk": every worker loads v from disk
+                                                           (or waits for the trainer's disk copy);
+                                                           the trainer forms a new generation next
    a worker outside the roster (started or caught up since) loads v from disk, and is a rank of
    the next generation
 ```
 
 A member that misses a version in the group loads it from disk in the same update; one that
-cannot is marked unhealthy and leaves routing until a later version reaches it (workers.py).
-Pure: no Redis, RPC or torch; the trainer (model_state.py, loop.py) and the gateway call it.
+cannot is marked unhealthy and leaves routing until a later version reaches it (weight_delivery.py).
+Pure: no Redis, RPC or torch; the trainer's publisher and the gateway call it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Iterable, Literal
+
+from libra.v1 import rollout_pb2
 
 BLOB = "weights.group"  # the Redis blob of the current generation (docs/state.md)
 
@@ -64,6 +70,13 @@ class Roster:
             next_rank += tp
         return ranks
 
+    def to_proto(self) -> list[rollout_pb2.GroupMember]:
+        return [rollout_pb2.GroupMember(worker_id=w, tp=tp) for w, tp in self.workers]
+
+    @staticmethod
+    def from_proto(members: Iterable[rollout_pb2.GroupMember]) -> "Roster":
+        return Roster.of((m.worker_id, m.tp) for m in members)
+
     def change(self, newer: "Roster") -> str:
         """What changed from this roster to `newer`, for the log."""
         mine, theirs = dict(self.workers), dict(newer.workers)
@@ -88,6 +101,14 @@ class GroupRecord:
     def from_blob(generation: int, payload: bytes) -> "GroupRecord":
         raw = json.loads(payload)
         return GroupRecord(int(generation), int(raw["version"]), Roster.of(tuple(w) for w in raw["workers"]))
+
+    def to_proto(self) -> rollout_pb2.WeightsGeneration:
+        return rollout_pb2.WeightsGeneration(generation=self.generation, formed_for=self.version,
+                                             members=self.roster.to_proto())
+
+    @staticmethod
+    def from_proto(message: rollout_pb2.WeightsGeneration) -> "GroupRecord":
+        return GroupRecord(int(message.generation), int(message.formed_for), Roster.from_proto(message.members))
 
 
 def reform_reason(current: Roster | None, roster: Roster) -> str | None:

@@ -1,5 +1,5 @@
 """The sender's side of the weights group (rank 0, the trainer): `WeightsSender`, mixed into
-`weight_sync.WeightsGroup`, which provides the store keys, the process group and the shared helpers.
+`libra.weights.group.WeightsGroup`, which provides the store keys, the process group and the shared helpers.
 
 One version: the layout (planned once per tensor set, stored once per generation under its id),
 then the meta, then — once every receiver is ready — the one-word go; then the buckets, packed
@@ -50,7 +50,7 @@ class SyncReport:
 
 
 class WeightsSender:
-    """`send` and its helpers; see weight_sync.WeightsGroup for the attributes they use."""
+    """`send` and its helpers; see libra.weights.group.WeightsGroup for the attributes they use."""
 
     def send(self, named: Iterable[tuple[str, "torch.Tensor"]], version: int,
              join_timeout_s: float | None = None, cancel: threading.Event | None = None) -> SyncReport:

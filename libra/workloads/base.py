@@ -12,6 +12,9 @@ A trajectory, as the runner plays it::
 
 Model turns end on one of `stop_strings`; each of those (and every other string in
 `markup_tokens`) is exactly one token of the policy's tokenizer, so the runner can stop on ids.
+The built-in workloads are tag-style: they subclass `libra.workloads.turns.TaggedWorkload` and
+declare their tags in a `TurnGrammar`, which gives the markup, stop strings, turn parsing (with
+one set of malformed-turn messages) and the result tag.
 
 One signature for every workload: the runner opens an `Episode` per trajectory with
 ``workload.episode(prompt_id, sample_index, seed, budget)`` and plays it::

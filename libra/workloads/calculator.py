@@ -5,9 +5,10 @@ highest precedence first (leftmost on ties), then answers::
 
     <calc>58*2</calc><result>116</result><calc>37+116</calc><result>153</result><answer>153</answer>
 
-Model turns end on ``</calc>`` or ``</answer>``; ``<result>…</result>`` is the tool's output. The
-reward is 1 when the answer equals the true value, else 0. The tool evaluates expressions with a
-small recursive-descent parser (integers, + - *, unary minus, parentheses): no `eval`.
+Model turns end on ``</calc>`` or ``</answer>``; ``<result>…</result>`` is the tool's output (the
+tags are `GRAMMAR`, a `libra.workloads.turns.TurnGrammar`). The reward is 1 when the answer
+equals the true value, else 0. The tool evaluates expressions with a small recursive-descent
+parser (integers, + - *, unary minus, parentheses): no `eval`.
 This module knows nothing about tokens, engines or the trainer.
 """
 
@@ -19,10 +20,9 @@ import random
 import re
 from typing import Iterator
 
-from libra.workloads.base import (
-    FinalAnswer, Malformed, Prompt, Segment, ToolCall, ToolResult, ToolStatus, Turn, Workload,
-)
+from libra.workloads.base import FinalAnswer, Prompt, Segment, ToolCall, ToolResult, ToolStatus
 from libra.workloads.config import CalculatorConfig
+from libra.workloads.turns import Answer, Call, Result, TaggedWorkload, TurnGrammar
 
 TOOL = "calculator"
 MAX_EXPRESSION_CHARS = 64
@@ -30,7 +30,8 @@ MAX_DEPTH = 16
 MAX_MAGNITUDE = 10**18
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2}
 _LEXEME = re.compile(r"\s*(?:(\d+)|([-+*()]))")
-_TURN = re.compile(r"<(calc|answer)>([^<>]*)</(calc|answer)>\s*$")
+GRAMMAR = TurnGrammar(Call("calc", TOOL), Result("result"), Answer(), inner="text")
+"""An expression never holds ``<`` or ``>``, so text with them forms no block (inner="text")."""
 
 
 class ExpressionError(ValueError):
@@ -152,10 +153,11 @@ def prompt_text(problem: Problem) -> str:
     return f"Compute {problem.text()}."
 
 
-class CalculatorWorkload(Workload):
+class CalculatorWorkload(TaggedWorkload):
     """Arithmetic problems solved with a calculator tool; binary reward on the final answer."""
 
     name = "calculator"
+    grammar = GRAMMAR
 
     def __init__(self, config: CalculatorConfig) -> None:
         self.config = config
@@ -174,30 +176,6 @@ class CalculatorWorkload(Workload):
         meta = {"expression": problem.text(), "operations": len(problem.operators)}
         return Prompt(prompt_id, prompt_text(problem), str(evaluate(problem.text())), meta)
 
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        return ("</calc>", "</answer>")
-
-    @property
-    def markup_tokens(self) -> tuple[str, ...]:
-        return ("<calc>", "</calc>", "<result>", "</result>", "<answer>", "</answer>")
-
-    def parse_turn(self, text: str) -> Turn:
-        # Reasons are shown to the model inside <result>: they must not contain markup.
-        match = _TURN.search(text)
-        if match is None:
-            if not text.rstrip().endswith(self.stop_strings):
-                return Malformed("turn did not end with a calc call or an answer")
-            return Malformed("expected a calc call or an answer")
-        opening, content, closing = match.groups()
-        if opening != closing:
-            return Malformed(f"{opening} closed as {closing}")
-        if not content.strip():
-            return Malformed(f"empty {opening}")
-        if opening == "calc":
-            return ToolCall(TOOL, content.strip())
-        return FinalAnswer(content.strip())
-
     async def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
         if call.tool != TOOL:
             return ToolResult(call.tool, ToolStatus.FAILURE, f"unknown tool {call.tool!r}")
@@ -208,11 +186,6 @@ class CalculatorWorkload(Workload):
         except TimeoutError:
             return ToolResult(TOOL, ToolStatus.TIMEOUT, "timed out")
         return ToolResult(TOOL, ToolStatus.SUCCESS, str(value))
-
-    def render_tool_result(self, result: ToolResult) -> str:
-        if result.status is ToolStatus.SUCCESS:
-            return f"<result>{result.payload}</result>"
-        return f"<result>error: {result.payload}</result>"
 
     def reward(self, prompt: Prompt, answer: FinalAnswer | None) -> float:
         if answer is None:

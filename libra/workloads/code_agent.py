@@ -8,7 +8,7 @@ shown to the model. A trajectory::
     <prompt> ─▶ <python>def add(a, b): …\\nprint(add(1, 2))</python> ─▶ <output>status: ok\\n3</output>
              ─▶ <answer>def add(a, b): …</answer>
 
-Model turns end on ``</python>`` or ``</answer>``. ``run_python`` runs the code in the sandbox
+Model turns end on ``</python>`` or ``</answer>`` (the tags are `GRAMMAR`). ``run_python`` runs the code in the sandbox
 (`libra.workloads.sandbox`: no network, CPU/memory/disk/process limits, wall clock) and shows
 its status and bounded stdout/stderr; the tool status is SUCCESS for exit 0, FAILURE for an error,
 TIMEOUT for a time limit. The reward is the pass rate of the hidden tests: the answer's code
@@ -24,23 +24,21 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import secrets
 from typing import Iterator, Literal
 
 from pydantic import Field
 
 from libra.configbase import Section
-from libra.workloads.base import (
-    Episode, FinalAnswer, Malformed, Prompt, Segment, ToolCall, ToolResult, ToolStatus, Turn, Workload,
-)
+from libra.workloads.base import Episode, FinalAnswer, Prompt, Segment, ToolCall, ToolResult, ToolStatus
 from libra.workloads.prompts import PromptFile
-from libra.workloads.swe import defang
 from libra.workloads.sandbox import SandboxLimits, SandboxRun, SandboxStatus, python_argv, run_in_sandbox
+from libra.workloads.turns import Answer, Call, Result, TaggedWorkload, TurnGrammar
 
 TOOL = "run_python"
 MAX_CODE_CHARS = 8000
-_TURN = re.compile(r"<(python|answer)>(.*?)</(python|answer)>\s*$", re.S)
+GRAMMAR = TurnGrammar(Call("python", TOOL), Result("output"), Answer(), strip=False, max_chars=MAX_CODE_CHARS)
+"""Code is kept as written (strip=False): its indentation is part of it."""
 _INSTRUCTION = "Test code with <python>CODE</python>; answer with <answer>CODE</answer>."
 _RESULT_PREFIX = "LIBRA-TEST"
 
@@ -128,10 +126,11 @@ class CodeEpisode(Episode):
         return await self.workload.pass_rate(self.prompt, answer.text)
 
 
-class CodeAgentWorkload(Workload):
+class CodeAgentWorkload(TaggedWorkload):
     """Write-a-function tasks with a sandboxed Python tool; reward = hidden test pass rate."""
 
     name = "code_agent"
+    grammar = GRAMMAR
 
     def __init__(self, config: CodeAgentConfig) -> None:
         self.config = config
@@ -152,29 +151,6 @@ class CodeAgentWorkload(Workload):
     def episode(self, prompt_id, sample_index, seed, budget) -> Episode:
         return CodeEpisode(self, self.prompt(prompt_id), sample_index, seed, budget)
 
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        return ("</python>", "</answer>")
-
-    @property
-    def markup_tokens(self) -> tuple[str, ...]:
-        return ("<python>", "</python>", "<output>", "</output>", "<answer>", "</answer>")
-
-    def parse_turn(self, text: str) -> Turn:
-        match = _TURN.search(text)
-        if match is None:
-            if not text.rstrip().endswith(self.stop_strings):
-                return Malformed("turn did not end with a python call or an answer")
-            return Malformed("expected python code or an answer")
-        opening, content, closing = match.groups()
-        if opening != closing:
-            return Malformed(f"{opening} closed as {closing}")
-        if not content.strip():
-            return Malformed(f"empty {opening}")
-        if len(content) > MAX_CODE_CHARS:
-            return Malformed(f"code longer than {MAX_CODE_CHARS} characters")
-        return ToolCall(TOOL, content) if opening == "python" else FinalAnswer(content)
-
     async def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
         if call.tool != TOOL:
             return ToolResult(call.tool, ToolStatus.FAILURE, f"unknown tool {call.tool!r}")
@@ -183,11 +159,11 @@ class CodeAgentWorkload(Workload):
         run = await run_in_sandbox(python_argv("main.py"), files={"main.py": call.arguments}, limits=limits)
         status = {SandboxStatus.OK: ToolStatus.SUCCESS, SandboxStatus.ERROR: ToolStatus.FAILURE,
                   SandboxStatus.TIMEOUT: ToolStatus.TIMEOUT}[run.status]
-        shown = defang(_show(run, self.config.output_chars), self.markup_tokens)  # must not close our markup
+        shown = self.grammar.defang(_show(run, self.config.output_chars))  # must not close our markup
         return ToolResult(TOOL, status, shown, detail=run.reason)
 
     def render_tool_result(self, result: ToolResult) -> str:
-        return f"<output>{result.payload}</output>"
+        return self.grammar.wrap(result.payload)  # the payload's own status line says how the run ended
 
     def reward(self, prompt: Prompt, answer: FinalAnswer | None) -> float:
         raise TypeError("the code agent's reward runs tests in a sandbox: use `await episode.reward(answer)` "

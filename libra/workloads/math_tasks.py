@@ -9,8 +9,9 @@ says whether it is right), revise, then answer::
 
     <check>\\boxed{3/4}</check><result>parses as 3/4</result><answer>\\boxed{\\frac{3}{4}}</answer>
 
-Rewards come from `math-verify`: the reference (wrapped in ``\\boxed{}``) and the answer are parsed
-to sympy and compared, so ``0.5`` matches ``\\frac{1}{2}`` and ``1,000`` matches ``1000``.
+The tags of each are a `TurnGrammar` (`GSM8K_GRAMMAR`, `DAPO_GRAMMAR`). Rewards come from
+`math-verify`: the reference (wrapped in ``\\boxed{}``) and the answer are parsed to sympy and
+compared, so ``0.5`` matches ``\\frac{1}{2}`` and ``1,000`` matches ``1000``.
 math-verify's own time limit uses SIGALRM, which only works in the main thread; elsewhere (the
 checker runs in a worker thread) it is switched off and the caller's `asyncio.wait_for` bounds it.
 This module knows nothing about tokens, engines or the trainer.
@@ -21,21 +22,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import re
 import threading
 from typing import Iterator
 
-from libra.workloads.base import (
-    Episode, FinalAnswer, Malformed, Prompt, Segment, ToolCall, ToolResult, ToolStatus, Turn, TurnBudget, Workload,
-)
+from libra.workloads.base import Episode, FinalAnswer, Prompt, Segment, ToolCall, ToolResult, ToolStatus, TurnBudget
 from libra.workloads.config import DapoMathConfig, Gsm8kConfig
 from libra.workloads.prompts import PromptFile, answers_of
+from libra.workloads.turns import Answer, Call, Markup, Result, TaggedWorkload, TurnGrammar
 
 CHECKER = "checker"
 MAX_ANSWER_CHARS = 2000
 """Answers longer than this are cut before parsing (bounds sympy's work on degenerate output)."""
-_ANSWER = re.compile(r"<answer>(.*?)</answer>\s*$", re.S)
-_DAPO_TURN = re.compile(r"<(check|answer)>(.*?)</(check|answer)>\s*$", re.S)
+GSM8K_GRAMMAR = TurnGrammar(Markup("think"), Answer())
+DAPO_GRAMMAR = TurnGrammar(Call("check", CHECKER, "a check"), Result("result"), Answer())
 _GSM8K_INSTRUCTION = "Answer as <answer>NUMBER</answer>."
 _DAPO_INSTRUCTION = r"Check with <check>\boxed{X}</check> if you like; answer as <answer>\boxed{X}</answer>."
 
@@ -97,7 +96,7 @@ def check_boxed(text: str) -> ToolResult:
     return ToolResult(CHECKER, ToolStatus.SUCCESS, f"parses as {parsed[-1]}")
 
 
-class _DatasetMath(Workload):
+class _DatasetMath(TaggedWorkload):
     """Prompts from a prepared file, an `<answer>` turn, and a math-verify reward."""
 
     instruction = ""
@@ -134,31 +133,17 @@ class Gsm8kWorkload(_DatasetMath):
 
     name = "gsm8k"
     instruction = _GSM8K_INSTRUCTION
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        return ("</answer>",)
-
-    @property
-    def markup_tokens(self) -> tuple[str, ...]:
-        return ("<think>", "</think>", "<answer>", "</answer>")
+    grammar = GSM8K_GRAMMAR
 
     def episode(self, prompt_id: int, sample_index: int, seed: int, budget: TurnBudget) -> Episode:
         single = TurnBudget(1, budget.max_new_tokens, budget.max_total_tokens)
         return Episode(self, self.prompt(prompt_id), sample_index, seed, single)
 
-    def parse_turn(self, text: str) -> Turn:
-        match = _ANSWER.search(text)
-        if match is None:
-            return Malformed("the turn did not end with an answer")
-        if not match.group(1).strip():
-            return Malformed("empty answer")
-        return FinalAnswer(match.group(1).strip())
-
     async def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
         return ToolResult(call.tool, ToolStatus.FAILURE, "this task has no tools")
 
     def render_tool_result(self, result: ToolResult) -> str:
+        # No tools, so no result tag: a malformed turn's reason follows as plain text.
         return f"\nformat error: {result.payload}\n"
 
     def demonstrations(self, count: int, seed: int) -> list[list[Segment]]:
@@ -196,30 +181,10 @@ class DapoMathWorkload(_DatasetMath):
 
     name = "dapo_math"
     instruction = _DAPO_INSTRUCTION
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        return ("</check>", "</answer>")
-
-    @property
-    def markup_tokens(self) -> tuple[str, ...]:
-        return ("<check>", "</check>", "<result>", "</result>", "<answer>", "</answer>")
+    grammar = DAPO_GRAMMAR
 
     def episode(self, prompt_id: int, sample_index: int, seed: int, budget: TurnBudget) -> Episode:
         return DapoEpisode(self, self.prompt(prompt_id), sample_index, seed, budget, max_checks=self.config.max_checks)
-
-    def parse_turn(self, text: str) -> Turn:
-        match = _DAPO_TURN.search(text)
-        if match is None:
-            return Malformed("expected a check or an answer")
-        opening, content, closing = match.groups()
-        if opening != closing:
-            return Malformed(f"{opening} closed as {closing}")
-        if not content.strip():
-            return Malformed(f"empty {opening}")
-        if opening == "check":
-            return ToolCall(CHECKER, content.strip())
-        return FinalAnswer(content.strip())
 
     async def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
         if call.tool != CHECKER:
@@ -228,11 +193,6 @@ class DapoMathWorkload(_DatasetMath):
             return await asyncio.wait_for(asyncio.to_thread(check_boxed, call.arguments), timeout_s)
         except TimeoutError:
             return ToolResult(CHECKER, ToolStatus.TIMEOUT, "timed out")
-
-    def render_tool_result(self, result: ToolResult) -> str:
-        if result.status is ToolStatus.SUCCESS:
-            return f"<result>{result.payload}</result>"
-        return f"<result>error: {result.payload}</result>"
 
     def demonstrations(self, count: int, seed: int) -> list[list[Segment]]:
         rng = random.Random(f"{self.name}-check:{seed}")

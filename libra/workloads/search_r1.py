@@ -7,7 +7,7 @@ A trajectory interleaves searches and retrieved passages, then answers::
     ─▶  <answer>Mira Solt</answer>
 
 Model turns end on ``</search>`` or ``</answer>``; ``<information>…</information>`` is the tool's
-output (masked out of the loss). The retriever is a local BM25 index or a Search-R1 retrieval
+output (masked out of the loss); the tags are `GRAMMAR`. The retriever is a local BM25 index or a Search-R1 retrieval
 server (`libra.workloads.retrieval`). Reward: 1 when the normalised answer (lower case, no
 punctuation, no articles, single spaces) equals a normalised reference; otherwise
 `format_reward` when the trajectory was well formed (every turn parsed, one answer), else 0.
@@ -21,15 +21,14 @@ import re
 import string
 from typing import Iterator
 
-from libra.workloads.base import (
-    Episode, FinalAnswer, Malformed, Prompt, Segment, ToolCall, ToolResult, ToolStatus, Turn, Workload,
-)
+from libra.workloads.base import Episode, FinalAnswer, Prompt, Segment, ToolCall, ToolResult, ToolStatus
 from libra.workloads.config import SearchR1Config
 from libra.workloads.prompts import PromptFile, answers_of
 from libra.workloads.retrieval import TOOL, Bm25Retriever, Document, build_retriever, render_documents
+from libra.workloads.turns import Answer, Call, Markup, Result, TaggedWorkload, TurnGrammar
 
-_TURN = re.compile(r"<(search|answer)>(.*?)</(search|answer)>\s*$", re.S)
-_MARKUP = re.compile(r"</?(search|answer|information|think)>")
+GRAMMAR = TurnGrammar(Call("search", TOOL, "a search"), Result("information"), Answer(), Markup("think"),
+                      inner="no_markup")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 INSTRUCTION = "Search with <search>QUERY</search>, answer as <answer>TEXT</answer>."
@@ -58,10 +57,11 @@ class SearchEpisode(Episode):
         return self.workload.config.format_reward if self.malformed_turns == 0 else 0.0
 
 
-class SearchR1Workload(Workload):
+class SearchR1Workload(TaggedWorkload):
     """Questions from a prepared file; a `<search>` tool backed by BM25 or a retrieval server."""
 
     name = "search_r1"
+    grammar = GRAMMAR
 
     def __init__(self, config: SearchR1Config) -> None:
         self.config = config
@@ -85,39 +85,10 @@ class SearchR1Workload(Workload):
     def episode(self, prompt_id, sample_index, seed, budget) -> Episode:
         return SearchEpisode(self, self.prompt(prompt_id), sample_index, seed, budget)
 
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        return ("</search>", "</answer>")
-
-    @property
-    def markup_tokens(self) -> tuple[str, ...]:
-        return ("<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>",
-                "<think>", "</think>")
-
-    def parse_turn(self, text: str) -> Turn:
-        match = _TURN.search(text)
-        if match is None:
-            return Malformed("expected a search or an answer")
-        opening, content, closing = match.groups()
-        if opening != closing:
-            return Malformed(f"{opening} closed as {closing}")
-        if _MARKUP.search(content):
-            return Malformed(f"tags inside the {opening}")
-        if not content.strip():
-            return Malformed(f"empty {opening}")
-        if opening == "search":
-            return ToolCall(TOOL, content.strip())
-        return FinalAnswer(content.strip())
-
     async def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
         if call.tool != TOOL:
             return ToolResult(call.tool, ToolStatus.FAILURE, f"unknown tool {call.tool}")
         return await self.retriever.search(call.arguments, timeout_s)
-
-    def render_tool_result(self, result: ToolResult) -> str:
-        if result.status is ToolStatus.SUCCESS:
-            return f"<information>{result.payload}</information>"
-        return f"<information>error: {result.payload}</information>"
 
     def reward(self, prompt: Prompt, answer: FinalAnswer | None) -> float:
         return 1.0 if answer is not None and exact_match(answer.text, answers_of(prompt)) else 0.0

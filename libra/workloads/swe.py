@@ -13,7 +13,7 @@ A task (one line of the tasks file) names a repository snapshot and the tests th
 in SWE-bench; ``fix_edits`` is the same fix as edit-tool calls, for warm-start demonstrations.)
 
 Each trajectory works on its own copy of the snapshot (made when the episode opens, deleted when
-it closes). The model calls tools over many turns, one JSON call per turn::
+it closes). The model calls tools over many turns, one JSON call per turn (the tags are `GRAMMAR`)::
 
     <call>{"name": "view_file", "arguments": {"path": "spans/merge.py"}}</call><result>…</result>
     <call>{"name": "edit", "arguments": {"path": …, "old": …, "new": …}}</call><result>…</result>
@@ -42,16 +42,16 @@ from pydantic import Field, model_validator
 
 from libra.configbase import Section
 from libra.errors import ConfigError, InvalidArgument
-from libra.workloads.base import (
-    Episode, FinalAnswer, Malformed, Prompt, Segment, ToolCall, ToolResult, ToolStatus, Turn, Workload,
-)
+from libra.workloads.base import Episode, FinalAnswer, Prompt, Segment, ToolCall, ToolResult, ToolStatus
 from libra.workloads.sandbox import SandboxLimits, SandboxStatus, python_argv, run_in_sandbox
+from libra.workloads.turns import Answer, Call, Result, TaggedWorkload, TurnGrammar
 
 TOOLS = ("view_file", "search", "edit", "run_tests")
 REQUIRED = ("instance_id", "repo_name", "repo_path", "problem_statement", "FAIL_TO_PASS", "PASS_TO_PASS")
 MAX_EDIT_CHARS = 20_000
 MAX_MATCHES = 20
-_TURN = re.compile(r"<(call|answer)>(.*?)</(call|answer)>\s*$", re.S)
+GRAMMAR = TurnGrammar(Call("call", "call", "a tool call"), Result("result"), Answer(empty_ok=True))
+"""The answer's text is not scored (the tests are), so ``<answer></answer>`` finishes too."""
 _OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", re.M)
 _INSTRUCTION = ('Call one tool per turn as <call>{"name": NAME, "arguments": {...}}</call> with NAME one of '
                 'view_file(path), search(pattern), edit(path, old, new), run_tests(); finish with <answer>done</answer>.')
@@ -103,13 +103,6 @@ def load_tasks(path: str | pathlib.Path, limit: int = 0) -> list[dict[str, Any]]
     if not tasks:
         raise ConfigError(f"workload.tasks: {path} has no tasks")
     return tasks
-
-
-def defang(text: str, markup: tuple[str, ...]) -> str:
-    """`text` with every markup token broken (``</result>`` -> ``&lt;/result>``), other ``<`` kept as is."""
-    for token in markup:
-        text = text.replace(token, "&lt;" + token[1:])
-    return text
 
 
 def repo_files(root: pathlib.Path) -> list[str]:
@@ -219,8 +212,8 @@ class SweEpisode(Episode):
         try:
             payload = getattr(self.checkout, tool)(**arguments)
         except (TypeError, ValueError, OSError) as error:
-            return ToolResult(tool, ToolStatus.FAILURE, defang(str(error), self.workload.markup_tokens))
-        return ToolResult(tool, ToolStatus.SUCCESS, defang(payload, self.workload.markup_tokens))
+            return ToolResult(tool, ToolStatus.FAILURE, self.workload.grammar.defang(str(error)))
+        return ToolResult(tool, ToolStatus.SUCCESS, self.workload.grammar.defang(payload))
 
     async def reward(self, answer: FinalAnswer | None) -> float:  # type: ignore[override]
         """1.0 iff FAIL_TO_PASS and PASS_TO_PASS all pass on the edited checkout (tests restored)."""
@@ -232,10 +225,11 @@ class SweEpisode(Episode):
         self.checkout.close()
 
 
-class SweWorkload(Workload):
+class SweWorkload(TaggedWorkload):
     """R2E-Gym-format repository repair with file/search/edit/test tools; binary reward."""
 
     name = "swe"
+    grammar = GRAMMAR
 
     def __init__(self, config: SweConfig) -> None:
         self.config = config
@@ -262,36 +256,13 @@ class SweWorkload(Workload):
     def episode(self, prompt_id, sample_index, seed, budget) -> Episode:
         return SweEpisode(self, self.prompt(prompt_id), sample_index, seed, budget)
 
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        return ("</call>", "</answer>")
-
-    @property
-    def markup_tokens(self) -> tuple[str, ...]:
-        return ("<call>", "</call>", "<result>", "</result>", "<answer>", "</answer>")
-
-    def parse_turn(self, text: str) -> Turn:
-        match = _TURN.search(text)
-        if match is None:
-            if not text.rstrip().endswith(self.stop_strings):
-                return Malformed("turn did not end with a tool call or an answer")
-            return Malformed("expected a tool call or an answer")
-        opening, content, closing = match.groups()
-        if opening != closing:
-            return Malformed(f"{opening} closed as {closing}")
-        if opening == "answer":
-            return FinalAnswer(content.strip())
-        if not content.strip():
-            return Malformed("empty call")
-        return ToolCall("call", content.strip())
-
     async def call_tool(self, call: ToolCall, timeout_s: float) -> ToolResult:
         return ToolResult(call.tool, ToolStatus.FAILURE, "swe tools need a checkout: open an episode")
 
     def render_tool_result(self, result: ToolResult) -> str:
         if result.status is ToolStatus.SUCCESS:
-            return f"<result>{result.payload}</result>"
-        return f"<result>{result.status.value}: {result.payload}</result>"
+            return self.grammar.wrap(result.payload)
+        return self.grammar.wrap(f"{result.status.value}: {result.payload}")
 
     def reward(self, prompt: Prompt, answer: FinalAnswer | None) -> float:
         raise TypeError("the swe reward runs the task's tests on a checkout: use `await episode.reward(answer)`")
@@ -324,7 +295,7 @@ class SweWorkload(Workload):
             summary = (run.stdout.strip().splitlines() or [run.reason])[-1]
         failed = [t for t, outcome in report.items() if outcome in ("FAILED", "ERROR")]
         status = ToolStatus.SUCCESS if report and not failed else ToolStatus.FAILURE
-        return ToolResult("run_tests", status, defang(checkout.cut(summary), self.markup_tokens), detail=run.reason)
+        return ToolResult("run_tests", status, self.grammar.defang(checkout.cut(summary)), detail=run.reason)
 
     async def resolved(self, task: dict[str, Any], root: pathlib.Path) -> float:
         """1.0 iff the task's FAIL_TO_PASS and PASS_TO_PASS tests all pass on `root` (its test files restored)."""
@@ -359,7 +330,7 @@ class SweWorkload(Workload):
                          ("edit", edit, checkout.edit)]
                 for name, arguments, tool in calls:
                     segments.append((f"<call>{json.dumps({'name': name, 'arguments': arguments})}</call>", True))
-                    payload = defang(tool(**arguments), self.markup_tokens)
+                    payload = self.grammar.defang(tool(**arguments))
                     segments.append((self.render_tool_result(ToolResult(name, ToolStatus.SUCCESS, payload)), False))
             tests = sorted(task["FAIL_TO_PASS"] + task["PASS_TO_PASS"])
             segments.append(('<call>{"name": "run_tests", "arguments": {}}</call>', True))

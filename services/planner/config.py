@@ -1,4 +1,4 @@
-"""Typed config of the planner service."""
+"""Typed config of the planner service (and of its online replanning: `ReplanSettings`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,48 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from libra.configbase import Section
-from libra.services.planner.replan import ReplanSettings
+from libra.services.planner.calibration import CalibrationSettings
+
+
+class ReplanSettings(Section):
+    """Online replanning: triggers, gates, acceptance and the transition-cost model."""
+
+    interval_s: float = Field(600.0, ge=0, le=1e7, description="re-evaluate at least this often (0: never on time)")
+    pressure_steps: int = Field(3, ge=1, le=10_000, description="recent steps averaged by the pressure triggers")
+    window_steps: int = Field(20, ge=1, le=100_000, description="recent steps kept for signals and calibration")
+    queue_depth_high: float = Field(0.0, ge=0, le=1e9, description="mean queued turns that trigger (0: off)")
+    active_rollouts_high: float = Field(0.0, ge=0, le=1e9, description="mean active rollouts that trigger (0: off)")
+    rejected_fraction_high: float = Field(0.2, ge=0, le=1, description="rejected/(rejected+trained) rollouts over "
+                                                                      "the window that trigger (0: off)")
+    time_ratio_high: float = Field(1.5, ge=0, le=1e6, description="rollout/train time ratio (or its inverse) that "
+                                                                 "triggers (0: off; else > 1)")
+    warmup_steps: int = Field(3, ge=0, le=1_000_000, description="steps observed before any decision")
+    min_history_samples: int = Field(64, ge=1, le=10_000_000, description="finished rollouts needed to search")
+    cooldown_s: float = Field(300.0, ge=0, le=1e7, description="no new plan this long after one was applied")
+    recheck_s: float = Field(60.0, ge=0, le=1e7, description="no new search this long after one that was rejected")
+    horizon_steps: int = Field(50, ge=1, le=10_000_000, description="steps a new plan is expected to run "
+                                                                   "(the gain is counted over them)")
+    min_gain_ratio: float = Field(0.05, ge=0, le=1, description="net gain / predicted time over the horizon "
+                                                               "below which a plan is not applied")
+    trace_window: int = Field(1024, ge=1, le=1_000_000, description="most recent lengths kept for the search")
+    batch_sequences: int = Field(0, ge=0, le=10_000_000, description="sequences per training batch the search "
+                                                                     "plans for (0: the planner service uses "
+                                                                     "trainer groups_per_step x group_size; the "
+                                                                     "bare Replanner the largest multiple of the "
+                                                                     "group size in the trace window)")
+    drain_s: float = Field(30.0, ge=0, le=86_400, description="seconds to drain a GPU that changes role")
+    process_start_s: float = Field(60.0, ge=0, le=86_400, description="seconds to start a new worker or trainer")
+    load_gbps: float = Field(5.0, gt=0, le=10_000, description="GB/s per GPU when loading weights or state")
+    calibration: CalibrationSettings = Field(default_factory=CalibrationSettings,
+                                             description="EWMA calibration of the efficiencies")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ReplanSettings":
+        if 0 < self.time_ratio_high <= 1:
+            raise ValueError(f"time_ratio_high must be 0 (off) or > 1, got {self.time_ratio_high}")
+        if self.pressure_steps > self.window_steps:
+            raise ValueError(f"pressure_steps ({self.pressure_steps}) must be <= window_steps ({self.window_steps})")
+        return self
 
 
 class TrainingAllocation(Section):
@@ -40,8 +81,6 @@ class ClusterSettings(Section):
                        description="configs/models/NAME.yaml (the cost model's view of the policy)")
     gpus: int = Field(16, ge=2, le=1_000_000, description="GPUs shared by training and rollout")
     tick_s: float = Field(5.0, gt=0, le=3600, description="seconds between reads of the runtime history")
-    apply_retries: int = Field(8, ge=0, le=1000, description="retries of ApplyPlan while the coordinator "
-                                                             "is UNAVAILABLE (then the next tick tries again)")
 
 
 class PlannerConfig(Section):

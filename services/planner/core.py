@@ -8,7 +8,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from libra.plans import Bucket, Plan, Training
+from libra.plans import Bucket, Plan, Training, from_proto
 from libra.services.planner.config import PlannerConfig
 from libra.services.planner.preflight import to_plan
 from libra.services.planner.replan import ReplanDecision, Replanner, StepObservation
@@ -204,6 +204,4 @@ def render_explain(reply: planner_pb2.ExplainResponse) -> str:
 
 
 def _plan_of(message: common_pb2.Plan) -> Plan:
-    from libra.plans import from_proto
-
     return from_proto(message)

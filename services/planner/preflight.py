@@ -9,7 +9,6 @@ longest output), so longer trajectories go to wider instances.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import time
 from typing import Sequence
@@ -20,6 +19,7 @@ from pydantic import ValidationError
 from libra.errors import ConfigError, InvalidArgument
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.search import Candidate, SearchConfig, search
+from libra.traces import files, spec
 from libra.v1 import common_pb2, planner_pb2
 
 MAX_TOKENS = 10_000_000
@@ -37,34 +37,14 @@ def check_trace(trace: Sequence[tuple[int, int]], source: str = "trace") -> list
 
 
 def load_trace(path: str | pathlib.Path) -> list[tuple[int, int]]:
-    """A trace file: JSON lines {"prompt_tokens": P, "output_tokens": O}, CSV lines P,O, or the
-    `trace.jsonl` a run recorded (libra/trace_record.py): each completed trajectory counts as
-    (prompt + tool-result tokens, all generated tokens)."""
-    pairs = []
+    """The (prompt, output) pairs of a trace file in any format `libra.traces.files` reads (CSV
+    prompt_tokens,output_tokens, JSON lines with those fields, a trajectory JSONL, or the
+    `trace.jsonl` a run recorded): each trajectory counts as (prompt + tool-result tokens, all
+    generated tokens); failed recorded trajectories are left out."""
     try:
-        lines = pathlib.Path(path).read_text().splitlines()
-    except OSError as error:
-        raise ConfigError(f"cannot read trace {path}: {error.strerror}") from None
-    for number, line in enumerate(lines, start=1):
-        line = line.strip()
-        if not line or line.startswith("#") or line.lower().startswith("prompt"):
-            continue
-        try:
-            if line.startswith("{"):
-                item = json.loads(line)
-                if "outputs" in item:  # a run's recorded trajectory (RUN_DIR/trace.jsonl): whole-trajectory totals
-                    if item.get("status", "completed") != "completed":
-                        continue
-                    tools = sum(int(t.get("payload_tokens", 0)) for t in item.get("tools", []))
-                    pairs.append((int(item["prompt_tokens"]) + tools, sum(int(o) for o in item["outputs"])))
-                else:
-                    pairs.append((int(item["prompt_tokens"]), int(item["output_tokens"])))
-            else:
-                prompt, output = line.split(",")[:2]
-                pairs.append((int(prompt), int(output)))
-        except (ValueError, KeyError, json.JSONDecodeError) as error:
-            raise ConfigError(f"{path}:{number}: expected prompt_tokens,output_tokens ({error})") from None
-    return check_trace(pairs, str(path))
+        return check_trace(spec.pairs(files.read(path)), str(path))
+    except InvalidArgument as error:
+        raise ConfigError(str(error)) from None
 
 
 def spec_from_yaml(kind: type, text: str, what: str):

@@ -35,11 +35,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pydantic import Field, model_validator
-
-from libra.configbase import Section
 from libra.errors import ConfigError
-from libra.services.planner.calibration import Calibration, CalibrationSettings, predicted_times
+from libra.services.planner.calibration import Calibration, predicted_times
+from libra.services.planner.config import ReplanSettings
 from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.cost_train import Layout
 from libra.services.planner.hardware import GpuSpec, ModelSpec
@@ -47,47 +45,6 @@ from libra.services.planner.search import Candidate, SearchConfig, search
 from libra.services.planner.transition import accept, same_plan, transition_cost_s
 
 TRIGGERS = ("interval", "queue", "active", "rejected", "ratio")
-
-
-class ReplanSettings(Section):
-    """Online replanning: triggers, gates, acceptance and the transition-cost model."""
-
-    interval_s: float = Field(600.0, ge=0, le=1e7, description="re-evaluate at least this often (0: never on time)")
-    pressure_steps: int = Field(3, ge=1, le=10_000, description="recent steps averaged by the pressure triggers")
-    window_steps: int = Field(20, ge=1, le=100_000, description="recent steps kept for signals and calibration")
-    queue_depth_high: float = Field(0.0, ge=0, le=1e9, description="mean queued turns that trigger (0: off)")
-    active_rollouts_high: float = Field(0.0, ge=0, le=1e9, description="mean active rollouts that trigger (0: off)")
-    rejected_fraction_high: float = Field(0.2, ge=0, le=1, description="rejected/(rejected+trained) rollouts over "
-                                                                      "the window that trigger (0: off)")
-    time_ratio_high: float = Field(1.5, ge=0, le=1e6, description="rollout/train time ratio (or its inverse) that "
-                                                                 "triggers (0: off; else > 1)")
-    warmup_steps: int = Field(3, ge=0, le=1_000_000, description="steps observed before any decision")
-    min_history_samples: int = Field(64, ge=1, le=10_000_000, description="finished rollouts needed to search")
-    cooldown_s: float = Field(300.0, ge=0, le=1e7, description="no new plan this long after one was applied")
-    recheck_s: float = Field(60.0, ge=0, le=1e7, description="no new search this long after one that was rejected")
-    horizon_steps: int = Field(50, ge=1, le=10_000_000, description="steps a new plan is expected to run "
-                                                                   "(the gain is counted over them)")
-    min_gain_ratio: float = Field(0.05, ge=0, le=1, description="net gain / predicted time over the horizon "
-                                                               "below which a plan is not applied")
-    trace_window: int = Field(1024, ge=1, le=1_000_000, description="most recent lengths kept for the search")
-    batch_sequences: int = Field(0, ge=0, le=10_000_000, description="sequences per training batch the search "
-                                                                     "plans for (0: the planner service uses "
-                                                                     "trainer groups_per_step x group_size; the "
-                                                                     "bare Replanner the largest multiple of the "
-                                                                     "group size in the trace window)")
-    drain_s: float = Field(30.0, ge=0, le=86_400, description="seconds to drain a GPU that changes role")
-    process_start_s: float = Field(60.0, ge=0, le=86_400, description="seconds to start a new worker or trainer")
-    load_gbps: float = Field(5.0, gt=0, le=10_000, description="GB/s per GPU when loading weights or state")
-    calibration: CalibrationSettings = Field(default_factory=CalibrationSettings,
-                                             description="EWMA calibration of the efficiencies")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> "ReplanSettings":
-        if 0 < self.time_ratio_high <= 1:
-            raise ValueError(f"time_ratio_high must be 0 (off) or > 1, got {self.time_ratio_high}")
-        if self.pressure_steps > self.window_steps:
-            raise ValueError(f"pressure_steps ({self.pressure_steps}) must be <= window_steps ({self.window_steps})")
-        return self
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ In `mode: online` a background loop also calibrates and replans:
  every cluster.tick_s:
    Redis history:turn / history:step ──(only entries after the cursor)──▶ HistoryFeeder ─▶ Replanner
    Replanner.consider(now) (in a thread) ─▶ decision ─▶ plan:decisions   (every decision, with reason)
-        └ applied: put_plan(generation + 1) ─▶ ElasticCoordinator.ApplyPlan (retries on UNAVAILABLE)
+        └ applied: put_plan(generation + 1) ─▶ ElasticCoordinator.ApplyPlan (gRPC retries UNAVAILABLE)
    blob planner.online ◀─ cursor + counters + Replanner state, written after the decision
 ```
 The cursor and the Replanner's state are written together, so a restarted planner continues
@@ -27,6 +27,7 @@ from libra import log as liblog
 from libra.config import RunConfig
 from libra.errors import Conflict, FailedPrecondition, InvalidArgument
 from libra.plans import Plan, from_proto, to_proto
+from libra.rpc import channel
 from libra.runtime import Service, serve as run_service
 from libra.service_base import connect_store
 from libra.services.planner import core
@@ -36,6 +37,7 @@ from libra.v1 import common_pb2, elastic_pb2, elastic_pb2_grpc, planner_pb2, pla
 _log = liblog.get("libra.planner")
 ONLINE_BLOB = "planner.online"
 HISTORY_BATCH = 5000
+APPLY_TIMEOUT_S = 10.0
 PREDICTED = Gauge("libra_planner_predicted_step_seconds", "step time the calibrated model predicts (EWMA)")
 MEASURED = Gauge("libra_planner_measured_step_seconds", "measured step time (EWMA)")
 EFFICIENCY = Gauge("libra_planner_efficiency", "calibrated efficiency of the cost model", ["name"])
@@ -163,7 +165,9 @@ class PlannerService(Service):
         return record
 
     async def _send_pending(self) -> None:
-        """Send the plan in force to the elastic coordinator; UNAVAILABLE is retried with backoff."""
+        """Send the plan in force to the elastic coordinator. gRPC retries UNAVAILABLE within the
+        call (the channel's service config); a coordinator still unreachable keeps the plan pending
+        and the next tick sends it again, with the same request id (a replay if it got through)."""
         plan = await self.store.get_plan()
         generation = self.online["pending_apply"]
         if plan is None or plan.generation != generation:
@@ -172,25 +176,18 @@ class PlannerService(Service):
             return
         request = elastic_pb2.ApplyPlanRequest(meta=common_pb2.RequestMeta(
             request_id=f"planner-apply-gen{generation}", run_id=self.run_id), plan=plan)
-        backoff = 0.2
-        for attempt in range(self.config.planner.cluster.apply_retries + 1):
-            try:
-                async with grpc.aio.insecure_channel(self.config.address_of("elastic")) as chan:
-                    progress = await elastic_pb2_grpc.ElasticCoordinatorStub(chan).ApplyPlan(request, timeout=10)
-                _log.info("plan sent to the elastic coordinator", generation=generation, state=progress.state)
-                break
-            except grpc.aio.AioRpcError as error:
-                if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    _log.warning("elastic coordinator unavailable; will retry", generation=generation,
-                                 attempt=attempt + 1, backoff_s=backoff)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    continue
-                _log.error("elastic coordinator refused the plan", generation=generation,
-                           code=error.code().name, detail=error.details())
-                break
-        else:
-            return  # still pending: the next tick tries again
+        try:
+            async with channel(self.config.address_of("elastic")) as chan:
+                stub = elastic_pb2_grpc.ElasticCoordinatorStub(chan)
+                progress = await stub.ApplyPlan(request, timeout=APPLY_TIMEOUT_S)
+            _log.info("plan sent to the elastic coordinator", generation=generation, state=progress.state)
+        except grpc.aio.AioRpcError as error:
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                _log.warning("elastic coordinator unavailable; the next tick sends the plan again",
+                             generation=generation, code=error.code().name)
+                return
+            _log.error("elastic coordinator refused the plan", generation=generation,
+                       code=error.code().name, detail=error.details())
         self.online.pop("pending_apply", None)
         await self._save_online()
 

@@ -22,13 +22,10 @@ new processes and load state; both sides change in parallel, so the cost is the 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
+from libra.services.planner.config import ReplanSettings
 from libra.services.planner.hardware import ModelSpec
 from libra.services.planner.search import Candidate
-
-if TYPE_CHECKING:  # replan.py imports this module; the settings are only read here
-    from libra.services.planner.replan import ReplanSettings
 
 
 def transition_cost_s(old: Candidate | None, new: Candidate, model: ModelSpec, settings: ReplanSettings) -> float:

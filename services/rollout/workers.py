@@ -2,7 +2,7 @@
 
 ```
  plan buckets ─▶ WorkerPool.start ─▶ VllmWorkerProcess | HfWorkerProcess × replicas ─▶ ready ─▶ register
- UpdateWeights(v) ─▶ weight_delivery.py (disk, or the weights group) ─▶ ack (Redis) ─▶ version_of(worker) = v
+ UpdateWeights(v) ─▶ weight_delivery.py (disk, or the weights group) ─▶ ack in the reply ─▶ version_of(worker) = v
  monitor: a dead or unhealthy worker is deregistered; its turns are retried elsewhere by the runner
 ```
 The engine comes from rollout.worker.engine: vllm (TP from the plan's bucket) or hf (TP 1 only).
@@ -33,7 +33,7 @@ def _hf_worker_class() -> type:
     from libra.services.rollout.engines.vllm_worker import VllmWorkerProcess
 
     class HfWorkerProcess(VllmWorkerProcess):
-        """One transformers-based engine server (engines/hf_engine.py); TP 1 only."""
+        """One transformers-based engine server (engines/hf_server.py serving engines/hf_engine.py); TP 1 only."""
 
         engine = "hf"
 
@@ -46,8 +46,8 @@ def _hf_worker_class() -> type:
 
         def command(self) -> list[str]:
             c = self.config
-            return [sys.executable, "-m", "libra.services.rollout.engines.hf_engine", "--model", str(self.model_dir),
-                    "--host", c.host, "--port", str(self.port), "--device", c.device, "--dtype", c.dtype,
+            return [sys.executable, "-m", "libra.services.rollout.engines.hf_server", "--model", str(self.model_dir),
+                    "--host", c.host, "--port", str(self.port), "--device", c.engine.device, "--dtype", c.dtype,
                     "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
                     "--logprobs-mode", c.logprobs_mode, "--policy-version", str(self.policy_version),
                     "--threads", str(c.cpu_threads), *c.extra_args]
@@ -97,7 +97,7 @@ class WorkerPool:
         """Launch the plan's workers on `model_dir` (policy `version`) and wait until all serve."""
         from libra.services.rollout.engines.client import EngineClient
 
-        launcher = worker_process_class(self.config.engine)
+        launcher = worker_process_class(self.config.engine.type)
         started: list[PoolWorker] = []
         for bucket in plan.buckets:
             for _ in range(bucket.replicas):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from libra.services.scheduler.core import Decision, Turn, Worker
+from libra.routing.policy import Decision, Turn, Worker
 from libra.v1 import common_pb2, scheduler_pb2
 
 TOOL_STATUS = {common_pb2.TOOL_STATUS_SUCCESS: "success", common_pb2.TOOL_STATUS_FAILURE: "failure",

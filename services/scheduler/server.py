@@ -3,23 +3,29 @@
 Routing state is in memory for speed (a Route must add well under a millisecond); the worker
 registry is saved to Redis so a restarted scheduler routes at once, and in-flight loads are
 rebuilt from the reports that follow.
+
+Replays (a request id seen before, on the Session stream or a unary RPC) are answered by the RPC
+boundary from `replies`, a window of the last REPLAY_WINDOW requests kept in memory: the state it
+protects is in memory too, and a restarted scheduler must apply the reports a reconnecting
+gateway sends again, since they rebuild its loads. Scopes are per RPC, so a Route and a report
+that share a request id are two requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections import OrderedDict
-from typing import Any, Callable
 
 from prometheus_client import Counter, Gauge
 
 from libra import log as liblog
 from libra.config import RunConfig
+from libra.replay import MemoryReplies
+from libra.routing.policy import Decision, Turn, Worker
+from libra.routing.registry import make_policy
 from libra.runtime import Service, serve as run_service
 from libra.service_base import connect_store
 from libra.services.scheduler import convert
-from libra.services.scheduler.core import Decision, Turn, Worker, make_policy
 from libra.services.scheduler.servicer import SchedulerServicer
 from libra.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -27,6 +33,7 @@ _log = liblog.get("libra.scheduler")
 ROUTED = Counter("libra_scheduler_routed_total", "turns routed", ["bucket", "reason"])
 OUTSTANDING = Gauge("libra_scheduler_outstanding_tokens", "outstanding tokens", ["bucket"])
 REPLAY_WINDOW = 200_000
+"""Requests whose first reply the scheduler keeps for replays (in memory, like its routing state)."""
 TREE_BLOB = "scheduler.tree"
 TREE_SAVE_S = 5.0
 
@@ -41,7 +48,7 @@ class SchedulerService(Service):
         buckets = [(bucket.name, bucket.max_tokens) for bucket in config.planner.buckets]
         self.policy = make_policy(cfg, buckets)
         self.store = None
-        self._seen: OrderedDict[str, Any] = OrderedDict()
+        self.replies = MemoryReplies(REPLAY_WINDOW)  # the boundary's replay window (module doc)
         self.finished = 0  # trajectories learned from; the tree is saved when this changes
 
     def service_names(self) -> list[str]:
@@ -58,7 +65,7 @@ class SchedulerService(Service):
         forest = getattr(self.policy, "forest", None)
         tree = await self.store.load_blob(TREE_BLOB) if forest is not None else None
         if tree:
-            from libra.services.scheduler.prefix_tree import PrefixForest
+            from libra.routing.prefix_tree import PrefixForest
 
             self.policy.forest = PrefixForest.from_bytes(tree)
             _log.info("prefix tree restored from redis", bytes=len(tree))
@@ -85,18 +92,8 @@ class SchedulerService(Service):
         if self.store is not None:
             await self.store.close()
 
-    def _once(self, request_id: str, compute: Callable[[], Any]) -> Any:
-        """Apply a mutating request once; a replay returns the first answer."""
-        if request_id in self._seen:
-            return self._seen[request_id]
-        result = compute()
-        self._seen[request_id] = result
-        if len(self._seen) > REPLAY_WINDOW:
-            self._seen.popitem(last=False)
-        return result
-
-    def route(self, request_id: str, turn: Turn) -> Decision:
-        decision = self._once(request_id, lambda: self.policy.route(turn))
+    def route(self, turn: Turn) -> Decision:
+        decision = self.policy.route(turn)
         ROUTED.labels(decision.bucket, decision.reason).inc()
         if decision.reason.startswith("move:"):  # rare, and what people look for: log every move
             _log.info("move", trajectory_id=turn.trajectory_id, turn=turn.turn, bucket=decision.bucket,
@@ -104,34 +101,29 @@ class SchedulerService(Service):
         self._update_gauges()
         return decision
 
-    def turn_done(self, request_id: str, trajectory_id: str, worker_id: str, output_tokens: int = 0) -> bool:
-        return self._mutate(request_id, lambda: self.policy.turn_done(trajectory_id, worker_id, output_tokens))
-
-    def tool_returned(self, request_id: str, trajectory_id: str, tool: str, status: str, payload: int) -> bool:
-        return self._mutate(request_id, lambda: self.policy.tool_returned(trajectory_id, tool, status, payload))
-
-    def finish(self, request_id: str, trajectory_id: str, prompt_id: str, output_tokens: int) -> bool:
-        applied = self._mutate(request_id, lambda: self.policy.finish(trajectory_id, prompt_id, output_tokens))
-        self.finished += applied
-        return applied
-
-    def _mutate(self, request_id: str, apply: Callable[[], None]) -> bool:
-        if request_id in self._seen:
-            return False
-        self._once(request_id, apply)
+    def turn_done(self, trajectory_id: str, worker_id: str, output_tokens: int = 0) -> None:
+        self.policy.turn_done(trajectory_id, worker_id, output_tokens)
         self._update_gauges()
-        return True
 
-    async def register_worker(self, request_id: str, worker: Worker) -> bool:
-        applied = self._mutate(request_id, lambda: self.policy.register(worker))
+    def tool_returned(self, trajectory_id: str, tool: str, status: str, payload: int) -> None:
+        self.policy.tool_returned(trajectory_id, tool, status, payload)
+        self._update_gauges()
+
+    def finish(self, trajectory_id: str, prompt_id: str, output_tokens: int) -> None:
+        self.policy.finish(trajectory_id, prompt_id, output_tokens)
+        self.finished += 1
+        self._update_gauges()
+
+    async def register_worker(self, worker: Worker) -> None:
+        self.policy.register(worker)
+        self._update_gauges()
         await self._save_workers()
         _log.info("worker registered", worker=worker.worker_id, bucket=worker.bucket, serving=worker.serving)
-        return applied
 
-    async def deregister_worker(self, request_id: str, worker_id: str) -> bool:
-        applied = self._mutate(request_id, lambda: self.policy.deregister(worker_id))
+    async def deregister_worker(self, worker_id: str) -> None:
+        self.policy.deregister(worker_id)
+        self._update_gauges()
         await self._save_workers()
-        return applied
 
     async def _save_workers(self) -> None:
         fields = ("worker_id", "bucket", "address", "tp", "serving")

@@ -1,8 +1,10 @@
 """gRPC adapter of the scheduler: convert, call the service, convert back.
 
 Every request kind has one handler (`_route`, `_turn`, `_tool_return`, `_finish`) that validates
-and applies it; the unary RPCs and the gateway's `Session` stream both go through them, so the
-two paths cannot disagree about what a valid request is.
+and applies it; the unary RPCs and the gateway's `Session` stream both reach them through the RPC
+boundary (`libra.boundary`) under the same RPC name, so the two paths cannot disagree about what
+a valid request is, and a request id is applied once whichever path carried it (the scheduler's
+replies are kept in memory: `SchedulerService.replies`).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import asyncio
 import grpc
 
 from libra import log as liblog
+from libra.boundary import apply, rpc
 from libra.errors import InvalidArgument, status_code
-from libra.rpc import guard
-from libra.service_base import check_run, require
+from libra.service_base import require
 from libra.services.scheduler import convert
 from libra.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -23,76 +25,67 @@ ACK_IDLE_S = 0.05
 """A session with reports but no Route to piggyback on gets a bare acknowledgement this often."""
 
 
-def _ack(applied: bool) -> common_pb2.Ack:
-    return common_pb2.Ack(applied=applied, detail="" if applied else "replay: already applied")
-
-
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, service):
         self.service = service
-        self._reports = {"turn": self._turn, "tool_return": self._tool_return, "finish": self._finish}
+        self._reports = {"turn": ("ReportTurn", self._turn), "tool_return": ("ReportToolReturn", self._tool_return),
+                         "finish": ("ReportFinish", self._finish)}
 
-    def _check(self, meta) -> str:
-        check_run(meta.run_id, self.service.run_id)
-        return require(meta.request_id, "meta.request_id")
-
-    # --- one handler per request kind --------------------------------------------------------
+    # --- one handler per request kind (run and request id already checked) ---------------------
     def _route(self, request) -> scheduler_pb2.RouteDecision:
-        rid = self._check(request.meta)
-        return convert.decision_to_proto(self.service.route(rid, convert.turn_from_proto(request)))
+        return convert.decision_to_proto(self.service.route(convert.turn_from_proto(request)))
 
-    def _turn(self, request) -> bool:
-        rid = self._check(request.meta)
+    def _turn(self, request) -> common_pb2.Ack:
         require(request.worker_id, "worker_id")
-        return self.service.turn_done(rid, request.trajectory_id, request.worker_id, request.output_tokens)
+        self.service.turn_done(request.trajectory_id, request.worker_id, request.output_tokens)
+        return common_pb2.Ack(applied=True)
 
-    def _tool_return(self, request) -> bool:
-        rid = self._check(request.meta)
+    def _tool_return(self, request) -> common_pb2.Ack:
         status = convert.TOOL_STATUS.get(request.status)
         if status is None:
             raise InvalidArgument("status is required: TOOL_STATUS_SUCCESS, _FAILURE or _TIMEOUT "
                                   "(the structured outcome the workload reports)")
         require(request.tool, "tool")
-        return self.service.tool_returned(rid, request.trajectory_id, request.tool, status, request.payload_tokens)
+        self.service.tool_returned(request.trajectory_id, request.tool, status, request.payload_tokens)
+        return common_pb2.Ack(applied=True)
 
-    def _finish(self, request) -> bool:
-        rid = self._check(request.meta)
-        return self.service.finish(rid, request.trajectory_id, request.prompt_id, request.output_tokens)
+    def _finish(self, request) -> common_pb2.Ack:
+        self.service.finish(request.trajectory_id, request.prompt_id, request.output_tokens)
+        return common_pb2.Ack(applied=True)
 
     # --- unary RPCs (tools, grpcurl) ------------------------------------------------------------
-    @guard
+    @rpc(mutating=True)
     async def Route(self, request, context):
         return self._route(request)
 
-    @guard
+    @rpc(mutating=True)
     async def ReportTurn(self, request, context):
-        return _ack(self._turn(request))
+        return self._turn(request)
 
-    @guard
+    @rpc(mutating=True)
     async def ReportToolReturn(self, request, context):
-        return _ack(self._tool_return(request))
+        return self._tool_return(request)
 
-    @guard
+    @rpc(mutating=True)
     async def ReportFinish(self, request, context):
-        return _ack(self._finish(request))
+        return self._finish(request)
 
-    @guard
+    @rpc(mutating=True)
     async def RegisterWorker(self, request, context):
-        rid = self._check(request.meta)
-        return _ack(await self.service.register_worker(rid, convert.worker_from_proto(request.worker)))
+        await self.service.register_worker(convert.worker_from_proto(request.worker))
+        return common_pb2.Ack(applied=True)
 
-    @guard
+    @rpc(mutating=True)
     async def DeregisterWorker(self, request, context):
-        rid = self._check(request.meta)
-        require(request.worker_id, "worker_id")
-        return _ack(await self.service.deregister_worker(rid, request.worker_id))
+        await self.service.deregister_worker(require(request.worker_id, "worker_id"))
+        return common_pb2.Ack(applied=True)
 
-    @guard
+    @rpc()
     async def GetStats(self, request, context):
-        check_run(request.run_id, self.service.run_id)
         return self.service.stats()
 
     # --- the gateway's stream -------------------------------------------------------------------
+    @rpc()
     async def Session(self, request_iterator, context):
         """Apply each batch's messages in order; answer its Routes and failures in one batch.
 
@@ -120,7 +113,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             async for batch in request_iterator:
                 answers = []
                 for message in batch.messages:
-                    answer = self._apply(message)
+                    answer = await self._apply(message)
                     processed = message.seq
                     if answer is not None:
                         answers.append(answer)
@@ -132,16 +125,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if acker is not None:
                 acker.cancel()
 
-    def _apply(self, message) -> scheduler_pb2.SchedulerMessage | None:
-        """One session message: its answer (a Route's decision, or an error), or None for a report."""
+    async def _apply(self, message) -> scheduler_pb2.SchedulerMessage | None:
+        """One session message: its answer (a Route's decision, or an error), or None for a report.
+
+        It goes through the boundary as the unary RPC of its kind would (same run and request-id
+        checks, same replay scope)."""
         kind = message.WhichOneof("body")
         try:
             if kind == "route":
-                return scheduler_pb2.SchedulerMessage(seq=message.seq, route=self._route(message.route))
-            handler = self._reports.get(kind)
-            if handler is None:
+                decision = await apply(self, "Route", message.route, lambda: self._route(message.route))
+                return scheduler_pb2.SchedulerMessage(seq=message.seq, route=decision)
+            if kind not in self._reports:
                 raise InvalidArgument("GatewayMessage.body is empty: set route, turn, tool_return or finish")
-            handler(getattr(message, kind))
+            name, handler = self._reports[kind]
+            report = getattr(message, kind)
+            await apply(self, name, report, lambda: handler(report))
             return None
         except Exception as error:  # noqa: BLE001 - answered on the stream, the session goes on
             code = status_code(error)

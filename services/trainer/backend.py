@@ -1,8 +1,9 @@
 """The training-backend interface, the batch it consumes, and the padding that feeds a model.
 
-Owns: `TrainBackend` (what every backend — plain torch now, Megatron-Core later — must do),
+Owns: `TrainBackend` (what every backend — plain torch, Megatron-Core — must do),
 `TrainSequence`/`TrainBatch` (one trajectory as the trainer sees it: token ids end to end, never
-re-tokenised), and `pack`, which turns sequences into right-padded tensors on the *target grid*.
+re-tokenised), `pack`, which turns sequences into right-padded tensors on the *target grid*, and
+the two ways a backend writes files atomically (`write_weights_dir`, `atomic_torch_save`).
 Must not know: Redis, gRPC, rollout workers, which backend is in use. Torch is imported lazily
 so the control plane can import the dataclasses without it.
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from libra.services.trainer.config import TrainerConfig
+    from libra.services.trainer.gradient_hook import GradientHook
 
 
 @dataclass(frozen=True)
@@ -132,60 +134,6 @@ def unpack(per_token: Tensor, packed: PackedBatch) -> list[Tensor]:
     return [row[mask] for row, mask in zip(per_token, packed.response_mask)]
 
 
-@dataclass(frozen=True)
-class HybridShare:
-    """What the hybrid replicas attached to this core rank contribute to a step (known before it)."""
-
-    loss_tokens: float = 0.0  # loss tokens of the slices handed to them
-    sequences: int = 0
-    replicas: int = 0  # hybrids of this rank in the step's manifest
-
-
-@dataclass(frozen=True)
-class HybridGradients:
-    """What actually arrived before the deadline (a hybrid that missed it is in `missing_*`)."""
-
-    missing_tokens: float = 0.0
-    missing_replicas: int = 0
-    metric_sums: dict[str, float] = field(default_factory=dict)
-
-
-class GradientHook(abc.ABC):
-    """The one hook point of elastic hybrid replicas in a training backend (backend-neutral).
-
-    A backend with `gradient_hook` set calls, on every core rank and in this order, inside one step:
-
-        share()            before the step's token/replica totals are all-reduced (they include it)
-        start(tc, W)       once the totals are known: hand the hybrids their work (token_count tc = N/W)
-        inject(flat)       after local backward, BEFORE the data-parallel all-reduce: add the hybrids'
-                           gradients into the flat float32 gradient in place (waits up to a deadline)
-        deliver(flat, c)   after the all-reduce and normalisation, before clipping: the final
-                           gradient goes back to the hybrids, which clip and step like the core
-
-    The math (libra.services.trainer.elastic.core_hooks): with D core ranks and H hybrids,
-    W = D + H replicas; every replica scales its token-summed loss by W/N (N = loss tokens of the
-    whole widened batch); the core sums everything with one all-reduce over the communicator it
-    created at start and divides by W, so the update is exactly a plain data-parallel step over W
-    replicas. Loss tokens of hybrids that missed the deadline are subtracted from N by rescaling.
-    """
-
-    @abc.abstractmethod
-    def share(self) -> HybridShare:
-        """This rank's hybrids' part of the step (zero when none is active)."""
-
-    @abc.abstractmethod
-    def start(self, token_count: float, replicas: int, config: TrainerConfig) -> None:
-        """Send this step's slices to this rank's hybrids (they compute while the core does)."""
-
-    @abc.abstractmethod
-    def inject(self, flat_grad: Tensor) -> HybridGradients:
-        """Add the arrived hybrid gradients into `flat_grad` (in place) before the all-reduce."""
-
-    @abc.abstractmethod
-    def deliver(self, reduced_grad: Tensor, config: TrainerConfig) -> None:
-        """Give the final (all-reduced, normalised, unclipped) gradient to the contributing hybrids."""
-
-
 class TrainBackend(abc.ABC):
     """What the trainer needs from a training engine. One instance per rank.
 
@@ -194,7 +142,7 @@ class TrainBackend(abc.ABC):
     union (token-level mean over all ranks' loss tokens). Save methods are collective: every rank
     calls them, the backend decides who writes.
 
-    `gradient_hook`: when set, elastic hybrid replicas take part in `train_step` (see GradientHook).
+    `gradient_hook`: when set, elastic hybrid replicas take part in `train_step` (`gradient_hook.py`).
     """
 
     gradient_hook: GradientHook | None = None
@@ -251,3 +199,22 @@ def write_weights_dir(out_dir: str, model_dir: str | None, write: Callable[[str]
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.rename(staging, out_dir)
+
+
+def atomic_torch_save(state: dict[str, Any], path: str) -> None:
+    """`torch.save(state)` to `path` so that a crash leaves the old file or the new one, never half of one."""
+    import torch
+
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    staging = f"{path}.tmp-{os.getpid()}"
+    with open(staging, "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(staging, path)
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)  # make the rename itself durable
+    finally:
+        os.close(descriptor)

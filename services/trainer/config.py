@@ -1,12 +1,17 @@
-"""Typed config of the trainer service (asynchronous GRPO)."""
+"""Typed config of the trainer service (asynchronous GRPO).
+
+The training backend is a union on its `type`: ``backend: torch`` (or ``{type: torch}``) or
+``backend: {type: megatron, tensor_parallel: 2, ...}``; the Megatron-Core settings exist only in
+the megatron variant, so writing one for the torch backend is an error that names the fix.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from libra.configbase import Section
+from libra.configbase import Section, tagged_union
 
 
 class WarmupConfig(Section):
@@ -17,9 +22,16 @@ class WarmupConfig(Section):
     lr: float = Field(1.5e-3, gt=0, le=1.0, description="SFT peak learning rate (linear ramp, cosine decay)")
 
 
-class MegatronConfig(Section):
-    """Settings of the Megatron-Core backend (trainer.backend = megatron)."""
+class TorchBackendConfig(Section):
+    """The plain PyTorch backend: one process, CPU or one GPU."""
 
+    type: Literal["torch"] = Field("torch", description="backend type")
+
+
+class MegatronBackendConfig(Section):
+    """The Megatron-Core backend: TP x PP x DP over `trainer.ranks` processes."""
+
+    type: Literal["megatron"] = Field("megatron", description="backend type")
     tensor_parallel: int = Field(1, ge=1, le=64, description="tensor-parallel size (must divide attention and KV heads)")
     pipeline_parallel: int = Field(
         1, ge=1, le=64, description="pipeline-parallel stages (must divide num_hidden_layers; 1F1B schedule)")
@@ -30,6 +42,10 @@ class MegatronConfig(Section):
         True, description="on GPUs, Megatron's torch.compile-fused SwiGLU and cross entropy (off: plain kernels)")
     distributed_optimizer: bool = Field(
         True, description="shard Adam states over data parallelism on GPUs (false for elastic hybrid replicas)")
+
+
+TrainBackendConfig = tagged_union("trainer.backend", TorchBackendConfig, MegatronBackendConfig)
+"""The `trainer.backend` section: torch or megatron (a bare name is short for `{type: NAME}`)."""
 
 
 class TrainerElasticConfig(Section):
@@ -56,9 +72,9 @@ class TrainerElasticConfig(Section):
 class TrainerConfig(Section):
     """GRPO hyper-parameters, staleness bound, checkpoints."""
 
-    backend: Literal["torch", "megatron"] = Field(
-        "torch", description="training backend (torch: plain PyTorch, CPU or DDP; megatron: Megatron-Core, TP x PP x DP)")
-    megatron: MegatronConfig = Field(default_factory=MegatronConfig, description="Megatron-Core backend settings")
+    backend: TrainBackendConfig = Field(
+        default_factory=TorchBackendConfig,
+        description="training backend (torch: plain PyTorch, CPU or DDP; megatron: Megatron-Core, TP x PP x DP)")
     ranks: int = Field(1, ge=1, le=4096, description=(
         "processes the trainer runs on: 1, or the TP x PP x DP ranks of the megatron backend (libra up launches "
         "them with torchrun on this node; under torchrun/srun the launcher's WORLD_SIZE must equal it); rank 0 "
@@ -82,15 +98,24 @@ class TrainerConfig(Section):
     elastic: TrainerElasticConfig = Field(default_factory=TrainerElasticConfig,
                                           description="elastic hybrid replicas: the side channel")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _megatron_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "megatron" in data:
+            raise ValueError("trainer.megatron moved into the backend: write trainer.backend: {type: megatron, "
+                             "tensor_parallel: ..., ...} (docs/configuration.md, trainer.backend)")
+        return data
+
     @model_validator(mode="after")
     def _clip(self) -> "TrainerConfig":
         if self.clip_high < self.clip_low * 0.5:
             raise ValueError("trainer.clip_high is far below clip_low; asymmetric clipping expects clip_high >= clip_low")
-        if self.ranks > 1 and self.backend != "megatron":
+        backend = self.backend
+        if self.ranks > 1 and backend.type != "megatron":
             raise ValueError(f"trainer.ranks={self.ranks} needs trainer.backend: megatron (the torch backend trains in "
                              "one process); set trainer.ranks=1 or trainer.backend=megatron")
-        model_parallel = self.megatron.tensor_parallel * self.megatron.pipeline_parallel
-        if self.ranks > 1 and self.ranks % model_parallel:
-            raise ValueError(f"trainer.ranks={self.ranks} is not a multiple of trainer.megatron.tensor_parallel x "
+        if self.ranks > 1 and self.ranks % (backend.tensor_parallel * backend.pipeline_parallel):
+            model_parallel = backend.tensor_parallel * backend.pipeline_parallel
+            raise ValueError(f"trainer.ranks={self.ranks} is not a multiple of trainer.backend.tensor_parallel x "
                              f"pipeline_parallel = {model_parallel}; the data-parallel size is ranks / {model_parallel}")
         return self

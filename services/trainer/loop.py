@@ -5,7 +5,8 @@
  trainer ─────────────────────────────────────────────────────────────▶ rollout
     ▲  read_completed (consumer group)                                      │ complete_trajectory
     └──────────────── Redis completed stream ◀──────────────────────────────┘
-    │ whole groups, staleness-checked ─▶ train_step ─▶ publish v+1 ─▶ UpdateWeights (no drain)
+    │ whole groups, staleness-checked ─▶ train_step ─▶ publish v+1 (publisher.py: disk or the
+    │                                                    weights group, UpdateWeights, no drain)
     └ every checkpoint_every steps: checkpoint, then ack the entries those steps used
 ```
 Rollout never stops for training: while a step trains, the next batch is already being sampled.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import threading
 import time
 
 from prometheus_client import Gauge, Histogram
@@ -26,6 +26,7 @@ from libra.services.trainer.backend import TrainBatch
 from libra.services.trainer.batches import (BatchAssembler, PendingGroup, build_batch, generated_versions,
                                           to_sequence)
 from libra.services.trainer.model_state import ModelState, Position
+from libra.services.trainer.publisher import WeightPublisher
 from libra.services.trainer.status import TrainerStatus
 from libra.v1 import common_pb2, rollout_pb2, trainer_pb2
 
@@ -50,9 +51,10 @@ def prompt_for(position: int, num_prompts: int, seed: int) -> int:
 
 class GrpoLoop:
     def __init__(self, config: RunConfig, store, rollout, model: ModelState, status: TrainerStatus,
-                 num_prompts: int):
+                 num_prompts: int, publisher: WeightPublisher):
         self.config, self.cfg = config, config.trainer
         self.store, self.rollout, self.model, self.status = store, rollout, model, status
+        self.publisher = publisher
         self.num_prompts = num_prompts
         self.assembler = BatchAssembler(self.cfg.max_staleness)
         self.position = Position()
@@ -119,6 +121,7 @@ class GrpoLoop:
         waited = time.monotonic()
         groups = await self.collect(count)
         wait_s = time.monotonic() - waited
+        await self.publisher.settle()  # the last version's background disk write: before the backend is used
         batch, stats = build_batch(groups, self.position.version)
         gap, fresh = await self.behaviour_gap(groups)
         core_batch = self.elastic.hand_out(batch, self.cfg.group_size, manifest) if manifest else batch
@@ -128,7 +131,8 @@ class GrpoLoop:
         if self.elastic is not None:
             self.elastic.end_step()
         self.position.step += 1
-        publish_s = await self.publish(self.position.version + 1)
+        published = await self.publisher.publish(self.position.version + 1)
+        self.position.version = published.version
         self.position.used_entries.extend(e for g in groups for e in g.entries())
         self.step_lengths = [(t.prompt_length, len(t.token_ids) - t.prompt_length)  # for the planner's history
                              for g in groups for t in g.trajectories()]
@@ -136,7 +140,9 @@ class GrpoLoop:
             step=self.position.step, policy_version=self.position.version, mean_reward=stats.mean_reward,
             loss=metrics.get("loss", 0.0), trajectories=len(batch), rejected_stale=self.rejected_since_step,
             mean_staleness=stats.mean_staleness, train_seconds=train_s, wait_seconds=wait_s,
-            publish_seconds=publish_s, mean_turns=stats.mean_turns, tokens=stats.tokens,
+            publish_seconds=published.seconds, publish_write_seconds=published.write_seconds,
+            publish_send_seconds=published.send_seconds, publish_rpc_seconds=published.rpc_seconds,
+            workers_updated=published.workers_updated, mean_turns=stats.mean_turns, tokens=stats.tokens,
             phase=trainer_pb2.TRAINER_PHASE_TRAINING, timestamp=time.time(),
             clip_fraction=metrics.get("clip_fraction", 0.0), kl=metrics.get("kl", 0.0),
             behaviour_logprob_gap=gap, fresh_sequences=fresh)
@@ -158,73 +164,10 @@ class GrpoLoop:
                     total, count = total + abs(mine - theirs), count + 1
         return (total / count if count else 0.0), len(fresh)
 
-    async def publish(self, version: int) -> float:
-        """Publish the weights as `version` and load them on every rollout worker (no drain)."""
-        _, write_s = await self.model.publish(version)
-        self.position.version = version
-        return write_s + await self.publish_to_workers(version)
-
-    async def publish_to_workers(self, version: int) -> float:
-        """Ask rollout to load `version` on every worker; returns the seconds it took.
-
-        Over the weights group when rollout.worker.weight_sync is group (a worker the group misses
-        gets the version from disk within rollout's reply), else, or when that fails, over disk."""
-        path = await self.store.weights_path(version)
-        started = time.monotonic()
-        if self.config.rollout.worker.weight_sync == "group" and await self._publish_over_group(version, path):
-            return time.monotonic() - started
-        suffix = "-disk" if self.config.rollout.worker.weight_sync == "group" else ""
-        meta = common_pb2.RequestMeta(request_id=f"weights-v{version}{suffix}", run_id=self.config.run_id)
-        reply = await self.rollout.UpdateWeights(
-            rollout_pb2.UpdateWeightsRequest(meta=meta, version=version, path=path), timeout=600)
-        self._check_acks(version, reply)
-        return time.monotonic() - started
-
-    async def _publish_over_group(self, version: int, path: str) -> bool:
-        """Send `version` on the weights group while rollout receives it; False: it must go over disk.
-
-        The generation follows rollout's serving workers (a new one when they change, or when the
-        last one failed a version). Rollout's reply ends the wait for ranks that never came."""
-        from libra.weights.roster import Roster
-
-        try:
-            listed = await self.rollout.ListWorkers(rollout_pb2.ListWorkersRequest(run_id=self.config.run_id),
-                                                    timeout=30)
-            roster = Roster.of((w.worker_id, w.tp) for w in listed.workers
-                               if w.state == common_pb2.WORKER_STATE_SERVING)
-            record = await self.model.plan_weights_round(version, roster) if roster else None
-        except Exception as error:  # noqa: BLE001 - the version still goes out, over disk
-            _log.error("no weights-group generation for this version; it goes over disk", version=version,
-                       error=str(error))
-            return False
-        if record is None:
-            return False
-        cancel = threading.Event()
-        send = asyncio.create_task(self.model.send_weights(version, cancel))
-        meta = common_pb2.RequestMeta(request_id=f"weights-v{version}", run_id=self.config.run_id)
-        request = rollout_pb2.UpdateWeightsRequest(meta=meta, version=version, path=path, over_group=True)
-        try:
-            reply = await self.rollout.UpdateWeights(request, timeout=600)
-        except Exception as error:  # noqa: BLE001 - inspected below
-            reply = error
-        finally:
-            cancel.set()  # rollout is done with this version: a rank that has not joined never will
-        sent = (await asyncio.gather(send, return_exceptions=True))[0]
-        if isinstance(sent, BaseException):
-            _log.warning("the weights group missed this version (rollout loaded it from disk); the next version "
-                         "forms a new generation", version=version, generation=record.generation, error=str(sent))
-        if isinstance(reply, BaseException):
-            _log.error("rollout failed the update over the weights group; sending the version over disk",
-                       version=version, error=str(reply))
-            return False
-        self._check_acks(version, reply)
-        return True
-
-    @staticmethod
-    def _check_acks(version: int, reply) -> None:
-        failed = [a.worker_id for a in reply.acks if not a.ok]
-        if failed:
-            _log.warning("workers missed a weight version", version=version, workers=failed)
+    async def checkpoint(self):
+        """Checkpoint the position (after the last version's background disk write: one backend call at a time)."""
+        await self.publisher.settle()
+        return await self.model.checkpoint(self.position)
 
     async def run_one(self) -> trainer_pb2.StepRecord:
         """One committed step: train, publish, record, checkpoint when due."""
@@ -238,7 +181,7 @@ class GrpoLoop:
             rejected_rollouts=record.rejected_stale, sequences=record.trajectories,
             prompt_lengths=[p for p, _ in lengths], output_lengths=[o for _, o in lengths]))
         if record.step % self.cfg.checkpoint_every == 0 or record.step == self.cfg.steps:
-            await self.model.checkpoint(self.position)
+            await self.checkpoint()
         await self.status.add_record(record)
         STEP.set(record.step)
         VERSION.set(record.policy_version)
@@ -248,5 +191,7 @@ class GrpoLoop:
         for phase in ("wait", "train", "publish"):
             STEP_SECONDS.labels(phase).observe(getattr(record, f"{phase}_seconds"))
         _log.info("step", step=record.step, reward=round(record.mean_reward, 4), version=record.policy_version,
-                  wait_s=round(record.wait_seconds, 2), train_s=round(record.train_seconds, 2))
+                  wait_s=round(record.wait_seconds, 2), train_s=round(record.train_seconds, 2),
+                  publish_s=round(record.publish_seconds, 3), write_s=round(record.publish_write_seconds, 3),
+                  send_s=round(record.publish_send_seconds, 3), rpc_s=round(record.publish_rpc_seconds, 3))
         return record

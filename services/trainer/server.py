@@ -1,7 +1,7 @@
 """The trainer service: the control surface of the core training process (async GRPO).
 
-Start: Redis → model (create + warm start, or resume from the latest checkpoint) → publish the
-weights as a new policy version → wait for rollout → GRPO steps → reward plot → exit 0.
+Start: Redis → model (create + warm start, or resume from the latest checkpoint) → write the
+weights as a new policy version → wait for rollout → deliver it → GRPO steps → reward plot → exit 0.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from libra.services.trainer import ranks
 from libra.services.trainer.loop import GrpoLoop
 from libra.services.trainer.model_state import ModelState, make_backend
 from libra.services.trainer.plot import reward_curve
+from libra.services.trainer.publisher import WeightPublisher
 from libra.services.trainer.servicer import TrainerServicer
 from libra.services.trainer.status import TrainerStatus
 from libra.v1 import common_pb2, elastic_pb2, elastic_pb2_grpc, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -41,6 +42,7 @@ class TrainerService(Service):
         self.store = None
         self.loop: GrpoLoop | None = None
         self.model: ModelState | None = None
+        self.publisher: WeightPublisher | None = None
         self._channels: list = []
         self._resume = asyncio.Event()
         self._resume.set()
@@ -85,21 +87,22 @@ class TrainerService(Service):
         position = await model.prepare(lambda detail: self.status.set(detail=detail))
         rollout = self._stub(rollout_pb2_grpc.RolloutStub, "rollout")
         workload = build_workload(self.config.workload)
-        self.loop = GrpoLoop(self.config, self.store, rollout, model, self.status, workload.num_prompts)
+        publisher = self.publisher = WeightPublisher(self.config, model.backend, self.store, rollout)
+        self.loop = GrpoLoop(self.config, self.store, rollout, model, self.status, workload.num_prompts, publisher)
         self.loop.position = position
         if self.world == 1:  # hybrids join single-rank trainers (LeaderBackend.hybrid_refusal says why)
             self.elastic = self.loop.elastic = await self._elastic(model.backend)
         for record in await self.store.step_records(1):
             await self.status.add_record(P.StepRecord.FromString(record))
-        # The weights in memory become the next policy version; rollout starts (or reloads) on them.
+        # The weights in memory become the next policy version, on disk: rollout starts (or reloads) on them.
         version = await self.store.current_version() + 1
-        await model.publish(version)
+        await publisher.record(version)
         position.version = version
         await self.status.set(P.TRAINER_PHASE_WAITING_FOR_PEERS, "rollout workers, elastic coordinator")
         await wait_for_peers({"rollout": self.config.address_of("rollout"),
                               "elastic": self.config.address_of("elastic")})
         await self._register_member()
-        await self.loop.publish_to_workers(version)
+        await publisher.deliver(version)
         await self.set_health(True)
 
     async def _elastic(self, backend):
@@ -154,7 +157,7 @@ class TrainerService(Service):
         if self.loop is None:
             raise FailedPrecondition("the trainer has no model yet (still warming up)")
         async with self._step_lock:
-            path = await self.loop.model.checkpoint(self.loop.position)
+            path = await self.loop.checkpoint()
         return P.CheckpointInfo(step=self.loop.position.step, policy_version=self.loop.position.version, path=str(path))
 
     async def manifest(self, step: int) -> P.StepManifest:
@@ -171,11 +174,12 @@ class TrainerService(Service):
             self.model.stopping.set()
         async with self._step_lock:
             if self.loop is not None and self.loop.position.used_entries:
-                await self.loop.model.checkpoint(self.loop.position)
+                await self.loop.checkpoint()
 
     async def close(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.close()
         if self.model is not None:
-            self.model.close_weights_group(release_store=True)
             if isinstance(self.model.backend, ranks.LeaderBackend):
                 await asyncio.to_thread(self.model.backend.stop)
         if self.elastic is not None:

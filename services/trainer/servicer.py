@@ -1,9 +1,8 @@
-"""gRPC adapter of the trainer."""
+"""gRPC adapter of the trainer (run checks, request ids and replays: `libra.boundary.rpc`)."""
 
 from __future__ import annotations
 
-from libra.rpc import guard
-from libra.service_base import check_run, request_id
+from libra.boundary import rpc
 from libra.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 
@@ -11,14 +10,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, service):
         self.service = service
 
-    @guard
+    @rpc()
     async def GetStatus(self, request, context):
-        check_run(request.run_id, self.service.run_id)
         return self.service.status.to_proto()
 
-    @guard
+    @rpc()
     async def WatchSteps(self, request, context):
-        check_run(request.run_id, self.service.run_id)
         step = max(1, request.from_step)
         status = self.service.status
         while True:
@@ -29,39 +26,28 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             elif status.phase in (trainer_pb2.TRAINER_PHASE_DONE, trainer_pb2.TRAINER_PHASE_FAILED):
                 return
 
-    @guard
+    @rpc(mutating=True)
     async def SaveCheckpoint(self, request, context):
-        check_run(request.meta.run_id, self.service.run_id)
-        request_id(request.meta)
         return await self.service.save_checkpoint()
 
-    @guard
+    @rpc(mutating=True)
     async def Pause(self, request, context):
-        check_run(request.meta.run_id, self.service.run_id)
-        request_id(request.meta)
         return common_pb2.Ack(applied=await self.service.pause(True))
 
-    @guard
+    @rpc(mutating=True)
     async def Resume(self, request, context):
-        check_run(request.meta.run_id, self.service.run_id)
-        request_id(request.meta)
         return common_pb2.Ack(applied=await self.service.pause(False))
 
-    @guard
+    @rpc()
     async def GetStepManifest(self, request, context):
-        check_run(request.run_id, self.service.run_id)
         return await self.service.manifest(request.step)
 
-    @guard
+    @rpc(mutating=True)
     async def AdmitHybrid(self, request, context):
-        check_run(request.meta.run_id, self.service.run_id)
-        rid = request_id(request.meta)
         return common_pb2.Ack(applied=await self.service.elastic_control().admit(
-            request.replica_id, request.generation, rid))
+            request.replica_id, request.generation, request.meta.request_id))
 
-    @guard
+    @rpc(mutating=True)
     async def ReleaseHybrid(self, request, context):
-        check_run(request.meta.run_id, self.service.run_id)
-        rid = request_id(request.meta)
         return common_pb2.Ack(applied=await self.service.elastic_control().release(
-            request.replica_id, request.generation, rid))
+            request.replica_id, request.generation, request.meta.request_id))

@@ -6,13 +6,10 @@ assembled or where weights go next.
 
 Data parallelism: when `torch.distributed` is initialised (gloo on CPU), each rank calls every
 method with its own shard of the step's batch. There is no DDP wrapper: after all micro-batches
-have accumulated, one all-reduce averages the flattened gradients. Every rank scales its loss by
-(global loss tokens / world size), so the average is the token-level mean over the whole batch:
-
-    rank r: Σ micro-batch grads of Σ_tokens loss / (N / W)  ──all-reduce SUM, ÷W──▶  ∇(Σ loss / N)
-
-With a `gradient_hook` (elastic hybrid replicas, backend.GradientHook), W counts the hybrids too,
-N their loss tokens, and their gradients are added on their core rank before the same all-reduce.
+have accumulated, one all-reduce sums the flattened gradients. The step's arithmetic (loss scaled
+by W / N, the sum ÷ W, elastic hybrids' gradients injected first) is `gradient_hook.train_step`,
+shared with the Megatron backend; this backend supplies its flat gradient, its sums over the
+default group and the write-back.
 
 The model stays in eval mode (no dropout): the policy ratio compares two forward passes of the
 same function, and rollout workers sample without dropout too.
@@ -23,13 +20,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
-from libra.services.trainer.backend import (HybridShare, TrainBackend, TrainBatch, pack, token_logprobs, unpack,
+from libra.services.trainer.backend import (TrainBackend, TrainBatch, atomic_torch_save, pack, token_logprobs, unpack,
                                             write_weights_dir)
+from libra.services.trainer.gradient_hook import train_step as shared_train_step
 from libra.services.trainer.grpo import policy_loss
 
 if TYPE_CHECKING:
@@ -38,7 +35,6 @@ if TYPE_CHECKING:
     from libra.services.trainer.config import TrainerConfig
 
 CHECKPOINT_FORMAT = 1
-# Files of the source model directory that save_pretrained already writes or that are weights.
 
 
 class TorchBackend(TrainBackend):
@@ -108,24 +104,7 @@ class TorchBackend(TrainBackend):
 
     # ---- the GRPO step ---------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, config: TrainerConfig) -> dict[str, float]:
-        started = time.perf_counter()
-        world, hook = _world_size(), self.gradient_hook
-        share = hook.share() if hook is not None else HybridShare()
-        # One all-reduce of the step's totals; hybrids' slices count (W = D + H replicas).
-        total_tokens, replicas, sequences = _all_reduce_sums(
-            [float(batch.loss_tokens) + share.loss_tokens, 1.0 + share.replicas, float(len(batch) + share.sequences)])
-        if total_tokens == 0:
-            raise ValueError("train_step: the batch has no loss tokens (every loss_mask is 0)")
-        replicas = int(round(replicas))
-        if hook is not None:
-            hook.start(total_tokens / replicas, replicas, config)
-        sums = self.accumulate_gradients(batch, config, token_count=total_tokens / replicas)
-        self._average_gradients(world, replicas, total_tokens, hook, sums, config)
-        grad_norm = self.step_optimizer(config)
-        result = _average_metrics(sums, world, replicas)
-        result.update(grad_norm=float(grad_norm), tokens=total_tokens, lr=config.lr,
-                      sequences=sequences, seconds=time.perf_counter() - started)
-        return result
+        return shared_train_step(self, batch, config, self.gradient_hook)
 
     def accumulate_gradients(self, batch: TrainBatch, config: TrainerConfig, token_count: float) -> dict[str, float]:
         """Zeroed .grad, then every micro-batch's gradient of Σ token loss / token_count; metric sums.
@@ -149,6 +128,17 @@ class TorchBackend(TrainBackend):
         for p in (p for p in self.model.parameters() if p.requires_grad):
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
+
+    def dp_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum over the default group, in place (a no-op in one process)."""
+        import torch.distributed as dist
+
+        if _distributed():
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return values
+
+    def dp_sum_gradients(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.dp_sum(flat)
 
     def step_optimizer(self, config: TrainerConfig) -> torch.Tensor:
         """Clip the gradients in .grad and take one optimizer step; returns the pre-clip norm."""
@@ -196,37 +186,6 @@ class TorchBackend(TrainBackend):
         for group in self._optimizer.param_groups:
             group["lr"], group["weight_decay"] = config.lr, config.weight_decay
 
-    def _average_gradients(self, world: int, replicas: int, total_tokens: float, hook: Any,
-                           sums: dict[str, float], config: TrainerConfig) -> None:
-        """Sum every replica's gradient (hybrids injected first), ÷ W; rescale if a hybrid missed.
-
-        Two counters ride in the same all-reduce as the gradient: the loss tokens and replicas of
-        hybrids that missed the deadline. The sum is then over the replicas that arrived, so it is
-        rescaled by N / (N − missing tokens) to stay the token mean of what was trained on.
-        """
-        import torch
-        import torch.distributed as dist
-
-        if world == 1 and hook is None:
-            return
-        flat = self.flat_gradients()
-        missing = torch.zeros(2, dtype=flat.dtype, device=flat.device)
-        if hook is not None:
-            arrived = hook.inject(flat)
-            missing[0], missing[1] = arrived.missing_tokens, arrived.missing_replicas
-            for name, value in arrived.metric_sums.items():
-                sums[name] += value
-        if world > 1:
-            buffer = torch.cat([flat, missing])
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-            flat, missing = buffer[:-2], buffer[-2:]
-        flat /= replicas
-        if float(missing[0]) > 0:
-            flat *= total_tokens / (total_tokens - float(missing[0]))
-        if hook is not None:
-            hook.deliver(flat, config)
-        self.set_flat_gradients(flat)
-
     # ---- files -----------------------------------------------------------------------------
     def save_weights(self, out_dir: str) -> None:
         if _rank() == 0:  # safetensors: the default (4.x) and only (5.x) format of save_pretrained
@@ -244,7 +203,7 @@ class TorchBackend(TrainBackend):
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                 "extra": dict(extra),
             }
-            _atomic_torch_save(state, path)
+            atomic_torch_save(state, path)
         _barrier()
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
@@ -261,37 +220,6 @@ class TorchBackend(TrainBackend):
         return state["extra"]
 
 
-def _average_metrics(sums: dict[str, float], world: int, replicas: int) -> dict[str, float]:
-    """Metric sums were already divided by (global tokens / W); summing over replicas ÷ W gives means."""
-    if world == 1:
-        return {n: v / replicas for n, v in sums.items()} if replicas > 1 else dict(sums)
-    import torch
-    import torch.distributed as dist
-
-    names = sorted(sums)
-    values = torch.tensor([sums[n] for n in names], dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return {n: float(v) / replicas for n, v in zip(names, values)}
-
-
-def _atomic_torch_save(state: dict[str, Any], path: str) -> None:
-    import torch
-
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    staging = f"{path}.tmp-{os.getpid()}"
-    with open(staging, "wb") as handle:
-        torch.save(state, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(staging, path)
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)  # make the rename itself durable
-    finally:
-        os.close(descriptor)
-
-
 def _as_random_state(state: Any) -> tuple:
     version, internal, gauss = state
     return (version, tuple(internal), gauss)
@@ -301,12 +229,6 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if _distributed() else 1
 
 
 def _rank() -> int:
@@ -320,14 +242,3 @@ def _barrier() -> None:
 
     if _distributed():
         dist.barrier()
-
-
-def _all_reduce_sums(values: list[float]) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    if not _distributed():
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.tolist()

@@ -51,7 +51,7 @@ def _backend(model_dir: str, tp: int):
     from libra.services.trainer.config import TrainerConfig
     from libra.services.trainer.megatron.backend import MegatronBackend
 
-    config = TrainerConfig(lr=1e-3, micro_batch_size=2, megatron={"tensor_parallel": tp})
+    config = TrainerConfig(lr=1e-3, micro_batch_size=2, backend={"type": "megatron", "tensor_parallel": tp})
     backend = MegatronBackend(config, seed=0)
     backend.load(model_dir)
     return backend
@@ -62,7 +62,7 @@ def _states(backend) -> tuple[dict, dict]:
 
     model = {k: v.detach().float().cpu().clone() for k, v in backend.model.state_dict().items()
              if not k.endswith("_extra_state")}
-    return model, checkpoint.optimizer_state(backend).get_states()
+    return model, checkpoint.optimizer_state(backend.model, backend.optimizer).get_states()
 
 
 def _equal(a: dict, b: dict) -> list[str]:

@@ -3,8 +3,8 @@
 Proves that trajectories flow gateway -> Redis stream -> trainer, that weights flow back with
 versions every worker acknowledges (and that the workers then sample from exactly the trainer's
 weights), that a rollout worker killed mid-run loses no trajectory, and that a second `libra up`
-on the same Redis and run directory resumes from the checkpoint without losing or double-counting
-a trajectory.
+on the same Redis and run directory with more steps resumes from the checkpoint (and says so)
+without losing or double-counting a trajectory.
 """
 
 from __future__ import annotations
@@ -87,9 +87,11 @@ def test_libra_up_trains_publishes_survives_a_dead_worker_and_resumes(tmp_path, 
     second = _up(config, redis_url, run_id, run_dir, steps=6)  # same Redis, same run dir: resume
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "step   6/6" in second.stdout
-    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert f"resuming run {run_id} from step 4/6" in second.stdout  # and says so
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()  # this start's log; the first's is in logs.1
     assert '"event": "resumed"' in trainer_log and '"step": 4' in trainer_log  # from the step-4 checkpoint
-    assert trainer_log.count('"event": "warm start done"') == 1  # the model was not created again
+    assert '"event": "warm start done"' not in trainer_log  # the model was not created again
+    assert (run_dir / "logs.1" / "trainer.log").read_text().count('"event": "warm start done"') == 1
     asyncio.run(_check_state(redis_url, run_id, steps=6))
 
 
@@ -107,8 +109,8 @@ async def _check_state(redis_url: str, run_id: str, steps: int) -> None:
         assert fresh and all(r.behaviour_logprob_gap < 0.02 for r in fresh), [r.behaviour_logprob_gap for r in fresh]
         version = await store.current_version()
         assert version >= steps + 1
-        for v in range(2, steps + 2):
-            assert await store.worker_acks(v), f"no worker acknowledged policy version {v}"
+        # every step's version reached at least one worker (the step record counts those holding it)
+        assert all(r.workers_updated >= 1 for r in records), [(r.step, r.workers_updated) for r in records]
         # entries delivered but unacked belong to groups still incomplete when the run ended; they
         # are handed out again after a restart. What a step used was acked at its checkpoint:
         assert await store.pending_count() <= await store.completed_length() - steps * GROUPS * SAMPLES

@@ -18,7 +18,7 @@ def meta(rid: str, run: str = "") -> common_pb2.RequestMeta:
     return common_pb2.RequestMeta(request_id=rid, run_id=run)
 
 
-def test_planner_serves_config_plan_with_health_and_reflection(redis_url, run_id, tmp_path, arun):
+def test_planner_serves_config_plan_with_health_and_reflection(redis_url, run_id, tmp_path, arun, store):
     config = run_config(redis_url, run_id, tmp_path, planner={"buckets": [
         {"name": "short", "tp": 1, "max_tokens": 100, "replicas": 2}, {"name": "long", "tp": 2, "max_tokens": 900}]})
     running, chan = arun(start(PlannerService(config)))
@@ -41,8 +41,10 @@ def test_planner_serves_config_plan_with_health_and_reflection(redis_url, run_id
     bad = planner_pb2.ObserveHistoryRequest(meta=meta("r1"), records=[common_pb2.HistoryRecord(kind="nope")])
     assert code_of(arun, stub.ObserveHistory(bad)) == grpc.StatusCode.INVALID_ARGUMENT
     good = planner_pb2.ObserveHistoryRequest(meta=meta("r2"), records=[common_pb2.HistoryRecord(kind="turn")])
-    assert arun(stub.ObserveHistory(good)).applied
-    assert not arun(stub.ObserveHistory(good)).applied  # replay
+    first = arun(stub.ObserveHistory(good))
+    assert first.applied
+    assert arun(stub.ObserveHistory(good)) == first  # a replay answers the first reply...
+    assert arun(store.history_length("turn")) == 1  # ...and appends nothing
     arun(running.stop())
     # a restarted planner keeps the plan in Redis (generation 1, not a new one)
     running, chan = arun(start(PlannerService(config)))
@@ -72,6 +74,10 @@ def test_scheduler_routes_least_loaded_with_affinity_and_replays(redis_url, run_
     arun(stub.ReportTurn(spb.TurnReport(meta=meta("d1"), trajectory_id="t1", worker_id=first.worker_id)))
     again = arun(route("r3", "t1"))
     assert again.worker_id == first.worker_id and again.reason == "affinity"
+    load = lambda: sum(b.outstanding_requests for b in arun(stub.GetStats(spb.GetStatsRequest())).buckets)
+    before = load()
+    replayed = arun(stub.ReportTurn(spb.TurnReport(meta=meta("d1"), trajectory_id="t1", worker_id=first.worker_id)))
+    assert replayed == common_pb2.Ack(applied=True) and load() == before  # the first Ack; no load released twice
     retried = arun(route("r4", "t1", exclude_workers=[first.worker_id]))
     assert retried.worker_id == second.worker_id and retried.moved
     no_status = spb.ToolReturnReport(meta=meta("x"), trajectory_id="t1", tool="calc")
@@ -81,6 +87,8 @@ def test_scheduler_routes_least_loaded_with_affinity_and_replays(redis_url, run_
     assert code_of(arun, stub.Route(spb.RouteRequest(trajectory_id="t9"))) == grpc.StatusCode.INVALID_ARGUMENT
     stats = arun(stub.GetStats(spb.GetStatsRequest()))
     assert stats.policy == "load_balance" and stats.active_trajectories == 2
+    shared = arun(route("d1", "t9"))  # a Route reusing a report's request id is a request of its own
+    assert shared.worker_id in ("w-a", "w-b") and arun(route("d1", "t9")) == shared
     arun(running.stop())
     # the worker registry survives a restart
     running, chan = arun(start(SchedulerService(config)))
@@ -118,7 +126,7 @@ def test_elastic_membership_transitions_and_plan_races(redis_url, run_id, tmp_pa
 
 
 def test_cmlfq_scheduler_keeps_its_prefix_tree_across_a_restart(redis_url, run_id, tmp_path, arun):
-    config = run_config(redis_url, run_id, tmp_path, scheduler={"policy": "cmlfq", "min_visits": 1})
+    config = run_config(redis_url, run_id, tmp_path, scheduler={"policy": {"type": "cmlfq", "min_visits": 1}})
     service = SchedulerService(config)
     running, chan = arun(start(service))
     stub = scheduler_pb2_grpc.SchedulerStub(chan)

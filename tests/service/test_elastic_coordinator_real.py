@@ -48,7 +48,8 @@ class GatedEngineClient:
         pass
 
 
-def test_a_drained_worker_gets_no_new_turns_while_its_in_flight_turn_finishes(redis_url, run_id, tmp_path, arun):
+def test_a_drained_worker_gets_no_new_turns_while_its_in_flight_turn_finishes(redis_url, run_id, tmp_path, arun,
+                                                                             store):
     """The rollout gateway's DrainWorker (real servicer, pool and membership; real scheduler and
     coordinator): the scheduler stops routing to the worker at once, the gateway refuses new turns
     on it, the turn in flight finishes, and only then is the engine stopped."""
@@ -68,6 +69,7 @@ def test_a_drained_worker_gets_no_new_turns_while_its_in_flight_turn_finishes(re
         server = grpc.aio.server()
         try:
             gateway = RolloutService(config)
+            gateway.store = store  # where the RPC boundary keeps DrainWorker's reply
             engines = {name: (StoppableEngine(name), GatedEngineClient()) for name in ("short-0", "short-1")}
             gateway.membership = Membership(gateway.pool, SchedulerRouter(scheduler_chan, run_id), elastic_chan,
                                             run_id)
@@ -143,6 +145,7 @@ def test_end_to_end_a_real_hybrid_process_joins_the_real_trainer_and_is_released
         core = ElasticCore(backend, snapshot_root=str(tmp_path / "snapshots"), verify_lockstep=True)
         backend.gradient_hook = core
         trainer.elastic = ElasticControl(core, store)
+        trainer.store = store  # where the RPC boundary keeps replies
         host = ServiceHost("trainer", trainer.service_names(), 0, "127.0.0.1")
         trainer.register(host.server)
         port = await host.start()

@@ -77,6 +77,7 @@ def test_trainer_rpcs_drive_a_hybrid_process_through_join_and_release(redis_url,
                        join_timeout_s=600.0)
     backend.gradient_hook = core
     service.elastic = ElasticControl(core, store)
+    service.store = store  # where the RPC boundary keeps replies
     host = ServiceHost("trainer", service.service_names(), 0, "127.0.0.1")
     service.register(host.server)
     port = arun(host.start())
@@ -100,9 +101,14 @@ def test_trainer_rpcs_drive_a_hybrid_process_through_join_and_release(redis_url,
     assert code_of(arun, stub.AdmitHybrid(P.HybridRequest(replica_id="h1"))) == grpc.StatusCode.INVALID_ARGUMENT
     assert code_of(arun, stub.ReleaseHybrid(P.HybridRequest(meta=_meta("r0"), replica_id="nobody"))) == \
         grpc.StatusCode.NOT_FOUND
-    assert arun(stub.AdmitHybrid(P.HybridRequest(meta=_meta("a1"), replica_id="h1", generation=1))).applied
-    assert not arun(stub.AdmitHybrid(P.HybridRequest(meta=_meta("a1"), replica_id="h1", generation=1))).applied
-    joining = arun(stub.GetStepManifest(P.StepManifestRequest(step=0))).hybrids[0]
+    admit_h1 = lambda rid: stub.AdmitHybrid(P.HybridRequest(meta=_meta(rid), replica_id="h1", generation=1))
+    admitted = arun(admit_h1("a1"))
+    assert admitted.applied
+    assert arun(admit_h1("a1")) == admitted  # a replay answers the first reply
+    assert not arun(admit_h1("a9")).applied  # a new request for the same admission changes nothing
+    hybrids = arun(stub.GetStepManifest(P.StepManifestRequest(step=0))).hybrids
+    assert len(hybrids) == 1  # admitted once
+    joining = hybrids[0]
     assert joining.state == P.HYBRID_STATE_JOINING and joining.endpoint == core.endpoint.address
 
     process = subprocess.Popen([*HYBRID, "--trainer", f"127.0.0.1:{port}", "--run-id", run_id,

@@ -49,7 +49,8 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module", params=ENGINES)
 def engine(request, weights, tmp_path_factory):
     name = request.param
-    config = WorkerConfig(engine=name, max_model_len=512, max_num_seqs=16, kv_cache_gib=0.125, cpu_threads=1)
+    engine = {"type": "vllm", "kv_cache_gib": 0.125} if name == "vllm" else name
+    config = WorkerConfig(engine=engine, max_model_len=512, max_num_seqs=16, cpu_threads=1)
     worker = worker_process_class(name)(config, weights["base"], 0, tmp_path_factory.mktemp(f"{name}-logs"),
                                         port=free_port(), policy_version=3).start()
     try:

@@ -24,7 +24,7 @@ REPLAN = {"interval_s": 0, "queue_depth_high": 0, "active_rollouts_high": 0, "re
 
 def planner_config(redis_url, run_id, tmp_path, elastic_port: int, **replan):
     return run_config(redis_url, run_id, tmp_path, addresses={"elastic": f"127.0.0.1:{elastic_port}"},
-                      planner={"mode": "online", "cluster": {"gpus": 16, "tick_s": 3600, "apply_retries": 1},
+                      planner={"mode": "online", "cluster": {"gpus": 16, "tick_s": 3600},
                                "replan": {**REPLAN, **replan}})
 
 
@@ -71,7 +71,7 @@ def test_online_planner_calibrates_decides_applies_and_resumes(redis_url, run_id
     assert decision.inputs["rollout_train_ratio"] > 1.5 and decision.trace_sequences == 64
     plan = arun(store.get_plan())
     assert plan.generation == 2 and plan.source == "replan" and plan.reason == decision.reason[:400]
-    assert arun(store.recall_result("elastic.apply", "planner-apply-gen2")) is not None  # ApplyPlan got it
+    assert arun(store.recall_result("ElasticCoordinator.ApplyPlan", "planner-apply-gen2")) is not None  # it got there
     blob = json.loads(arun(store.load_blob(ONLINE_BLOB)))
     assert "pending_apply" not in blob and blob["read"] == {"turn": 1, "step": 4}
 
@@ -130,12 +130,12 @@ def test_apply_survives_an_unavailable_coordinator(redis_url, run_id, tmp_path, 
     decision = arun(service.tick())
     assert decision.applied and arun(store.get_plan()).generation == 2  # decided and stored regardless
     assert json.loads(arun(store.load_blob(ONLINE_BLOB)))["pending_apply"] == 2
-    assert arun(store.recall_result("elastic.apply", "planner-apply-gen2")) is None
+    assert arun(store.recall_result("ElasticCoordinator.ApplyPlan", "planner-apply-gen2")) is None
     elastic = arun(RunningService(ElasticService(run_config(redis_url, run_id, tmp_path)), port,
                                   host="127.0.0.1").start())
     arun(service.tick())  # the pending plan goes out now (the signal persists: a cooldown decision too)
     assert "pending_apply" not in json.loads(arun(store.load_blob(ONLINE_BLOB)))
-    assert arun(store.recall_result("elastic.apply", "planner-apply-gen2")) is not None
+    assert arun(store.recall_result("ElasticCoordinator.ApplyPlan", "planner-apply-gen2")) is not None
     decisions = explain(arun, chan).decisions
     assert [d.applied for d in decisions] == [True, True, False] and "cooldown" in decisions[2].reason
     assert arun(store.get_plan()).generation == 2

@@ -85,6 +85,38 @@ def test_raw_session_answers_routes_and_acknowledges_reports(redis_url, run_id, 
     arun(running.stop())
 
 
+def test_session_and_unary_rpcs_share_one_replay_scope_per_rpc(redis_url, run_id, tmp_path, arun):
+    """A request id is applied once whichever path carried it; a Route that reuses a report's
+    request id is a request of its own (it used to fail with INTERNAL)."""
+    config = run_config(redis_url, run_id, tmp_path)
+    running, chan = arun(start(SchedulerService(config)))
+    stub = scheduler_pb2_grpc.SchedulerStub(chan)
+    meta = lambda rid: common_pb2.RequestMeta(request_id=rid, run_id=run_id)
+    for wid in ("w-a", "w-b"):
+        arun(stub.RegisterWorker(spb.RegisterWorkerRequest(meta=meta(f"reg-{wid}"), worker=_worker(wid))))
+    route = lambda rid, tid: spb.RouteRequest(meta=meta(rid), trajectory_id=tid, prompt_tokens=4, max_new_tokens=8)
+    first = arun(stub.Route(route("r1", "t1")))
+    arun(stub.ReportTurn(spb.TurnReport(meta=meta("x"), trajectory_id="t1", worker_id=first.worker_id)))
+
+    async def talk():
+        call = stub.Session()
+        await call.write(spb.GatewayBatch(messages=[
+            spb.GatewayMessage(seq=1, route=route("x", "t2")),  # the report's request id
+            spb.GatewayMessage(seq=2, route=route("r1", "t1")),  # the unary Route's: a replay
+            spb.GatewayMessage(seq=3, turn=spb.TurnReport(meta=meta("x"), trajectory_id="t1",
+                                                          worker_id=first.worker_id))]))  # a replay
+        answers = await call.read()
+        await call.done_writing()
+        return answers
+    answers = arun(talk())
+    assert [a.WhichOneof("body") for a in answers.answers] == ["route", "route"], answers
+    assert answers.answers[0].route.worker_id in ("w-a", "w-b") and answers.answers[1].route == first
+    stats = arun(stub.GetStats(spb.GetStatsRequest()))
+    assert stats.active_trajectories == 2
+    assert sum(b.outstanding_requests for b in stats.buckets) == 1  # t2's turn; t1's released once
+    arun(running.stop())
+
+
 def test_session_survives_a_scheduler_restart(redis_url, run_id, tmp_path, arun):
     config = run_config(redis_url, run_id, tmp_path)
     running, chan = arun(start(SchedulerService(config)))

@@ -123,9 +123,23 @@ def test_publish_version_is_compare_and_set(store: StateStore, arun) -> None:
     assert arun(store.weights_path(1)) == "/w/1"
     with pytest.raises(NotFound):
         arun(store.weights_path(2))
-    arun(store.record_worker_ack(1, "w-a", 0.5))
-    arun(store.record_worker_ack(1, "w-b", 1.25))
-    assert arun(store.worker_acks(1)) == {"w-a": 0.5, "w-b": 1.25}
+
+
+def test_a_version_published_before_its_disk_copy_gets_its_path_later(store: StateStore, arun) -> None:
+    assert arun(store.latest_on_disk()) is None
+    assert arun(store.publish_version(1, "/w/1")) is True
+    assert arun(store.publish_version(2, "")) is True  # sent over the weights group, not on disk yet
+    assert arun(store.publish_version(2, "")) is False  # a replay
+    assert arun(store.current_version()) == 2
+    with pytest.raises(NotFound, match="not written to disk"):
+        arun(store.weights_path(2))
+    assert arun(store.latest_on_disk()).path == "/w/1"  # what a starting worker loads
+    published_at = arun(store.published_version(2)).published_at
+    arun(store.record_path(2, "/w/2"))
+    assert arun(store.weights_path(2)) == "/w/2" and arun(store.published_version(2)).published_at == published_at
+    assert arun(store.latest_on_disk())[:2] == (2, "/w/2")
+    with pytest.raises(NotFound):
+        arun(store.record_path(3, "/w/3"))
 
 
 def test_concurrent_publishers_exactly_one_wins(new_store, arun) -> None:
@@ -213,9 +227,9 @@ def test_history_streams_are_capped(new_store, arun) -> None:
 def test_trainer_progress_step_records_and_blobs(store: StateStore, arun) -> None:
     assert arun(store.trainer_progress()) == {}
     arun(store.set_trainer_progress({"step": 3, "version": 2, "checkpoint_path": "/ckpt/3"}))
-    arun(store.set_trainer_progress({"last_acked_id": "1-0"}))
+    arun(store.set_trainer_progress({"data_position": 40}))
     assert arun(store.trainer_progress()) == {"step": 3, "version": 2, "checkpoint_path": "/ckpt/3",
-                                              "last_acked_id": "1-0"}
+                                              "data_position": 40}
     with pytest.raises(InvalidArgument):
         arun(store.set_trainer_progress({"epoch": 1}))
     for step in (2, 0, 1):

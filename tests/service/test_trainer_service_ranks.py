@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _command(redis_url: str, run_id: str, run_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "libra.cli", "serve", "trainer", "--config", str(ROOT / "configs" / "quickstart.yaml"),
             "--redis-url", redis_url, "--run-id", run_id, "--run-dir", str(run_dir), "--port", "0",
-            "--set", "trainer.backend=megatron", "--set", "trainer.megatron.distributed_optimizer=false",
+            "--set", "trainer.backend={type: megatron, distributed_optimizer: false}",
             "--set", "trainer.warmup.steps=5", *extra]
 
 
@@ -56,7 +56,7 @@ def test_two_trainer_ranks_start_publish_and_stop_together(redis_url, run_id, tm
 
 def test_a_rank_count_the_layout_cannot_use_is_refused_at_start(redis_url, run_id, tmp_path):
     result = subprocess.run(_command(redis_url, run_id, tmp_path / "run", "--set", "trainer.ranks=3",
-                                     "--set", "trainer.megatron.tensor_parallel=2"),
+                                     "--set", "trainer.backend.tensor_parallel=2"),
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "trainer.ranks=3 is not a multiple of" in result.stdout + result.stderr

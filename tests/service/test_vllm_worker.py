@@ -53,7 +53,8 @@ def _eos_id(model_dir: Path) -> int:
 
 @pytest.fixture(scope="module")
 def workers(weights, tmp_path_factory) -> list[VllmWorkerProcess]:
-    config = WorkerConfig(max_model_len=512, max_num_seqs=16, kv_cache_gib=0.125, cpu_threads=1)
+    config = WorkerConfig(engine={"type": "vllm", "kv_cache_gib": 0.125}, max_model_len=512, max_num_seqs=16,
+                          cpu_threads=1)
     logs = tmp_path_factory.mktemp("worker-logs")
     started = [VllmWorkerProcess(config, weights["base"], index, logs, port=free_port(),
                                  policy_version=7 * index).start() for index in (0, 1)]

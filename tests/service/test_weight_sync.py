@@ -7,10 +7,11 @@
 - A receiver that dies mid-broadcast: the sender raises WeightSyncError and the group is broken.
 - Generations on one store: a smaller generation replaces the first; a rendezvous the trainer
   cancels ends at once for it and for the rank that came (not at the timeout).
-- The trainer's publish (GrpoLoop, ModelState) and the real gateway (RolloutService, WeightDelivery)
+- The trainer's publisher (WeightPublisher) and the real gateway (RolloutService, WeightDelivery)
   with hf engines: the group follows the workers through a drain, a start, a worker that misses a
-  version (retried from disk; else unhealthy, out of routing, caught up at the next version) and a
-  dead worker, always without waiting for the sync timeout.
+  version (loaded from disk, written on demand; else unhealthy, out of routing, caught up at the
+  next version) and a dead worker, always without waiting for the sync timeout; the disk copy
+  stays off the critical path (written in the background) unless a worker needs it.
 """
 
 from __future__ import annotations
@@ -197,17 +198,17 @@ class InProcessRollout:
 
     def __init__(self, service):
         self.service = service
-
-    async def ListWorkers(self, request, timeout=None):
-        from libra.v1 import rollout_pb2
-
-        return rollout_pb2.ListWorkersResponse(workers=[w.to_proto() for w in self.service.pool.workers.values()])
+        self.requests: list = []  # every UpdateWeights request, in order
 
     async def UpdateWeights(self, request, timeout=None):
         from libra.v1 import rollout_pb2
+        from libra.weights.roster import GroupRecord
 
-        acks = await self.service.update_weights(request.version, request.path, request.over_group)
-        return rollout_pb2.UpdateWeightsResponse(version=request.version, acks=acks)
+        self.requests.append(request)
+        group = GroupRecord.from_proto(request.group) if request.HasField("group") else None
+        done = await self.service.update_weights(request.version, request.path, group)
+        return rollout_pb2.UpdateWeightsResponse(version=request.version, acks=done.acks,
+                                                 serving=done.serving.to_proto(), group_unusable=done.group_unusable)
 
 
 class Membership:
@@ -259,36 +260,39 @@ def test_the_group_follows_the_workers_and_a_worker_that_misses_a_version_leaves
     from libra.errors import Unavailable
     from libra.plans import Bucket, Plan
     from libra.services.rollout.server import RolloutService
-    from libra.weights.roster import BLOB
-    from libra.services.trainer.loop import GrpoLoop
-    from libra.services.trainer.model_state import ModelState
-    from libra.services.trainer.status import TrainerStatus
+    from libra.services.trainer.publisher import WeightPublisher
     from libra.services.trainer.torch_backend import TorchBackend
     from libra.v1 import common_pb2
+    from libra.weights.roster import BLOB, Roster
     from tests.service.test_engine_contract import PROMPT, trainer_logprobs
 
     timeout_s = 20.0  # a version that waited for the sync timeout would show
-    config = RunConfig.model_validate({"run_id": run_id, "run_dir": str(tmp_path / "run"), "rollout": {"worker": {
-        "engine": "hf", "max_model_len": 256, "base_port": 0, "weight_sync": "group", "weights_bucket_mb": 1,
-        "weights_group_address": f"127.0.0.1:{free_port()}", "weights_sync_timeout_s": timeout_s}}})
+    config = RunConfig.model_validate({
+        "run_id": run_id, "run_dir": str(tmp_path / "run"),
+        "rollout": {"worker": {"engine": "hf", "max_model_len": 256, "base_port": 0}},
+        "weights": {"type": "group", "bucket_mb": 1, "address": f"127.0.0.1:{free_port()}",
+                    "sync_timeout_s": timeout_s}})
     backend = TorchBackend(config.trainer)
-    model = ModelState(config, backend, store)
     gateway = RolloutService(config)
     gateway.store, gateway.membership = store, Membership()
-    loop = GrpoLoop(config, store, InProcessRollout(gateway), model, TrainerStatus(10), num_prompts=1)
+    rollout = InProcessRollout(gateway)
+    publisher = WeightPublisher(config, backend, store, rollout)
     pool, spies = gateway.pool, {}
 
-    async def start(replicas: int, version: int) -> None:
+    async def start(replicas: int) -> None:
+        """What StartWorkers does: new workers on the newest version on disk."""
+        await publisher.settle()
+        latest = await store.latest_on_disk()
         for worker in await gateway._start_plan(Plan(0, None, (Bucket("short", 1, 100, replicas),)),
-                                                await store.weights_path(version), version):
+                                                latest.path, latest.version):
             spies[worker.worker_id] = Spy(worker.client)
 
-    async def publish(version: int, source: str) -> None:
-        """What the trainer does for a new version: write it, then publish it to rollout."""
+    async def publish(version: int, source: str):
+        """What the trainer does for a new version after a step."""
         backend.load(str(weights[source]))
-        await model.publish(version)
-        seconds = await loop.publish_to_workers(version)
-        assert seconds < timeout_s / 2, f"v{version} took {seconds:.1f}s: it waited for the sync timeout"
+        report = await publisher.publish(version)
+        assert report.seconds < timeout_s / 2, f"v{version} took {report.seconds:.1f}s: it waited for the sync timeout"
+        return report
 
     async def generation() -> tuple[int, list[str]]:
         record = await store.blob_record(BLOB)
@@ -302,69 +306,78 @@ def test_the_group_follows_the_workers_and_a_worker_that_misses_a_version_leaves
 
     async def scenario() -> None:
         backend.load(str(weights["base"]))
-        await model.publish(1)
-        await start(2, 1)
-        await publish(1, "base")  # the first version forms generation 1 with both workers
-        await publish(2, "sharp")
+        assert await publisher.record(1) == str(tmp_path / "run" / "weights" / "v1")  # on disk: workers start on it
+        await start(2)
+        await publisher.deliver(1)  # both hold v1 already: nothing moves; the reply names the roster
+        assert spies["short-0"].calls == spies["short-1"].calls == []
+        assert publisher.roster == Roster.of([("short-0", 1), ("short-1", 1)])
+        report = await publish(2, "sharp")  # the first version over the group forms generation 1
         assert await generation() == (1, [["short-0", 1], ["short-1", 1]])
         assert spies["short-0"].routes(2) == spies["short-1"].routes(2) == ["group"]
+        assert report.workers_updated == 2 and report.send_seconds > 0 and report.rpc_seconds > 0
+        # the disk copy is off the critical path: nothing written before the reply, the path comes after
+        assert report.write_seconds == 0 and not rollout.requests[-1].path
         await serves("short-0", "sharp")
-        assert set(await store.worker_acks(2)) == {"short-0", "short-1"}  # acks with timings, as before
+        await publisher.settle()
+        assert await store.weights_path(2) == str(tmp_path / "run" / "weights" / "v2")
 
         # (a) the layout changes: a drain, then a start; each time a new generation, no timeout
         await gateway.drain_worker("short-1", 5)
-        await publish(3, "base")
+        await publish(3, "base")  # the trainer's roster was stale: generation 1 is refused, 2 formed at once
         assert await generation() == (2, [["short-0", 1]]) and spies["short-0"].routes(3) == ["group"]
+        assert [r.group.generation for r in rollout.requests[-2:]] == [1, 2]
         await serves("short-0", "base")
-        await start(1, 3)
-        await publish(4, "sharp")
-        assert await generation() == (3, [["short-0", 1], ["short-2", 1]])
-        assert spies["short-0"].routes(4) == spies["short-2"].routes(4) == ["group"]
+        await start(1)  # short-2, on v3 (written in the background)
+        assert pool.version_of("short-2") == 3
+        report = await publish(4, "sharp")  # short-2 is no rank of generation 2: v4 is written for it
+        assert spies["short-0"].routes(4) == ["group"] and spies["short-2"].routes(4) == ["disk"]
+        assert report.write_seconds > 0 and report.workers_updated == 2 and rollout.requests[-1].path
         await serves("short-2", "sharp")
+        await publish(5, "base")  # and it is a rank of the next generation
+        assert await generation() == (3, [["short-0", 1], ["short-2", 1]])
+        assert spies["short-0"].routes(5) == spies["short-2"].routes(5) == ["group"]
+        await serves("short-2", "base")
 
-        # (b) short-2 misses a version in the group (its answer is lost): retried from disk
+        # (b) short-2 misses a version in the group (its answer is lost): v6 is written, it loads it
         spies["short-2"].lose_receive = True
-        await publish(5, "base")
+        await publish(6, "sharp")
         spies["short-2"].lose_receive = False
-        assert spies["short-2"].routes(5) == ["group", "disk"] and pool.version_of("short-2") == 5
-        assert spies["short-0"].routes(5) == ["group"] and (await generation())[0] == 3
-        # ... and a version it cannot load at all: unhealthy, out of routing, still saying v5
+        assert spies["short-2"].routes(6) == ["group", "disk"] and pool.version_of("short-2") == 6
+        assert spies["short-0"].routes(6) == ["group"] and (await generation())[0] == 3
+        assert gateway.membership.events[-2:] == [("leave", "short-2"), ("join", "short-2")]  # out, and back
+        await serves("short-2", "sharp")
+        # ... and a version it cannot load at all: unhealthy, out of routing, still saying v6
         spies["short-2"].fail_load = True
-        backend.load(str(weights["sharp"]))
-        await model.publish(6)  # over disk, as the trainer sends a version the group failed
-        acks = {a.worker_id: a for a in await gateway.update_weights(6, await store.weights_path(6))}
+        backend.load(str(weights["base"]))
+        path = await publisher.record(7)  # over disk, as the trainer sends a version the group failed
+        done = await gateway.update_weights(7, path)
         spies["short-2"].fail_load = False
+        acks = {a.worker_id: a for a in done.acks}
         assert acks["short-0"].ok and not acks["short-2"].ok and "injected" in acks["short-2"].error
-        assert acks["short-2"].version == 5 and pool.version_of("short-2") == 5
+        assert acks["short-2"].version == 6 and pool.version_of("short-2") == 6
         assert pool.workers["short-2"].state == common_pb2.WORKER_STATE_UNHEALTHY
-        assert ("leave", "short-2") in gateway.membership.events and set(await store.worker_acks(6)) == {"short-0"}
-        await serves("short-2", "base")  # v5's weights, and it says v5
+        assert gateway.membership.events[-1] == ("leave", "short-2") and done.serving == Roster.of([("short-0", 1)])
+        await serves("short-2", "sharp")  # v6's weights, and it says v6
         with pytest.raises(Unavailable):
             await pool.generate("short-2", PROMPT, 4, 0, {"temperature": 0.0, "top_p": 1.0}, [])
-        # the next version reaches it from disk (it is outside the new generation): it serves again
-        await publish(7, "sharp")
-        assert await generation() == (4, [["short-0", 1]])
-        assert spies["short-2"].routes(7) == ["disk"]
+        # the next version reaches it over the group (it is still a rank of generation 3): it serves again
+        await publish(8, "sharp")
+        assert (await generation())[0] == 3 and spies["short-2"].routes(8) == ["group"]
         assert pool.workers["short-2"].state == common_pb2.WORKER_STATE_SERVING
-        assert gateway.membership.events[-1] == ("join", "short-2") and pool.version_of("short-2") == 7
+        assert gateway.membership.events[-1] == ("join", "short-2") and pool.version_of("short-2") == 8
         await serves("short-2", "sharp")
-        await publish(8, "base")  # and it is a rank of the following generation
-        assert await generation() == (5, [["short-0", 1], ["short-2", 1]])
-        assert spies["short-2"].routes(8) == ["group"]
 
-        # a member dies: nobody waits for it; the next version forms a generation without it
+        # a member dies: nobody waits for it; the version goes on a generation without it at once
         victim = pool.workers["short-0"].process
         os.killpg(victim.process.pid, signal.SIGKILL)
         victim.process.wait(timeout=10)
-        await publish(9, "sharp")
-        assert spies["short-2"].routes(9) == ["disk"] and pool.version_of("short-2") == 9
+        await publish(9, "base")
+        assert await generation() == (4, [["short-2", 1]]) and spies["short-2"].routes(9) == ["group"]
         assert pool.workers["short-0"].state == common_pb2.WORKER_STATE_UNHEALTHY and pool.version_of("short-0") == 8
-        await publish(10, "base")
-        assert await generation() == (6, [["short-2", 1]]) and spies["short-2"].routes(10) == ["group"]
         await serves("short-2", "base")
 
     try:
         arun(scenario())
     finally:
-        model.close_weights_group(release_store=True)
+        arun(publisher.close())
         arun(pool.stop_all())

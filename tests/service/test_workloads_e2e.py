@@ -120,7 +120,8 @@ def model_dir(tmp_path_factory) -> Path:
 def worker(model_dir, tmp_path_factory):
     from libra.services.rollout.engines.vllm_worker import VllmWorkerProcess
 
-    config = WorkerConfig(max_model_len=512, max_num_seqs=32, kv_cache_gib=0.125, cpu_threads=1)
+    config = WorkerConfig(engine={"type": "vllm", "kv_cache_gib": 0.125}, max_model_len=512, max_num_seqs=32,
+                          cpu_threads=1)
     process = VllmWorkerProcess(config, model_dir, 0, tmp_path_factory.mktemp("worker-logs"), port=free_port(),
                                 policy_version=1).start()
     try:

@@ -3,7 +3,9 @@
 Same tiny Qwen2 model (GQA, qkv biases, tied embeddings), same batches: what the trainer relies on
 must hold for each backend — log-probs equal to the Hugging Face model's, a step that lowers the
 loss of a repeated batch, masked (tool/environment) tokens that contribute no gradient, published
-weights that reload in transformers, and checkpoints that restore model and optimizer exactly.
+weights that reload in transformers, checkpoints that restore model and optimizer exactly, and
+the elastic gradient hook's arithmetic (`gradient_hook.train_step`): a hybrid's gradient added
+gives the update of one larger batch, a hybrid that misses the deadline that of what arrived.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from libra.services.trainer.backend import TrainBatch, TrainSequence
 from libra.services.trainer.config import TrainerConfig
+from libra.services.trainer.gradient_hook import GradientHook, HybridGradients, HybridShare
 from tests.unit.conftest import TINY_VOCAB
 
 VOCAB = TINY_VOCAB  # the model of tests/unit/conftest.py
@@ -31,7 +34,7 @@ def _config(**overrides) -> TrainerConfig:
 
 
 def _backend(kind: str, model_dir: str, **overrides):
-    config = _config(**overrides)
+    config = _config(backend=kind, **overrides)
     if kind == "torch":
         from libra.services.trainer.torch_backend import TorchBackend
 
@@ -162,26 +165,25 @@ def test_checkpoint_round_trip_restores_model_and_optimizer(kind, model_dir, tmp
     assert all(torch.equal(after[n], p) for n, p in first.model.named_parameters())
 
 
-class _OneHybrid:
-    """A `GradientHook` with one in-process hybrid replica (another backend) training on `slice_`."""
+class _OneHybrid(GradientHook):
+    """A hook with one in-process hybrid replica (another backend) training on `slice_`; with
+    `arrives=False` the hybrid misses the deadline: its tokens were counted, its gradient never comes."""
 
-    def __init__(self, hybrid, slice_: TrainBatch, config: TrainerConfig):
-        self.hybrid, self.slice, self.config = hybrid, slice_, config
+    def __init__(self, hybrid, slice_: TrainBatch, config: TrainerConfig, arrives: bool = True):
+        self.hybrid, self.slice, self.config, self.arrives = hybrid, slice_, config, arrives
         self.token_count: float | None = None
         self.delivered: torch.Tensor | None = None
 
-    def share(self):
-        from libra.services.trainer.backend import HybridShare
-
+    def share(self) -> HybridShare:
         return HybridShare(loss_tokens=float(self.slice.loss_tokens), sequences=len(self.slice), replicas=1)
 
     def start(self, token_count: float, replicas: int, config: TrainerConfig) -> None:
         assert replicas == 2
         self.token_count = token_count
 
-    def inject(self, flat_grad: torch.Tensor):
-        from libra.services.trainer.backend import HybridGradients
-
+    def inject(self, flat_grad: torch.Tensor) -> HybridGradients:
+        if not self.arrives:
+            return HybridGradients(missing_tokens=float(self.slice.loss_tokens))
         sums = self.hybrid.accumulate_gradients(self.slice, self.config, token_count=self.token_count)
         flat_grad += self.hybrid.flat_gradients()
         return HybridGradients(metric_sums=dict(sums))
@@ -193,7 +195,7 @@ class _OneHybrid:
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_gradient_hook_update_equals_one_process_over_both_slices(kind, model_dir):
     """A hybrid replica's gradient added before the DP reduce gives the update of the whole batch."""
-    batch, config = _batch(), _config()
+    batch, config = _batch(), _config(max_grad_norm=1e6)  # unclipped: the gradients are compared too
     core_slice, hybrid_slice = TrainBatch(batch.sequences[:2]), TrainBatch(batch.sequences[2:])
     core = _backend(kind, model_dir)
     core.gradient_hook = hook = _OneHybrid(_backend(kind, model_dir), hybrid_slice, config)
@@ -201,6 +203,27 @@ def test_gradient_hook_update_equals_one_process_over_both_slices(kind, model_di
     single = _backend(kind, model_dir)
     expected = single.train_step(batch, config)
     assert metrics["tokens"] == expected["tokens"] and metrics["loss"] == pytest.approx(expected["loss"], rel=1e-5)
-    assert hook.delivered is not None
+    assert torch.allclose(hook.delivered, single.flat_gradients(), rtol=1e-4, atol=1e-7)
+    assert torch.equal(core.flat_gradients(), hook.delivered)  # what the core stepped with
     reference = _parameters(single)
     assert all(torch.allclose(reference[n], p, atol=1e-6) for n, p in core.model.named_parameters())
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_hybrid_that_misses_the_deadline_leaves_the_token_mean_of_what_arrived(kind, model_dir):
+    """Its loss tokens are in N but its gradient is absent: the rescale N / (N − missed) makes the
+    update, and the gradient itself (Adam would hide a wrong scale), the core slice's alone."""
+    batch, config = _batch(), _config(max_grad_norm=1e6)
+    core_slice, hybrid_slice = TrainBatch(batch.sequences[:2]), TrainBatch(batch.sequences[2:])
+    core = _backend(kind, model_dir)
+    core.gradient_hook = hook = _OneHybrid(None, hybrid_slice, config, arrives=False)
+    metrics = core.train_step(core_slice, config)
+    single = _backend(kind, model_dir)
+    single.train_step(core_slice, config)
+    assert metrics["tokens"] == batch.loss_tokens
+    assert torch.allclose(hook.delivered, single.flat_gradients(), rtol=1e-4, atol=1e-7)
+    assert torch.equal(core.flat_gradients(), hook.delivered)  # what the core stepped with
+    # Adam's first step is about lr · sign(g): where |g| is near its eps the rounding of the
+    # rescale shows, so the parameters are compared to a hundredth of a step.
+    reference = _parameters(single)
+    assert all(torch.allclose(reference[n], p, atol=1e-4) for n, p in core.model.named_parameters())

@@ -35,6 +35,10 @@ def test_parse_turn_malformed(text):
     assert "<" not in turn.reason and ">" not in turn.reason  # the reason is shown inside <result>
 
 
+def test_an_expression_with_angle_brackets_is_no_calc_call():
+    assert workload().parse_turn("<calc>3>2</calc>") == Malformed("expected a calc call or an answer")
+
+
 def test_evaluate_follows_precedence_without_eval():
     assert evaluate("37+58*2") == 153
     assert evaluate("-21+5") == -16

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from libra.services.scheduler.cmlfq import CMLFQ
+from libra.routing.baselines import LoadBalance
+from libra.routing.cmlfq import CMLFQ
+from libra.routing.policy import Turn, Worker
+from libra.routing.prefix_tree import PrefixForest
+from libra.routing.registry import make_policy
 from libra.services.scheduler.config import SchedulerConfig
-from libra.services.scheduler.core import LoadBalance, Turn, Worker, make_policy
-from libra.services.scheduler.prefix_tree import PrefixForest
 
 BUCKETS = [("long", 10_000), ("short", 100), ("medium", 1_000)]  # deliberately unordered
 BIG = "search:large:success"  # default thresholds: > 2048 payload tokens is large
@@ -162,12 +164,17 @@ def test_bad_reports_are_rejected():
 
 def test_make_policy_from_config():
     assert isinstance(make_policy(SchedulerConfig()), LoadBalance)
-    built = make_policy(SchedulerConfig(policy="cmlfq", min_visits=5, p90_window=8, max_moves=2), BUCKETS)
+    built = make_policy(SchedulerConfig(policy={"type": "cmlfq", "min_visits": 5, "p90_window": 8, "max_moves": 2}),
+                        BUCKETS)
     assert isinstance(built, CMLFQ) and built.forest.min_visits == 5 and built.max_moves == 2
     with pytest.raises(ValueError, match="bucket list"):
         make_policy(SchedulerConfig(policy="cmlfq"))
     with pytest.raises(ValidationError, match="greater"):
-        SchedulerConfig(tool_small_max_tokens=10, tool_medium_max_tokens=10)
+        SchedulerConfig(policy={"type": "cmlfq", "tool_small_max_tokens": 10, "tool_medium_max_tokens": 10})
+    with pytest.raises(ValidationError, match="scheduler.policy.min_visits applies to scheduler.policy type cmlfq"):
+        SchedulerConfig(policy={"type": "load_balance", "min_visits": 5})
+    with pytest.raises(ValidationError, match="scheduler.min_visits is a setting of policy cmlfq"):
+        SchedulerConfig(policy="cmlfq", min_visits=5)  # the layout before the policy union
 
 
 def test_worker_gone_reroutes_inside_the_bucket():
@@ -191,8 +198,8 @@ def test_without_a_confident_prediction_work_done_moves_a_long_trajectory_up():
 
 
 def test_a_new_trajectory_spills_to_an_idling_bucket_only_at_start():
-    from libra.services.scheduler.cmlfq import CMLFQ
-    from libra.services.scheduler.core import Turn, Worker
+    from libra.routing.cmlfq import CMLFQ
+    from libra.routing.policy import Turn, Worker
 
     policy = CMLFQ(10**6, buckets=[("short", 100), ("long", 1000)], start_spill_factor=2.0)
     policy.register(Worker("s0", "short", "http://s0"))

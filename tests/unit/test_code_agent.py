@@ -26,8 +26,10 @@ def reward(workload, prompt_id: int, code: str | None) -> float:
 def test_parse_turn(workload):
     assert workload.parse_turn("<python>print(1)</python>") == ToolCall(TOOL, "print(1)")
     assert workload.parse_turn("thinking <answer>def f():\n    return 1</answer>\n") == FinalAnswer("def f():\n    return 1")
-    for text in ("", "print(1)", "<python>x</answer>", "<python>  </python>", "<python>x"):
+    too_long = "<python>" + "x" * 8001 + "</python>"
+    for text in ("", "print(1)", "<python>x</answer>", "<python>  </python>", "<python>x", too_long):
         assert isinstance(workload.parse_turn(text), Malformed)
+    assert workload.parse_turn("<python>\n    x = 1\n</python>") == ToolCall(TOOL, "\n    x = 1\n")  # kept as written
 
 
 def test_reference_solutions_score_one_and_wrong_code_less(workload):

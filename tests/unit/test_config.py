@@ -76,3 +76,44 @@ def test_configuration_reference_is_up_to_date():
     result = subprocess.run([sys.executable, "scripts/config_docs.py", "--check"], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_scheduler_policy_is_a_union_with_a_short_form():
+    assert build_run_config({}, env={}).scheduler.policy.type == "load_balance"
+    short = build_run_config({"scheduler": {"policy": "cmlfq"}}, {"scheduler.per_worker_cap_tokens": 9}, env={})
+    assert short.scheduler.policy.type == "cmlfq" and short.scheduler.policy.min_visits == 3
+    assert short.scheduler.per_worker_cap_tokens == 9
+    full = build_run_config({"scheduler": {"policy": {"type": "cmlfq", "min_visits": 5}}},
+                            {"scheduler.policy.max_moves": 1}, env={})
+    assert (full.scheduler.policy.min_visits, full.scheduler.policy.max_moves) == (5, 1)
+    assert build_run_config({}, {"scheduler.policy": "la_mlfq"}, env={}).scheduler.policy.max_history == 10_000
+
+
+def test_a_setting_of_another_policy_names_its_policy_and_the_fix():
+    message = error_of({"scheduler": {"policy": {"type": "load_balance", "min_visits": 5}}})
+    assert "scheduler.policy.min_visits applies to scheduler.policy type cmlfq, not load_balance" in message
+    assert "set scheduler.policy.type: cmlfq" in message
+    message = error_of({"scheduler": {"policy": "length_aware", "max_moves": 2}})
+    assert "scheduler.max_moves is a setting of policy cmlfq" in message and "scheduler.policy: {type: cmlfq" in message
+    assert "scheduler.policy.type must be one of" in error_of({"scheduler": {"policy": "fifo"}})
+    assert "scheduler.policy.type is required" in error_of({"scheduler": {"policy": {"min_visits": 5}}})
+    assert "start_spill_factor must be 0 (off) or >= 1" in error_of(
+        {"scheduler": {"policy": {"type": "cmlfq", "start_spill_factor": 0.5}}})
+
+
+def test_trainer_backend_is_a_union_with_a_short_form():
+    assert build_run_config({}, env={}).trainer.backend.type == "torch"
+    short = build_run_config({}, {"trainer.backend": "megatron"}, env={}).trainer.backend
+    assert short.type == "megatron" and short.tensor_parallel == 1 and short.distributed_optimizer
+    full = build_run_config({"trainer": {"ranks": 4, "backend": {"type": "megatron", "tensor_parallel": 2}}},
+                            {"trainer.backend.layer_spec": "local"}, env={}).trainer
+    assert (full.backend.tensor_parallel, full.backend.layer_spec, full.ranks) == (2, "local", 4)
+
+
+def test_a_megatron_setting_for_the_torch_backend_names_the_fix():
+    message = error_of({"trainer": {"backend": {"type": "torch", "tensor_parallel": 2}}})
+    assert "trainer.backend.tensor_parallel applies to trainer.backend type megatron, not torch" in message
+    assert "trainer.megatron moved into the backend" in error_of({"trainer": {"megatron": {"tensor_parallel": 2}}})
+    assert "trainer.ranks=2 needs trainer.backend: megatron" in error_of({"trainer": {"ranks": 2}})
+    assert "trainer.ranks=3 is not a multiple of trainer.backend.tensor_parallel" in error_of(
+        {"trainer": {"ranks": 3, "backend": {"type": "megatron", "tensor_parallel": 2}}})

@@ -40,7 +40,7 @@ def model_dir(tiny_qwen2_dir) -> str:
 
 
 def _config(max_grad_norm: float = 1e6, **megatron) -> TrainerConfig:
-    return TrainerConfig(backend="megatron", megatron=megatron, lr=1e-3, micro_batch_size=2, torch_threads=1,
+    return TrainerConfig(backend={"type": "megatron", **megatron}, lr=1e-3, micro_batch_size=2, torch_threads=1,
                          groups_per_step=GROUPS, group_size=GROUP, max_grad_norm=max_grad_norm)
 
 
@@ -145,7 +145,7 @@ def test_a_tensor_parallel_megatron_core_refuses_hybrids_at_admission(tmp_path):
     from libra.services.trainer.megatron.backend import MegatronBackend
 
     backend = MegatronBackend(_config(tensor_parallel=2))
-    assert "trainer.megatron.tensor_parallel=2" in backend.hybrid_refusal()
+    assert "trainer.backend.tensor_parallel=2" in backend.hybrid_refusal()
     core = ElasticCore(backend, snapshot_root=str(tmp_path))  # installed on every run: the core still trains
     try:
         with pytest.raises(FailedPrecondition, match="cannot admit hybrid h-1: .*tensor_parallel=2"):

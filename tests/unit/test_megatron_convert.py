@@ -75,7 +75,8 @@ def _reference(model_dir: str, batch: TrainBatch) -> list[torch.Tensor]:
 def _megatron(model_dir: str, spec: str = "sdpa", tp: int = 1, **overrides):
     from libra.services.trainer.megatron.backend import MegatronBackend
 
-    config = TrainerConfig(lr=1e-2, micro_batch_size=2, megatron={"tensor_parallel": tp, "layer_spec": spec}, **overrides)
+    config = TrainerConfig(lr=1e-2, micro_batch_size=2, backend={"type": "megatron", "tensor_parallel": tp,
+                                                                 "layer_spec": spec}, **overrides)
     backend = MegatronBackend(config, seed=0)
     backend.load(model_dir)
     return backend
@@ -135,9 +136,9 @@ def test_configs_megatron_cannot_express_are_refused_by_field():
     with pytest.raises(ValueError, match="pipeline_parallel=3 does not divide config.json num_hidden_layers=2"):
         convert.check_parallel(convert.model_shape(LlamaConfig(**COMMON)), tp=1, pp=3)
     with pytest.raises(ValueError, match="pipeline_parallel"):
-        TrainerConfig(megatron={"pipeline_parallel": 0})
+        TrainerConfig(backend={"type": "megatron", "pipeline_parallel": 0})
     with pytest.raises(ValueError, match="layer_spec"):
-        TrainerConfig(megatron={"layer_spec": "te"})
+        TrainerConfig(backend={"type": "megatron", "layer_spec": "te"})
 
 
 def _hf_gradients(backend) -> dict[str, torch.Tensor] | None:

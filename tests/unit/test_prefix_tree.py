@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from libra.services.scheduler.prefix_tree import PrefixForest
-from libra.services.scheduler.signatures import SizeThresholds, signature, size_class
+from libra.routing.prefix_tree import PrefixForest
+from libra.routing.signatures import SizeThresholds, signature, size_class
 
 SEARCH_OK = "search:small:success"
 RUN_FAIL = "run:large:failure"

@@ -9,10 +9,11 @@ from pydantic import ValidationError
 
 from libra.config import build_run_config
 from libra.errors import ConfigError
+from libra.services.planner.config import ReplanSettings
 from libra.services.planner.cost_train import Layout
 from libra.services.planner.hardware import gpu_named, model_named
 from libra.services.planner.preflight import load_trace
-from libra.services.planner.replan import ReplanSettings, Replanner, StepObservation, candidate_from_plan
+from libra.services.planner.replan import Replanner, StepObservation, candidate_from_plan
 from libra.services.planner.search import Candidate, SearchConfig, search
 from libra.services.planner.transition import transition_cost_s
 from libra.v1 import common_pb2

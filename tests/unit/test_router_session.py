@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
+
+from libra.errors import Unavailable
+from libra.services.rollout import router
 from libra.services.rollout.router import SchedulerSession
 from libra.v1 import scheduler_pb2 as spb
 
@@ -124,5 +129,45 @@ def test_a_report_posted_while_the_flusher_writes_is_not_stranded():
             spb.SchedulerMessage(seq=1, route=spb.RouteDecision(worker_id="w"))]))
         await asyncio.wait_for(first, 5)
         assert await session.flush(1.0)
+        await session.close()
+    asyncio.run(scenario())
+
+
+class BrokenStub:
+    """Every Session it opens fails at once, as against a scheduler that is down."""
+
+    def __init__(self):
+        self.opened = 0
+
+    def Session(self):
+        self.opened += 1
+        return BrokenCall()
+
+
+class BrokenCall:
+    async def write(self, batch):
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                   "connection refused")
+
+    def cancel(self):
+        pass
+
+
+def test_a_session_that_cannot_reconnect_gives_up_and_fails_its_waiters(monkeypatch):
+    monkeypatch.setattr(router, "RETRY_FOR_S", 0.5)
+
+    async def scenario():
+        stub = BrokenStub()
+        session = SchedulerSession(stub)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        session.post(turn=spb.TurnReport(trajectory_id="a", worker_id="w"))
+        waiter = loop.create_future()
+        session._waiters[99] = waiter  # a Route waiting for its answer
+        await asyncio.wait_for(session._task, 5)
+        assert loop.time() - started >= 0.5  # it kept reopening the stream, with backoff, for RETRY_FOR_S
+        assert stub.opened >= 3 and not session._unacked  # then gave up: nothing kept for a resend
+        with pytest.raises(Unavailable, match="scheduler unavailable for 0s"):
+            waiter.result()
         await session.close()
     asyncio.run(scenario())

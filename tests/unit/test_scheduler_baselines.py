@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from libra.services.scheduler.baselines import LAMLFQ, LengthAware, Oracle
+from libra.routing.baselines import LAMLFQ, LengthAware, Oracle
+from libra.routing.config import LaMlfqPolicy
+from libra.routing.policy import Turn, Worker
+from libra.routing.registry import make_policy
 from libra.services.scheduler.config import SchedulerConfig
-from libra.services.scheduler.core import Turn, Worker, make_policy
 
 BUCKETS = [("long", 10_000), ("short", 100), ("medium", 1_000)]  # deliberately unordered
 WORKERS = ("s0:short", "s1:short", "m0:medium", "l0:long")
@@ -99,12 +101,14 @@ def test_bucket_policies_skip_buckets_without_serving_workers():
 
 
 def test_make_policy_builds_baselines_and_refuses_the_oracle():
-    built = make_policy(SchedulerConfig(policy="la_mlfq", max_prompt_trees=7), BUCKETS)
+    built = make_policy(SchedulerConfig(policy={"type": "la_mlfq", "max_history": 7}), BUCKETS)
     assert isinstance(built, LAMLFQ) and built.max_history == 7 and built.buckets == ["short", "medium", "long"]
     assert isinstance(make_policy(SchedulerConfig(policy="length_aware"), BUCKETS), LengthAware)
     with pytest.raises(ValueError, match="bucket list"):
         make_policy(SchedulerConfig(policy="length_aware"))
     with pytest.raises(ValueError, match="evaluation only"):
-        make_policy(SchedulerConfig.model_construct(policy="oracle"), BUCKETS)
+        make_policy(SchedulerConfig.model_construct(policy=LaMlfqPolicy.model_construct(type="oracle")), BUCKETS)
     with pytest.raises(ValidationError):
         SchedulerConfig(policy="oracle")
+    with pytest.raises(ValidationError, match="max_prompt_trees of la_mlfq is now its history size"):
+        SchedulerConfig(policy="la_mlfq", max_prompt_trees=7)  # the layout before the policy union

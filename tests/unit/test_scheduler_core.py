@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from libra.errors import FailedPrecondition, NotFound
-from libra.services.scheduler.core import LoadBalance, Turn, Worker
+from libra.routing.baselines import LoadBalance
+from libra.routing.policy import Turn, Worker
 
 
 def policy(cap: int = 10_000, workers: int = 3) -> LoadBalance:
@@ -54,3 +55,29 @@ def test_excluded_workers_and_errors():
     lb.deregister("w0")
     with pytest.raises(FailedPrecondition):
         lb.route(turn("t"))
+
+
+def test_routing_is_shared_code_and_neither_scheduler_nor_planner_imports_another_service():
+    """libra/routing and libra/traces import no service; services/scheduler and services/planner
+    import no service but their own (what both need lives in libra/)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+
+    def services_imported(folder: str) -> set[str]:
+        found = set()
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):  # `from libra.services import planner` names it too
+                    names = [f"{node.module}.{alias.name}" for alias in node.names]
+                else:
+                    continue
+                found |= {name.split(".")[2] for name in names if name.startswith("libra.services.")}
+        return found
+
+    assert services_imported("libra/routing") == set() and services_imported("libra/traces") == set()
+    assert services_imported("services/scheduler") <= {"scheduler"}
+    assert services_imported("services/planner") <= {"planner"}

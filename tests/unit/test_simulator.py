@@ -8,26 +8,29 @@ import sys
 import pytest
 
 from libra.errors import InvalidArgument
-from libra.services.planner import plan_control, sim_run, traces
+from libra.services.planner.config import ReplanSettings
 from libra.services.planner.cost_rollout import RolloutEfficiency
 from libra.services.planner.hardware import gpu_named, model_named
-from libra.services.planner.plan_control import PlanChange
-from libra.services.planner.replan import ReplanSettings
 from libra.services.planner.search import SearchConfig, search
-from libra.services.planner.sim_instances import pool
-from libra.services.planner.simulator import SimConfig, SimulationError, Simulator
-from libra.services.planner.traces import Trace, TrajectorySpec, TurnSpec
+from libra.services.planner.sim import control, run as sim_run
+from libra.services.planner.sim.cluster import SimConfig, Simulator
+from libra.services.planner.sim.control import PlanChange
+from libra.services.planner.sim.engines import pool
+from libra.services.planner.sim.instance import SimulationError
+from libra.services.planner.sim.simple import SimpleModel
+from libra.traces import synthetic
+from libra.traces.spec import Trace, TrajectorySpec, TurnSpec
 
 MODEL, GPU = model_named("qwen2.5-3b"), gpu_named("h200-141g")
 CONFIG = SearchConfig(total_gpus=16, group_size=4)
 
 
 def small_trace(seed: int = 1, steps: int = 3, copies: int = 1) -> Trace:
-    return traces.synthetic(steps, 8, 4, seed=seed, drift=0.5, copies=copies)
+    return synthetic.drifting(steps, 8, 4, seed=seed, drift=0.5, copies=copies)
 
 
 def run(trace: Trace, policy: str = "cmlfq", controller=None, config: SearchConfig = CONFIG, **sim):
-    controller = controller or plan_control.static(MODEL, GPU, config)
+    controller = controller or control.static(MODEL, GPU, config)
     simulator = Simulator(MODEL, GPU, trace, controller, config, SimConfig(policy=policy, **sim))
     return simulator, simulator.run()
 
@@ -45,7 +48,7 @@ def test_every_trajectory_finishes_once_and_tokens_add_up(policy):
     trace = small_trace(copies=2)
     simulator, result = run(trace, policy)
     assert simulator.left == [0] * len(trace.steps)  # a second finish would have raised NotFound in the policy
-    assert not simulator.policy.state.placements  # every routed trajectory was reported finished
+    assert not simulator.rollout.policy.state.placements  # every routed trajectory was reported finished
     assert result.trajectories == trace.batch * len(trace.steps) == 32 * 3
     assert result.output_tokens == sum(s.output_tokens * s.copies for step in trace.steps for s in step)
     assert result.routes == sum(len(s.turns) for step in trace.steps for s in step)  # one route per turn
@@ -57,12 +60,12 @@ def test_every_trajectory_finishes_once_and_tokens_add_up(policy):
 def test_an_engine_never_holds_more_kv_than_its_capacity():
     small = GPU.model_copy(update={"memory_gib": 40.0, "name": "small"})
     config = SearchConfig(total_gpus=16, group_size=4, rollout=RolloutEfficiency(memory_fraction=0.25))
-    trace = traces.synthetic(2, 32, 4, seed=1, drift=0.0)
-    simulator = Simulator(MODEL, small, trace, plan_control.static(MODEL, small, config), config,
+    trace = synthetic.drifting(2, 32, 4, seed=1, drift=0.0)
+    simulator = Simulator(MODEL, small, trace, control.static(MODEL, small, config), config,
                           SimConfig(policy="load_balance"))
     result = simulator.run()
     assert 0.8 < result.peak_kv <= 1.0 + 1e-9  # the cache was the binding limit, and it held
-    assert all(i.reserved <= i.capacity + 1e-6 for i in simulator.instances.values())
+    assert all(i.reserved <= i.capacity + 1e-6 for i in simulator.rollout.instances.values())
 
 
 def test_a_plan_change_costs_its_transition_time():
@@ -72,7 +75,7 @@ def test_a_plan_change_costs_its_transition_time():
     assert first.rollout != other.rollout and first.layout != other.layout
 
     def with_cost(seconds):
-        controller = plan_control.Scripted(first, {1: PlanChange(other, seconds, "test")})
+        controller = control.Scripted(first, {1: PlanChange(other, seconds, "test")})
         return run(trace, controller=controller)
 
     simulator, slow = with_cost(400.0)
@@ -81,8 +84,8 @@ def test_a_plan_change_costs_its_transition_time():
     assert change.step == 1 and change.ready_s == pytest.approx(change.time_s + 400.0)
     started = slow.steps[2].time_s - slow.steps[2].train_s
     assert started >= change.ready_s - 1e-6  # the new training layout waited for the transition
-    assert all(i.up_at in (0.0, change.ready_s) for i in simulator.instances.values())
-    assert any(i.up_at == change.ready_s for i in simulator.instances.values())  # new engines came up then
+    assert all(i.up_at in (0.0, change.ready_s) for i in simulator.rollout.instances.values())
+    assert any(i.up_at == change.ready_s for i in simulator.rollout.instances.values())  # new engines came up then
     assert slow.makespan_s > fast.makespan_s + 100
     assert slow.last_plan == other.describe() and slow.first_plan == first.describe()
 
@@ -90,7 +93,7 @@ def test_a_plan_change_costs_its_transition_time():
 def test_online_planner_decides_after_steps_with_reasons():
     trace = small_trace(steps=4)
     settings = ReplanSettings(warmup_steps=1, cooldown_s=0, recheck_s=0, interval_s=1)
-    controller = plan_control.Online(MODEL, GPU, CONFIG, settings)
+    controller = control.Online(MODEL, GPU, CONFIG, settings)
     _, result = run(trace, controller=controller)
     assert controller.decisions and controller.decisions[0][0] == 0 and controller.decisions[0][2]
     applied = [(step, reason) for step, done, reason in controller.decisions if done]
@@ -142,3 +145,23 @@ def test_cli_bad_trace_and_budget_exit_2(tmp_path):
     assert done.returncode == 2 and "output_tokens=-5" in done.stderr and "Traceback" not in done.stderr
     done = cli("--gpus", "1", "--steps", "2", "--prompts", "2")
     assert done.returncode == 2 and "gpus must be >= 2" in done.stderr
+
+
+def test_run_plan_plays_a_trace_under_one_plan_in_one_call():
+    trace = small_trace(steps=3)
+    best = search(MODEL, GPU, trace.pairs(0), CONFIG).best
+    held = sim_run.run_plan(MODEL, GPU, trace, best, CONFIG, SimConfig(policy="la_mlfq"))
+    _, static = run(trace, "la_mlfq")  # the static controller searches the same plan and keeps it
+    assert held.first_plan == held.last_plan == static.first_plan == best.describe()
+    assert [(s.time_s, s.rollout_s, s.train_s) for s in held.steps] == \
+           [(s.time_s, s.rollout_s, s.train_s) for s in static.steps]
+
+
+def test_the_cluster_loop_runs_on_the_simple_instance_model_too():
+    trace = small_trace(steps=2)
+    simulator = Simulator(MODEL, GPU, trace, control.static(MODEL, GPU, CONFIG), CONFIG,
+                          SimConfig(policy="load_balance"), instance_model=SimpleModel())
+    result = simulator.run()
+    assert result.trajectories == trace.batch * 2 and simulator.left == [0, 0]
+    assert result.output_tokens == sum(s.output_tokens for step in trace.steps for s in step)
+    assert all(type(i).__name__ == "SimpleInstance" for i in simulator.rollout.instances.values())

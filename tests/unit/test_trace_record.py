@@ -7,8 +7,8 @@ import json
 import pytest
 
 from libra.errors import InvalidArgument
-from libra.services.scheduler.simulate import recorded_trace
 from libra.trace_record import TraceWriter, load, record_of, turn_lengths
+from libra.traces import files
 from libra.v1 import common_pb2 as pb
 
 
@@ -83,8 +83,10 @@ def test_recorded_trace_replays_real_lengths_and_outcomes_by_seed(tmp_path):
     for i in range(5):
         writer.write(_trajectory(f"t{i}"))
     writer.close()
-    first = recorded_trace(str(path), 20, seed=1, prefix="a-")
+    recorded = files.read(path)
+    first = files.sample(recorded, 20, seed=1, prefix="a-")
     assert len(first) == 20 and first[0].trajectory_id == "a-0"
-    assert all(spec.outputs == (3, 4, 2) and spec.prompt_id == "p7" for spec in first)
-    assert [t.status for t in first[0].tools] == ["success", "failure"] and first[0].tools[0].latency_s == 0.25
-    assert recorded_trace(str(path), 20, seed=1, prefix="a-") == first
+    assert all(spec.outputs == (3, 4, 2) and spec.prompt_id == "7" for spec in first)
+    assert [t.status for t in first[0].turns[:-1]] == ["success", "failure"] and first[0].turns[0].latency_s == 0.25
+    assert files.sample(files.read(path), 20, seed=1, prefix="a-") == first
+    assert [spec.trajectory_id for spec in recorded] == [f"t{i}" for i in range(5)]  # every line, in order

@@ -1,4 +1,4 @@
-"""Simulator traces: the synthetic drifting trace, the file formats, and clear errors for bad input."""
+"""Traces (libra.traces): the generated traces, every file format, and clear errors for bad input."""
 
 from __future__ import annotations
 
@@ -7,28 +7,28 @@ import json
 import pytest
 
 from libra.errors import InvalidArgument
-from libra.services.planner import traces
-from libra.services.planner.traces import Trace, TrajectorySpec, TurnSpec
+from libra.traces import files, synthetic
+from libra.traces.spec import Trace, TrajectorySpec, TurnSpec, check
 
 
 def test_the_synthetic_trace_is_deterministic_by_seed():
-    assert traces.synthetic(3, 4, 4, seed=7) == traces.synthetic(3, 4, 4, seed=7)
-    assert traces.synthetic(3, 4, 4, seed=7) != traces.synthetic(3, 4, 4, seed=8)
+    assert synthetic.drifting(3, 4, 4, seed=7) == synthetic.drifting(3, 4, 4, seed=7)
+    assert synthetic.drifting(3, 4, 4, seed=7) != synthetic.drifting(3, 4, 4, seed=8)
 
 
 def test_drifting_lengths_grow_over_steps_and_stay_put_without_drift():
-    drifting = traces.synthetic(20, 16, 8, seed=0, drift=1.0)
+    drifting = synthetic.drifting(20, 16, 8, seed=0, drift=1.0)
     first = sum(drifting.mean_tokens(s) for s in range(4)) / 4
     last = sum(drifting.mean_tokens(s) for s in range(16, 20)) / 4
     assert last > 1.6 * first
-    flat = traces.synthetic(20, 16, 8, seed=0, drift=0.0)
+    flat = synthetic.drifting(20, 16, 8, seed=0, drift=0.0)
     early = sum(flat.mean_tokens(s) for s in range(4)) / 4
     late = sum(flat.mean_tokens(s) for s in range(16, 20)) / 4
     assert 0.8 < late / early < 1.25
 
 
 def test_synthetic_turns_are_multi_turn_with_tools_between_turns():
-    trace = traces.synthetic(2, 8, 4, seed=3)
+    trace = synthetic.drifting(2, 8, 4, seed=3)
     for spec in trace.steps[1]:
         assert spec.step == 1 and len(spec.turns) >= 2
         assert all(t.tool and t.status in ("success", "failure") for t in spec.turns[:-1])
@@ -36,17 +36,17 @@ def test_synthetic_turns_are_multi_turn_with_tools_between_turns():
 
 
 def test_copies_keep_the_batch_and_must_divide_it():
-    trace = traces.synthetic(2, 8, 8, seed=0, copies=4)
+    trace = synthetic.drifting(2, 8, 8, seed=0, copies=4)
     assert trace.batch == 64 and len(trace.steps[0]) == 16 and len(trace.pairs(0)) == 64
     with pytest.raises(InvalidArgument, match="copies"):
-        traces.synthetic(2, 8, 8, seed=0, copies=3)
+        synthetic.drifting(2, 8, 8, seed=0, copies=3)
 
 
 def test_trajectory_jsonl_round_trips(tmp_path):
-    trace = traces.synthetic(3, 2, 4, seed=5)
+    trace = synthetic.drifting(3, 2, 4, seed=5)
     path = tmp_path / "t.jsonl"
-    path.write_text("\n".join(traces.dump(trace)) + "\n")
-    loaded = traces.load(path, steps=3, batch=999)  # the batch comes from the file
+    path.write_text("\n".join(files.dump(trace)) + "\n")
+    loaded = files.load(path, steps=3, batch=999)  # the batch comes from the file
     assert [[(s.trajectory_id, s.prompt_tokens, [t.output_tokens for t in s.turns]) for s in step]
             for step in loaded.steps] == \
            [[(s.trajectory_id, s.prompt_tokens, [t.output_tokens for t in s.turns]) for s in step]
@@ -56,14 +56,14 @@ def test_trajectory_jsonl_round_trips(tmp_path):
 def test_csv_and_history_exports_become_single_turn_batches(tmp_path):
     csv = tmp_path / "t.csv"
     csv.write_text("# comment\nprompt_tokens,output_tokens\n100,20\n200,30\n300,40\n")
-    trace = traces.load(csv, steps=2, batch=2)
+    trace = files.load(csv, steps=2, batch=2)
     assert [[(s.prompt_tokens, s.output_tokens) for s in step] for step in trace.steps] == \
            [[(100, 20), (200, 30)], [(300, 40), (100, 20)]]  # repeated in order to fill the steps
     history = tmp_path / "h.jsonl"
     history.write_text("\n".join(json.dumps(r) for r in [
         {"kind": "turn", "promptTokens": 50, "outputTokens": 7}, {"kind": "step", "seconds": 3.0},
         {"kind": "turn", "prompt_tokens": 60, "output_tokens": 8}]))
-    assert traces.load(history, steps=1, batch=2).pairs(0) == [(50, 7), (60, 8)]
+    assert files.load(history, steps=1, batch=2).pairs(0) == [(50, 7), (60, 8)]
 
 
 def test_a_recorded_run_trace_keeps_turns_and_tools(tmp_path):
@@ -71,7 +71,7 @@ def test_a_recorded_run_trace_keeps_turns_and_tools(tmp_path):
     path.write_text(json.dumps({"trajectory_id": "g1-0", "prompt_id": "7", "prompt_tokens": 41, "outputs": [23, 9],
                                 "tools": [{"name": "calculator", "status": "success", "payload_tokens": 6,
                                            "latency_s": 0.5}], "status": "completed"}) + "\n")
-    spec = traces.load(path, steps=2, batch=1).steps[1][0]
+    spec = files.load(path, steps=2, batch=1).steps[1][0]
     assert spec.turns == (TurnSpec(23, "calculator", "success", 6, 0.5), TurnSpec(9))
 
 
@@ -85,31 +85,67 @@ def test_bad_csv_lengths_are_named(tmp_path, line, match):
     path = tmp_path / "bad.csv"
     path.write_text(f"prompt_tokens,output_tokens\n10,10\n{line}\n")
     with pytest.raises(InvalidArgument, match=match):
-        traces.load(path, steps=1, batch=2)
+        files.load(path, steps=1, batch=2)
 
 
 def test_bad_trajectories_are_named():
     good = TrajectorySpec("a", "p", 0, 10, (TurnSpec(5, "calc", "success", 3, 0.1), TurnSpec(5)))
     with pytest.raises(InvalidArgument, match="status"):
-        traces.check(Trace(((TrajectorySpec("a", "p", 0, 10, (TurnSpec(5, "calc", "error?"), TurnSpec(5))),),)))
+        check(Trace(((TrajectorySpec("a", "p", 0, 10, (TurnSpec(5, "calc", "error?"), TurnSpec(5))),),)))
     with pytest.raises(InvalidArgument, match="latency_s"):
-        traces.check(Trace(((TrajectorySpec("a", "p", 0, 10, (TurnSpec(5, "calc", "success", 1, -1.0),
+        check(Trace(((TrajectorySpec("a", "p", 0, 10, (TurnSpec(5, "calc", "success", 1, -1.0),
                                                               TurnSpec(5))),),)))
     with pytest.raises(InvalidArgument, match="same size"):
-        traces.check(Trace(((good,), (TrajectorySpec("b", "p", 1, 10, (TurnSpec(5),), copies=2),))))
+        check(Trace(((good,), (TrajectorySpec("b", "p", 1, 10, (TurnSpec(5),), copies=2),))))
     with pytest.raises(InvalidArgument, match="appears twice"):
-        traces.check(Trace(((good,), (TrajectorySpec("a", "p", 1, 10, (TurnSpec(5),)),))))
+        check(Trace(((good,), (TrajectorySpec("a", "p", 1, 10, (TurnSpec(5),)),))))
     with pytest.raises(InvalidArgument, match="no trajectories"):
-        traces.check(Trace(((),)))
+        check(Trace(((),)))
 
 
 def test_missing_files_and_fields_are_named(tmp_path):
     with pytest.raises(InvalidArgument, match="cannot read trace"):
-        traces.load(tmp_path / "missing.jsonl", 1, 1)
+        files.load(tmp_path / "missing.jsonl", 1, 1)
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"step": 0, "turns": [{"output_tokens": 3}]}) + "\n")
     with pytest.raises(InvalidArgument, match="prompt_tokens"):
-        traces.load(path, 1, 1)
+        files.load(path, 1, 1)
     path.write_text(json.dumps({"step": 0, "prompt_tokens": 3, "turns": [{"output_tokens": 3}]}) + "\n")
     with pytest.raises(InvalidArgument, match="holds 1 steps"):
-        traces.load(path, 2, 1)
+        files.load(path, 2, 1)
+
+
+def test_the_shipped_sample_is_what_its_header_says():
+    lines = [line for line in open("configs/traces/agentic-drift-sample.jsonl").read().splitlines()
+             if line and not line.startswith("#")]
+    assert list(files.dump(synthetic.drifting(4, 4, 4, seed=0, drift=1.0))) == lines
+
+
+@pytest.mark.parametrize("path, count, turns", [
+    ("configs/traces/agentic-drift-sample.jsonl", 64, True),  # trajectory JSONL
+    ("configs/traces/agentic-longtail.csv", 512, False),  # CSV pairs
+    ("benchmarks/results/quickstart-trace.jsonl", 5335, True),  # a run's recording (one failed line left out)
+])
+def test_one_reader_reads_every_shipped_format(path, count, turns):
+    specs = files.read(path)
+    assert len(specs) == count and len({s.trajectory_id for s in specs}) == count
+    assert any(len(s.turns) > 1 for s in specs) == turns
+    assert all(s.output_tokens >= 1 and s.prompt_tokens >= 1 for s in specs)
+
+
+def test_pairs_files_may_mix_csv_and_json_lines_and_errors_name_the_line(tmp_path):
+    mixed = tmp_path / "mixed.csv"
+    mixed.write_text("prompt_tokens,output_tokens\n10,20\n{\"prompt_tokens\": 5, \"output_tokens\": 7}\n"
+                     "{\"kind\": \"step\", \"seconds\": 1.0}\n")
+    assert [(s.prompt_tokens, s.output_tokens) for s in files.read(mixed)] == [(10, 20), (5, 7)]
+    mixed.write_text("10,20\n10,0\n")
+    with pytest.raises(InvalidArgument, match=r"mixed.csv:2: output_tokens=0"):
+        files.read(mixed)
+
+
+def test_sample_draws_by_seed_and_renames():
+    specs = synthetic.drifting(1, 2, 4, seed=1).steps[0]
+    drawn = files.sample(specs, 10, seed=3, prefix="x")
+    assert [s.trajectory_id for s in drawn] == [f"x{i}" for i in range(10)]
+    assert files.sample(specs, 10, seed=3, prefix="x") == drawn != files.sample(specs, 10, seed=4, prefix="x")
+    assert {(s.prompt_id, s.turns) for s in drawn} <= {(s.prompt_id, s.turns) for s in specs}

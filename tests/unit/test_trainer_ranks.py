@@ -50,8 +50,8 @@ def _batch() -> TrainBatch:
 
 
 def _config() -> TrainerConfig:
-    return TrainerConfig(lr=1e-2, micro_batch_size=2, torch_threads=1, group_size=GROUP, backend="megatron",
-                         megatron={"distributed_optimizer": False})
+    return TrainerConfig(lr=1e-2, micro_batch_size=2, torch_threads=1, group_size=GROUP,
+                         backend={"type": "megatron", "distributed_optimizer": False})
 
 
 def _calls(backend, out_dir: str) -> dict:
@@ -121,8 +121,8 @@ def test_rank_counts_that_cannot_work_fail_at_start():
     with pytest.raises(ValidationError, match="trainer.ranks=2 needs trainer.backend: megatron"):
         TrainerConfig(ranks=2)
     with pytest.raises(ValidationError, match="trainer.ranks=3 is not a multiple of .* = 2"):
-        TrainerConfig(ranks=3, backend="megatron", megatron={"tensor_parallel": 2})
-    config = RunConfig(trainer={"ranks": 4, "backend": "megatron", "megatron": {"tensor_parallel": 2}})
+        TrainerConfig(ranks=3, backend={"type": "megatron", "tensor_parallel": 2})
+    config = RunConfig(trainer={"ranks": 4, "backend": {"type": "megatron", "tensor_parallel": 2}})
     with pytest.raises(ValueError, match="launched on 2 rank.*trainer.ranks=4"):
         ranks.check(config, 2)
     ranks.check(config, 4)

@@ -12,6 +12,10 @@ def test_roster_orders_workers_and_gives_each_tp_rank_its_own_rank():
     assert roster.world_size == 5 and roster and not Roster.of([])
     record = GroupRecord(7, 12, roster)
     assert GroupRecord.from_blob(7, GroupRecord.payload(12, roster)) == record
+    wire = record.to_proto()  # what UpdateWeights carries: the gateway rebuilds the very same record
+    assert [(m.worker_id, m.tp) for m in wire.members] == [("long-0", 2), ("short-1", 1), ("short-3", 1)]
+    assert GroupRecord.from_proto(type(wire).FromString(wire.SerializeToString())) == record
+    assert Roster.from_proto(roster.to_proto()) == roster
 
 
 def test_a_new_generation_when_there_is_none_or_the_workers_changed():

@@ -1,2 +1,6 @@
-"""Rollout engines: the processes that serve the policy (vLLM worker + its extension, the
-transformers engine and its HTTP server) and the client the gateway talks to them with."""
+"""Rollout engines: the processes that serve the policy and the gateway's side of them.
+
+    rollout gateway process   vllm_worker.py (launches a vLLM server per worker), client.py (HTTP client)
+    vLLM worker process       vllm_ext.py (mixed into vLLM's worker: weight loads, weights group)
+    hf engine process         hf_server.py (entry point, HTTP), hf_engine.py (batching), hf_weights.py
+"""

@@ -14,7 +14,8 @@ is not a finished generation raises `EngineError` (an `Unavailable`: retry the t
 worker); a request the worker rejects (4xx: prompt too long, bad parameter) raises
 `EngineRequestError` (an `InvalidArgument`: retrying elsewhere will not help).
 
-This module knows the HTTP protocol of the workers only; routing and retries are the gateway's.
+Runs in: the rollout gateway process. This module knows the HTTP protocol of the workers only;
+routing and retries are the gateway's.
 """
 
 from __future__ import annotations

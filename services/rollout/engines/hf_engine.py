@@ -20,13 +20,12 @@ token ids or EOS (the stop id is the last id returned), `seed`, and `/collective
 same method names as `LibraWorkerExtension` (plus the weights-group ones), so the gateway cannot
 tell the engines apart. Tensor parallelism is not supported (TP 1 only).
 
-Start: `python -m libra.services.rollout.engines.hf_engine --model DIR --port P --device cuda|cpu`.
+Runs in: the hf engine process (`python -m libra.services.rollout.engines.hf_server`, whose `main`
+builds this engine and serves it over HTTP); this module never imports the HTTP layer.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -296,51 +295,3 @@ def _pad_left(tensor: Any, width: int, dim: int) -> Any:
     shape = list(tensor.shape)
     shape[dim] = missing
     return torch.cat([torch.zeros(shape, dtype=tensor.dtype, device=tensor.device), tensor], dim=dim)
-
-
-# ---- command line: build the engine, serve hf_server.build_app -----------------------------
-def main(argv: list[str] | None = None) -> int:
-    from libra.services.rollout.engines import hf_server  # the HTTP layer (imports this module's engine)
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="HF model directory (config, safetensors, tokenizer)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--logprobs-mode", default="processed_logprobs", choices=LOGPROBS_MODES)
-    parser.add_argument("--policy-version", type=int, default=int(os.environ.get("LIBRA_POLICY_VERSION", "0")))
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    args = parser.parse_args(argv)
-    import torch
-    from aiohttp import web
-
-    from libra import log as liblog
-
-    liblog.configure("rollout-hf-engine")
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    tokenizer = None
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    except (OSError, ValueError):
-        pass  # token ids in and out work without one; text and chat do not
-    engine = HFEngine(args.model, args.device, args.dtype, args.max_model_len, args.max_num_seqs,
-                      args.logprobs_mode, args.policy_version, args.tensor_parallel_size)
-    _log().info("hf engine serving", model=args.model, device=args.device, port=args.port, version=args.policy_version)
-    try:
-        web.run_app(hf_server.build_app(engine, tokenizer), host=args.host, port=args.port, print=None,
-                    access_log=None, handle_signals=True)
-    finally:
-        engine.stop()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

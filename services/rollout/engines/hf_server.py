@@ -1,16 +1,22 @@
-"""The HTTP face of the transformers engine (`hf_engine.HFEngine`): vLLM's OpenAI-compatible
-endpoints that Libra uses, plus the weight-update endpoints, as an aiohttp application.
+"""The hf engine process: its command line (`main`) and its HTTP face, vLLM's OpenAI-compatible
+endpoints that Libra uses plus the weight-update endpoints, as an aiohttp application serving one
+`hf_engine.HFEngine`.
 
-Kept apart from the engine so that the batching/decoding loop (engines/hf_engine.py) reads on its own;
-`python -m libra.services.rollout.engines.hf_engine` builds the engine and serves this app.
+Runs in: the hf engine process (one per worker of rollout.worker.engine hf), started by the
+rollout gateway (workers.py) as `python -m libra.services.rollout.engines.hf_server --model DIR
+--port P --device cuda|cpu`. Kept apart from the engine so that the batching/decoding loop
+(engines/hf_engine.py) reads on its own and never imports this module.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import os
 from typing import Any, Callable
 
-from libra.services.rollout.engines.hf_engine import HFEngine, Request
+from libra.services.rollout.engines.hf_engine import LOGPROBS_MODES, HFEngine, Request
+from libra.services.rollout.engines.vllm_ext import INITIAL_VERSION_ENV
 from libra.services.rollout.engines.vllm_worker import SERVED_MODEL_NAME  # what the launcher's readiness check asks for
 
 
@@ -180,3 +186,51 @@ def _error(status: int, message: str) -> Any:
     from aiohttp import web
 
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+# ---- command line: build the engine, serve build_app -----------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Serve a transformers-based rollout engine behind vLLM's HTTP "
+                                                 "surface.")
+    parser.add_argument("--model", required=True, help="HF model directory (config, safetensors, tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--logprobs-mode", default="processed_logprobs", choices=LOGPROBS_MODES)
+    parser.add_argument("--policy-version", type=int, default=int(os.environ.get(INITIAL_VERSION_ENV, "0")))
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    args = parser.parse_args(argv)
+    import torch
+    from aiohttp import web
+
+    from libra import log as liblog
+
+    liblog.configure("rollout-hf-engine")
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    except (OSError, ValueError):
+        pass  # token ids in and out work without one; text and chat do not
+    engine = HFEngine(args.model, args.device, args.dtype, args.max_model_len, args.max_num_seqs,
+                      args.logprobs_mode, args.policy_version, args.tensor_parallel_size)
+    liblog.get("libra.rollout.hf_engine").info("hf engine serving", model=args.model, device=args.device,
+                                               port=args.port, version=args.policy_version)
+    try:
+        web.run_app(build_app(engine, tokenizer), host=args.host, port=args.port, print=None,
+                    access_log=None, handle_signals=True)
+    finally:
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

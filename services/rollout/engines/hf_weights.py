@@ -9,8 +9,8 @@ generations). A load that fails half-way marks
 the engine `dirty` (its /health then answers 503) instead of serving mixed weights.
 
 The loads run in the engine's decode thread between two steps (hf_server hands them over as
-control jobs); joining the group does not touch the model and runs outside it. This module must
-not know about HTTP, batching or sampling.
+control jobs); joining the group does not touch the model and runs outside it. Runs in: the hf
+engine process. This module must not know about HTTP, batching or sampling.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ the packed copy in a closure). vLLM's layer-wise reload (`Worker.reload_weights`
 iterator) restores the checkpoint layout, calls the model's `load_weights`, and runs the
 post-load processing again, so it is right on CPU and GPU alike.
 
-This module must not know about HTTP, Redis or the gateway; it only imports what the worker has.
+Runs in: the vLLM worker process (each TP rank of a worker). This module must not know about
+HTTP, Redis or the gateway; it only imports what the worker has.
 """
 
 from __future__ import annotations

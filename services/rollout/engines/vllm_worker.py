@@ -2,6 +2,7 @@
 
     VllmWorkerProcess.start()
         └─ python -m vllm.entrypoints.openai.api_server   (own session → own process group;
+             │                                             SIGTERM when the rollout service dies;
              │                                             on CPU all of it pinned to its cores)
              ├─ EngineCore process        (scheduler; runs collective_rpc between steps)
              └─ Worker process × tp       (the model; OpenMP threads pinned to this worker's cores)
@@ -11,7 +12,11 @@ The server exposes `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/he
 `LibraWorkerExtension` (see engines/vllm_ext.py). The dev endpoints are unauthenticated: keep `host` on
 a private interface.
 
-This module owns the command line, the environment, readiness and shutdown. It does not speak
+Runs in: the rollout gateway process (the rollout service), which launches one server per worker.
+
+The parent-death signal is SIGTERM, not SIGKILL: a SIGTERMed api_server stops its EngineCore and
+workers itself, a SIGKILLed one leaves them running (libra/procs.py). This module owns the command
+line, the environment, readiness and shutdown. It does not speak
 the completion protocol (engines/client.py does) and does not decide where workers go.
 """
 
@@ -30,6 +35,7 @@ from pathlib import Path
 
 import httpx
 
+from libra import procs
 from libra.errors import FailedPrecondition
 from libra.services.rollout.config import WorkerConfig
 from libra.services.rollout.engines.vllm_ext import INITIAL_VERSION_ENV
@@ -77,8 +83,8 @@ class VllmWorkerProcess:
 
     def __init__(self, config: WorkerConfig, model_dir: str | Path, index: int, log_dir: str | Path,
                  port: int | None = None, tp: int = 1, policy_version: int = 0):
-        if config.engine != self.engine:
-            raise ValueError(f"{type(self).__name__} runs engine {self.engine!r}, config says {config.engine!r}")
+        if config.engine.type != self.engine:
+            raise ValueError(f"{type(self).__name__} runs engine {self.engine!r}, config says {config.engine.type!r}")
         if index < 0 or tp < 1:
             raise ValueError(f"worker index must be >= 0 and tp >= 1, got index={index}, tp={tp}")
         self.config = config
@@ -107,7 +113,7 @@ class VllmWorkerProcess:
             "--host", c.host, "--port", str(self.port), "--dtype", c.dtype,
             "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
             "--tensor-parallel-size", str(self.tp),
-            "--kv-cache-memory-bytes", str(int(c.kv_cache_gib * 2**30)),
+            "--kv-cache-memory-bytes", str(int(c.engine.kv_cache_gib * 2**30)),
             "--enforce-eager", "--worker-extension-cls", EXTENSION_CLS,
             "--logprobs-mode", c.logprobs_mode,
             # Sample exactly what the request asks for, not the checkpoint's suggested defaults.
@@ -136,7 +142,8 @@ class VllmWorkerProcess:
         return env
 
     def start(self) -> "VllmWorkerProcess":
-        """Start the server in its own session; its output goes to `log_path`."""
+        """Start the server in its own session, to die with the calling thread's process; its
+        output goes to `log_path`."""
         if self.alive:
             raise FailedPrecondition(f"worker {self.index} is already running (pid {self.process.pid})")
         if not (self.model_dir / "config.json").is_file():
@@ -144,9 +151,9 @@ class VllmWorkerProcess:
         _check_port_free(self.config.host, self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                self.command(), env=self.environment(), stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = procs.start_group(
+                self.command(), signal.SIGTERM, env=self.environment(), stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT)
         if _is_cpu_build():
             # The engine core busy-polls (sched_yield) for a second after each model step, so an
             # unpinned server takes a second core from whoever runs beside it. Pinning the whole
@@ -197,15 +204,7 @@ class VllmWorkerProcess:
         """SIGTERM the process group, SIGKILL it after `timeout`; return the exit code."""
         if self.process is None:
             return None
-        group = self.process.pid  # start_new_session: the group id is the leader's pid
-        _signal_group(group, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _signal_group(group, signal.SIGKILL)
-            self.process.wait(timeout=timeout)
-        _signal_group(group, signal.SIGKILL)  # children the server left behind, if any
-        return self.process.returncode
+        return procs.stop_group(self.process, timeout)
 
 
 def _usable_cores() -> list[int]:
@@ -234,10 +233,3 @@ def _check_port_free(host: str, port: int) -> None:
         except OSError as error:
             raise FailedPrecondition(f"port {port} on {host} is taken ({error.strerror}); stop what "
                                      f"listens there or choose another base_port") from error
-
-
-def _signal_group(group: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(group, sig)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is gone already

@@ -14,8 +14,9 @@ so a restarted trainer knows it.
 
 * ``AdmitHybrid(meta, replica_id, generation)`` → Ack(applied). Registers the replica as JOINING
   and assigns it to the core data-parallel rank with the fewest hybrids (lowest rank on ties).
-  applied=False on a replay (same request id, or the replica already admitted with this
-  generation). A replica admitted again after FAILED/RELEASED starts a fresh join.
+  applied=False if the replica is already admitted with this generation; a repeated request id
+  answers the first reply (docs/rpc.md). A replica admitted again after FAILED/RELEASED starts a
+  fresh join.
 * ``ReleaseHybrid(meta, replica_id, generation)`` → Ack(applied). The replica leaves at the next
   step boundary (it is absent from that step's manifest), is told BYE and exits 0. NOT_FOUND for
   an unknown replica; applied=False if it already left or failed.
@@ -62,7 +63,7 @@ environment holds) and the distributed optimizer off. Its flat gradient must be 
 rank's (every parameter's gradient in order on CPU; Megatron DDP's unpadded grad buffer on GPUs):
 the core sends its layout in ``prepare`` and the hybrid fails the join, with the difference as the
 reason, if its own differs. A Megatron core refuses a hook (FailedPrecondition) with
-``trainer.megatron.tensor_parallel`` > 1 or ``pipeline_parallel`` > 1 (a lane would have to map to
+``trainer.backend.tensor_parallel`` > 1 or ``pipeline_parallel`` > 1 (a lane would have to map to
 TP/PP coordinates, not built), and on GPUs with ``distributed_optimizer`` on. Megatron snapshots hold
 the model's tensors and, per parameter, Adam's moments and the fp32 master, copied on the device at
 the boundary and written in the same background thread as the torch backend's. Exit codes: 0 released; 2 bad arguments; 3 join refused or

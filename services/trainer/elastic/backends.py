@@ -72,9 +72,9 @@ def _build_megatron(config: Any, model_dir: str, device: str) -> Any:
 
     from libra.services.trainer.megatron.backend import MegatronBackend
 
-    settings = config.megatron
+    settings = config.backend
     if settings.tensor_parallel != 1 or settings.pipeline_parallel != 1:
-        raise ValueError(f"a hybrid replica is one whole model: the core's trainer.megatron.tensor_parallel="
+        raise ValueError(f"a hybrid replica is one whole model: the core's trainer.backend.tensor_parallel="
                          f"{settings.tensor_parallel}, pipeline_parallel={settings.pipeline_parallel} must be 1")
     cuda = torch.cuda.is_available()
     if device.startswith("cuda") != cuda:
@@ -84,7 +84,7 @@ def _build_megatron(config: Any, model_dir: str, device: str) -> Any:
         os.environ["LOCAL_RANK"] = str(torch.device(device).index or 0)
     _own_world(cuda)
     # The whole reduced gradient and whole optimizer state live here: never sharded over DP.
-    config = config.model_copy(update={"megatron": settings.model_copy(update={"distributed_optimizer": False})})
+    config = config.model_copy(update={"backend": settings.model_copy(update={"distributed_optimizer": False})})
     backend = MegatronBackend(config)
     backend.load(model_dir)
     return backend
@@ -106,7 +106,7 @@ def _own_world(cuda: bool) -> None:
 def gradient_layout(backend: Any) -> list[list[Any]]:
     """[name, start, end] of every trainable parameter in the flat gradient, in offset order."""
     ddp = getattr(backend, "_ddp", None)
-    if ddp is not None:  # Megatron DDP on GPUs: the grad buffers, concatenated as local_gradient() does
+    if ddp is not None:  # Megatron DDP on GPUs: the grad buffers, concatenated as flat_gradients() does
         names = {id(p): n for n, p in backend.model.named_parameters()}
         out, offset = [], 0
         for buffer in ddp.buffers:
@@ -166,8 +166,8 @@ def _megatron_state(backend: Any) -> tuple[dict[str, Any], dict[int, dict[str, A
     from libra.services.trainer.megatron import checkpoint as ckpt
 
     model = {k: t.detach().clone() for k, t in backend.model.state_dict().items() if torch.is_tensor(t)}
-    adapter = ckpt.optimizer_state(backend)
-    params = ckpt.trainable_parameters(backend)
+    adapter = ckpt.optimizer_state(backend.model, backend.optimizer)
+    params = ckpt.trainable_parameters(backend.model)
     optimizer = {}
     for index, (name, p) in enumerate(params):
         tensors = adapter.whole(name, p)
@@ -184,9 +184,9 @@ def _load_megatron_state(backend: Any, model: dict[str, Any], optimizer: dict[in
     from libra.services.trainer.megatron import checkpoint as ckpt
     from libra.services.trainer.megatron.build import load_state
 
-    names = [name for name, _ in ckpt.trainable_parameters(backend)]
+    names = [name for name, _ in ckpt.trainable_parameters(backend.model)]
     if names != extra["names"]:
         raise ValueError(f"the snapshot's parameters {extra['names'][:3]}… are not this model's {names[:3]}…")
     load_state(backend.model, model)
     states = {name: optimizer[index] for index, name in enumerate(names)}
-    ckpt.optimizer_state(backend).set_states(states, float(extra["adam_step"]))
+    ckpt.optimizer_state(backend.model, backend.optimizer).set_states(states, float(extra["adam_step"]))

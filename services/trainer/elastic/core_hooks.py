@@ -4,22 +4,17 @@ Owns, on one core data-parallel rank: its lane endpoint, its replica of the memb
 machine, the step boundary (events in, manifest out, join/leave actions), and the `GradientHook`
 the training backend calls. Must not know: Redis, gRPC, how batches are assembled.
 
-One step on core rank r (D core ranks, H active hybrids, W = D + H, N = loss tokens of the whole
-widened batch):
+One step on core rank r (the step's arithmetic — totals, ÷ W, the rescale for a hybrid that
+missed the deadline — is `gradient_hook.train_step`, the same for every backend):
 
     begin_step(k)   gather every rank's events over the existing group (all_gather_object: no new
                     group), apply them in rank order, freeze manifest k, run this rank's actions
                     (snapshot / catch-up / bye / drop)
     assign(slices)  this step's slices of the hybrids (the widened batch, split by work.split)
-    train_step      share ─▶ totals all-reduce (N, W) ─▶ start: step frames to r's hybrids
-                    local backward of Σloss/(N/W) ─▶ inject: + each hybrid's gradient (deadline)
-                    ─▶ all-reduce SUM (the communicator built at start) ─▶ ÷ W ─▶ deliver:
-                    reduced gradient to r's hybrids (they clip + step like the core) ─▶ clip, step
-
-Math: replica i contributes g_i = ∇ Σ_{t∈i} ℓ_t · W/N; Σ_i g_i / W = ∇ (Σ_t ℓ_t / N), the token mean
-over the widened batch — exactly a plain data-parallel run over W replicas on the same samples. A
-hybrid that misses the deadline is absent from the sum; the result is rescaled by N/(N − n_missing)
-so it stays a token mean over what was trained on.
+    train_step      share ─▶ start: step frames to r's hybrids ─▶ (local backward) ─▶ inject: + each
+                    hybrid's gradient, or its loss tokens as missing (deadline, lockstep check)
+                    ─▶ (data-parallel sum, ÷ W) ─▶ deliver: the final gradient to r's hybrids
+                    (they clip + step like the core), kept for hybrids still catching up
 
 Join (snapshot + catch-up): at the boundary before step k the owning rank copies model and
 optimizer (state after k−1 steps) and writes shards in a thread while steps k, k+1, … run; it keeps
@@ -42,7 +37,7 @@ from typing import Any, Callable
 
 from libra import log as liblog
 from libra.errors import FailedPrecondition
-from libra.services.trainer.backend import GradientHook, HybridGradients, HybridShare, TrainBatch
+from libra.services.trainer.backend import TrainBatch
 from libra.services.trainer.elastic import backends
 from libra.services.trainer.elastic import snapshot as snap
 from libra.services.trainer.elastic.checks import bad_gradient, param_digest
@@ -50,6 +45,7 @@ from libra.services.trainer.elastic.device_channel import model_device
 from libra.services.trainer.elastic.manifest import Action, HybridState, Membership, StepManifest
 from libra.services.trainer.elastic.side_channel import CLOSED, LaneEndpoint
 from libra.services.trainer.elastic.work import slice_to_wire
+from libra.services.trainer.gradient_hook import GradientHook, HybridGradients, HybridShare
 
 _log = liblog.get("libra.trainer.elastic")
 MANIFEST_HISTORY = 64
@@ -313,7 +309,7 @@ class ElasticCore(GradientHook):
 
     def inject(self, flat_grad: Any) -> HybridGradients:
         began = time.perf_counter()
-        missing_tokens, missing_replicas, metrics = 0.0, 0, collections.defaultdict(float)
+        missing_tokens, metrics = 0.0, collections.defaultdict(float)
         deadline = self._step_started + self.grad_deadline_s
         step = self.manifest.step if self.manifest else 0
         self._contributors = []
@@ -324,14 +320,13 @@ class ElasticCore(GradientHook):
                 self._fail(replica, reason)
                 self.endpoint.disconnect(replica)
                 missing_tokens += batch.loss_tokens
-                missing_replicas += 1
                 continue
             flat_grad += frame.tensor().to(flat_grad.device, flat_grad.dtype)
             for name, value in frame.header.get("metrics", {}).items():
                 metrics[name] += float(value)
             self._contributors.append(replica)
         self.step_timings["inject_s"] = time.perf_counter() - began
-        return HybridGradients(missing_tokens, missing_replicas, dict(metrics))
+        return HybridGradients(missing_tokens, dict(metrics))
 
     def deliver(self, reduced_grad: Any, config: Any) -> None:
         began = time.perf_counter()

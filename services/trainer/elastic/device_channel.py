@@ -4,12 +4,12 @@ Owns: choosing a hybrid's channel (TCP only, or a pair group over NCCL or gloo),
 group, moving one tensor at a time over it with a deadline, and tearing it down. Must not know:
 frames, models, membership, Redis.
 
-The pair group is built like the weights group (libra/weights/group.py): its own
-TCPStore (hosted by the core rank on a free port) and a standalone `ProcessGroupNCCL` (GPUs) or
-`ProcessGroupGloo` (CPU), never `init_process_group`, so the core's own process group is never
-created, rebuilt or used for a hybrid. It lives exactly as long as the hybrid's connection: built
-when the hybrid says hello, aborted when it leaves, fails or dies (ARCHITECTURE.md §7: membership
-changes never rebuild a group anyone else is in).
+The pair group is built like the weights group (libra/weights/group.py), by the same helper
+(libra/process_group.py): its own TCPStore (hosted by the core rank on a free port) and a
+standalone `ProcessGroupNCCL` (GPUs) or `ProcessGroupGloo` (CPU), never `init_process_group`, so
+the core's own process group is never created, rebuilt or used for a hybrid. It lives exactly as
+long as the hybrid's connection: built when the hybrid says hello, aborted when it leaves, fails
+or dies (ARCHITECTURE.md §7: membership changes never rebuild a group anyone else is in).
 
     hybrid (rank 1)                                 core rank r: the link's reader thread (rank 0)
     hello{device, device_uuid, channels}   ──▶      choose_backend(): None → TCP only (nothing sent)
@@ -40,6 +40,7 @@ import time
 from typing import Any, Callable
 
 from libra import log as liblog
+from libra import process_group
 
 _log = liblog.get("libra.trainer.elastic")
 MODES = ("auto", "tcp", "group")
@@ -87,16 +88,11 @@ def choose_backend(mode: str, core: dict[str, str], hello: dict[str, Any]) -> st
 
 def host_store(host: str, timeout_s: float) -> Any:
     """The core's end of a pair's rendezvous: a TCPStore on a free port (`.port` says which)."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(host, 0, 2, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return process_group.open_store(host, 0, True, timeout_s, world_size=2)
 
 
 def join_store(host: str, port: int, timeout_s: float) -> Any:
-    import torch.distributed as dist
-
-    return dist.TCPStore(host, int(port), 2, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return process_group.open_store(host, port, False, timeout_s, world_size=2)
 
 
 def open_core_end(mode: str, core_device: Any, hello: dict[str, Any], host: str, timeout_s: float,
@@ -173,7 +169,6 @@ class PairGroup:
 
     def __init__(self, store: Any, rank: int, backend: str, device: Any, timeout_s: float):
         import torch
-        import torch.distributed as dist
 
         if backend not in ("nccl", "gloo") or rank not in (0, 1):
             raise ValueError(f"pair group: backend nccl|gloo and rank 0|1, got {backend!r}, {rank}")
@@ -184,20 +179,10 @@ class PairGroup:
         self._aborting: threading.Thread | None = None
         self._close_lock = threading.Lock()
         # Backstop only: every operation is waited for against its own deadline, and aborted first.
-        timeout = datetime.timedelta(seconds=2 * self.timeout_s + 60)
-        prefixed = dist.PrefixStore("libra-lane/pg", store)
-        if backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            try:
-                options._timeout = timeout
-            except AttributeError:  # older torch: NCCL's default applies (our deadlines still do)
-                pass
-            with torch.cuda.device(self.device), _cleanup_only_on_error():
-                self.group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
-            self.stream = torch.cuda.Stream(self.device)
-        else:
-            self.group = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
-            self.stream = None
+        with _cleanup_only_on_error() if backend == "nccl" else contextlib.nullcontext():
+            self.group = process_group.build_group(store, "libra-lane/pg", rank, 2, backend, self.device,
+                                                   2 * self.timeout_s + 60)
+        self.stream = torch.cuda.Stream(self.device) if backend == "nccl" else None
         with self._side():
             work = self._broadcast(torch.zeros(1, device=self.device), root=0)
         self._finish(work, time.monotonic() + self.timeout_s, "warm-up")

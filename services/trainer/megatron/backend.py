@@ -3,8 +3,13 @@
 Owns: the process-group layout (TP × PP × DP), this rank's stage of the GPTModel built from the
 HF config (`megatron.convert`), its optimizer, the GRPO step (the same `policy_loss` as the torch
 backend, run through Megatron's pipeline schedule by `megatron.pipeline`), HF weight publication,
-distributed checkpoints (`megatron.checkpoint`), and the elastic gradient hook.
+distributed checkpoints (`megatron.checkpoint`), and its part of the step every backend shares
+(`gradient_hook.train_step`: flat gradient, data-parallel sum, write-back).
 Must not know: Redis, gRPC, how batches are assembled.
+
+Runs in: every trainer rank process (one instance per rank: global rank 0's is driven by the
+trainer service, the others' by `ranks.follow`), and in an elastic hybrid replica's process, which
+builds one itself with TP = PP = 1 in a one-process world of its own (`elastic.backends.build`).
 
 Two execution paths, one model:
 
@@ -14,18 +19,16 @@ Two execution paths, one model:
           flattened all-reduce over the DP group and torch AdamW — the torch backend's scheme.
 
 Each rank is called with its DP replica's shard of the step's batch; the ranks of one
-model-parallel group (TP × PP: every rank of the replica) must be handed the same shard. Every
-rank's loss is divided by (global loss tokens N / W), W the replicas of the step, and the DP sum
-of gradients is divided by W, so the update is the token-level mean over the whole batch
-(Megatron DDP runs with calculate_per_token_loss, i.e. it sums and leaves the scaling to us).
+model-parallel group (TP × PP: every rank of the replica) must be handed the same shard. The step's
+arithmetic — every rank's loss divided by (global loss tokens N / W), W the replicas of the step,
+the DP sum of gradients divided by W, so the update is the token-level mean over the whole batch,
+and the elastic hook's calls — is `gradient_hook.train_step`, shared with the torch backend; this
+backend supplies its flat gradient (Megatron DDP's grad buffer on CUDA), the DP sum (DDP's
+finish_grad_sync, which with calculate_per_token_loss sums without scaling) and the write-back.
 
-    backward (all micro-batches) ─▶ gradient_hook.inject(flat local grad) ─▶ ×1/W ─▶ DP reduce
-        ─▶ gradient_hook.deliver(reduced grad) ─▶ clip ─▶ optimizer step
-
-`gradient_hook` is `backend.GradientHook`, the elastic pool's backend-neutral injection point, with
-the torch backend's arithmetic. Delivering the reduced gradient to hybrids needs it whole on each
-core rank, which the distributed optimizer (reduce-scatter) does not give, and a hybrid computes
-the whole model's gradient, a pipeline stage or tensor-parallel shard only its part: such layouts
+Elastic hybrid replicas: delivering the reduced gradient to hybrids needs it whole on each core
+rank, which the distributed optimizer (reduce-scatter) does not give, and a hybrid computes the
+whole model's gradient, a pipeline stage or tensor-parallel shard only its part: such layouts
 train without using the hook and refuse hybrids at admission (`hybrid_refusal`). A hybrid builds
 this backend itself (TP = PP = 1, its own one-process world) and loads a snapshot of this rank's
 model and Adam state (`elastic.backends`, `elastic.snapshot`). Model and optimizer are built by
@@ -39,31 +42,35 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
+from libra.services.trainer.backend import TrainBackend, TrainBatch, write_weights_dir
+from libra.services.trainer.gradient_hook import train_step as shared_train_step
 from libra.services.trainer.megatron import build as build
+from libra.services.trainer.megatron import checkpoint as checkpoint
 from libra.services.trainer.megatron import pipeline as pipeline
 from libra.services.trainer.megatron import runtime as rt
-from libra.services.trainer.backend import GradientHook, HybridShare, TrainBackend, TrainBatch, write_weights_dir
 
 if TYPE_CHECKING:
     import torch
 
     from libra.services.trainer.config import TrainerConfig
-
+    from libra.services.trainer.gradient_hook import GradientHook
 
 
 class MegatronBackend(TrainBackend):
     """`TrainBackend` on Megatron-Core (GPU by default; CPU for tests and tiny runs)."""
 
     def __init__(self, config: TrainerConfig, seed: int = 0, layer_spec: str | None = None) -> None:
+        if config.backend.type != "megatron":
+            raise ValueError(f"MegatronBackend needs trainer.backend type megatron, got {config.backend.type}; "
+                             "set trainer.backend: megatron")
         self.config = config
         self.seed = seed
-        self.layer_spec = layer_spec or config.megatron.layer_spec
+        self.layer_spec = layer_spec or config.backend.layer_spec
         self.model_dir: str | None = None
-        self._hook: GradientHook | None = None  # elastic hybrid replicas' injection point
+        self.gradient_hook: GradientHook | None = None  # elastic hybrid replicas' injection point
         self.shape: Any = None
         self._hf_config: Any = None
         self._model: Any = None  # the GPTModel (inside the DDP wrapper on CUDA)
@@ -71,14 +78,6 @@ class MegatronBackend(TrainBackend):
         self._optimizer: Any = None
         self._cuda = False
         self._parameters = 0
-
-    @property
-    def gradient_hook(self) -> GradientHook | None:
-        return self._hook
-
-    @gradient_hook.setter
-    def gradient_hook(self, hook: GradientHook | None) -> None:
-        self._hook = hook
 
     def hybrid_refusal(self) -> str | None:
         """Why this rank cannot take elastic hybrid replicas, or None when it can.
@@ -89,18 +88,18 @@ class MegatronBackend(TrainBackend):
         """
         import torch
 
-        settings = self.config.megatron
+        settings = self.config.backend
         if settings.pipeline_parallel > 1:
-            return (f"elastic hybrid replicas add whole-model gradients, but trainer.megatron.pipeline_parallel="
+            return (f"elastic hybrid replicas add whole-model gradients, but trainer.backend.pipeline_parallel="
                     f"{settings.pipeline_parallel} leaves each core rank one stage's: set pipeline_parallel=1 to "
                     "use hybrid replicas")
         if settings.tensor_parallel > 1:  # mapping a lane to TP coordinates: not built
-            return (f"elastic hybrid replicas are one whole model each, but trainer.megatron.tensor_parallel="
+            return (f"elastic hybrid replicas are one whole model each, but trainer.backend.tensor_parallel="
                     f"{settings.tensor_parallel} leaves each core rank a tensor-parallel shard: set "
                     "tensor_parallel=1 to use hybrid replicas")
         if settings.distributed_optimizer and torch.cuda.is_available():
             return ("elastic hybrid replicas need the full reduced gradient on every core rank: set "
-                    "trainer.megatron.distributed_optimizer=false")
+                    "trainer.backend.distributed_optimizer=false")
         return None
 
     # ---- loading -------------------------------------------------------------------------
@@ -112,7 +111,7 @@ class MegatronBackend(TrainBackend):
 
         if not os.path.isdir(model_dir):
             raise ValueError(f"MegatronBackend.load: {model_dir!r} is not a model directory")
-        settings = self.config.megatron
+        settings = self.config.backend
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         shape = convert.model_shape(hf_config)
         convert.check_parallel(shape, settings.tensor_parallel, settings.pipeline_parallel)
@@ -163,61 +162,8 @@ class MegatronBackend(TrainBackend):
 
     # ---- the GRPO step ---------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, config: TrainerConfig) -> dict[str, float]:
-        started = time.perf_counter()
         hook = self.gradient_hook if self.hybrid_refusal() is None else None  # no hybrids can be admitted
-        share = hook.share() if hook is not None else HybridShare()
-        # One all-reduce over DP of the step's totals; hybrids' slices count (W = DP + H replicas).
-        total_tokens, replicas, sequences = rt.dp_sums(
-            [float(batch.loss_tokens) + share.loss_tokens, 1.0 + share.replicas,
-             float(len(batch) + share.sequences)], self._cuda)
-        if total_tokens == 0:
-            raise ValueError("train_step: the batch has no loss tokens (every loss_mask is 0)")
-        replicas = int(round(replicas))
-        if hook is not None:
-            hook.start(total_tokens / replicas, replicas, config)
-        sums = self.accumulate_gradients(batch, config, token_count=total_tokens / replicas)
-        grad_norm = self._reduce_and_step(replicas, total_tokens, hook, sums, config)
-        result = rt.average_metrics(sums, rt.dp_size(), replicas, self._cuda)
-        result.update(grad_norm=float(grad_norm), tokens=total_tokens, lr=config.lr,
-                      sequences=sequences, seconds=time.perf_counter() - started)
-        return result
-
-    def _reduce_and_step(self, replicas: int, total_tokens: float, hook: Any, sums: dict[str, float],
-                         config: TrainerConfig) -> float:
-        """Hybrid gradients in, sum over DP ÷ W (rescaled if a hybrid missed), out to hybrids, step.
-
-        The same arithmetic as the torch backend: every replica's gradient is of Σ loss · W / N,
-        the DP sum ÷ W is the token mean over all replicas, and N / (N − missing) corrects for the
-        loss tokens of hybrids that did not deliver before the deadline.
-        """
-        import torch
-
-        flat = self.local_gradient()
-        missing = torch.zeros(2, dtype=torch.float64, device=flat.device)
-        if hook is not None:
-            arrived = hook.inject(flat)
-            missing[0], missing[1] = arrived.missing_tokens, arrived.missing_replicas
-            for name, value in arrived.metric_sums.items():
-                sums[name] += value
-            self._set_local_gradient(flat)
-        missing = rt.dp_sum_tensor(missing)
-        scale = 1.0 / replicas
-        if float(missing[0]) > 0:
-            scale *= total_tokens / (total_tokens - float(missing[0]))
-        if self._ddp is not None:
-            # calculate_per_token_loss=True: Megatron DDP sums over DP without scaling; we scale first.
-            self._ddp.scale_gradients(scale)
-            self._ddp.finish_grad_sync()
-            if hook is not None:
-                hook.deliver(self.local_gradient(), config)
-            return self.step_optimizer(config)
-        flat = self.local_gradient()
-        rt.dp_sum_tensor(flat)
-        flat *= scale
-        if hook is not None:
-            hook.deliver(flat, config)
-        self._set_local_gradient(flat)
-        return self.step_optimizer(config)
+        return shared_train_step(self, batch, config, hook)
 
     # ---- the hybrid-replica surface (the torch backend's names, for backend-neutral callers) ----
     @property
@@ -237,12 +183,6 @@ class MegatronBackend(TrainBackend):
         pipeline.finish_model_parallel_grads(self.model, main_grad=self._ddp is not None)
         return sums
 
-    def flat_gradients(self) -> torch.Tensor:
-        return self.local_gradient()
-
-    def set_flat_gradients(self, flat: torch.Tensor) -> None:
-        self._set_local_gradient(flat)
-
     def step_optimizer(self, config: TrainerConfig) -> float:
         """Clip the current gradients and take one optimizer step; returns the pre-clip norm."""
         self._set_hyper_parameters(config)
@@ -256,8 +196,9 @@ class MegatronBackend(TrainBackend):
         self._optimizer.step()
         return grad_norm
 
-    def local_gradient(self) -> torch.Tensor:
-        """This rank's gradient as one flat tensor (Megatron DDP's grad buffers, else every .grad)."""
+    def flat_gradients(self) -> torch.Tensor:
+        """This rank's gradient as one flat tensor: Megatron DDP's grad buffer itself (when there is
+        one buffer; several are concatenated), else every parameter's .grad concatenated."""
         import torch
 
         if self._ddp is not None:
@@ -266,7 +207,7 @@ class MegatronBackend(TrainBackend):
         params = [p for p in self.model.parameters() if p.requires_grad]
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
-    def _set_local_gradient(self, flat: torch.Tensor) -> None:
+    def set_flat_gradients(self, flat: torch.Tensor) -> None:
         if self._ddp is not None:
             buffers = [buffer.grad_data for buffer in self._ddp.buffers]
             if len(buffers) > 1 or flat.data_ptr() != buffers[0].data_ptr():
@@ -279,6 +220,19 @@ class MegatronBackend(TrainBackend):
         for p in (p for p in self.model.parameters() if p.requires_grad):
             p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
             offset += p.numel()
+
+    def dp_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel group (on the GPU with NCCL)."""
+        return rt.dp_sum_tensor(values.to(self._device()))
+
+    def dp_sum_gradients(self, flat: torch.Tensor) -> torch.Tensor:
+        """On CUDA Megatron DDP's own grad sync (all-reduce, or reduce-scatter with the distributed
+        optimizer) over its buffers, which `flat` is written into first; on CPU one all-reduce."""
+        if self._ddp is None:
+            return rt.dp_sum_tensor(flat)
+        self.set_flat_gradients(flat)
+        self._ddp.finish_grad_sync()
+        return self.flat_gradients()
 
     def _zero_grad(self) -> None:
         if self._ddp is not None:
@@ -323,11 +277,7 @@ class MegatronBackend(TrainBackend):
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
         """A Megatron distributed checkpoint (model + optimizer in model space): `megatron.checkpoint`."""
-        from libra.services.trainer.megatron import checkpoint
-
-        checkpoint.save(self, path, extra)
+        checkpoint.save(self.model, self.optimizer, path, extra)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from libra.services.trainer.megatron import checkpoint
-
-        return checkpoint.load(self, path)
+        return checkpoint.load(self.model, self.optimizer, path)

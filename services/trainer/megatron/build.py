@@ -4,6 +4,9 @@ Owns: the GPTModel of this rank's pipeline stage (layer spec, fusions, device an
 DDP and the optimizer around it (Megatron's on GPUs, torch AdamW on CPU), and loading a Megatron
 state dict into a model. Must not know: the GRPO step, batches, checkpoints' layout, Redis.
 Used by `megatron.backend` (load), `megatron.checkpoint` and the elastic snapshots (load_state).
+
+Runs in: every trainer rank process and a hybrid replica's process (through `MegatronBackend.load`);
+`load_state` also where an elastic snapshot is loaded into a hybrid (`elastic.backends`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def build_model(hf_config: Any, shape: Shape, config: TrainerConfig, layer_spec_
     from libra.services.trainer.megatron import convert as convert
     from libra.services.trainer.megatron.specs import layer_spec
 
-    settings = config.megatron
+    settings = config.backend
     tconfig = convert.transformer_config(
         hf_config, tp=settings.tensor_parallel, pp=settings.pipeline_parallel, bf16=bf16,
         use_cpu_initialization=not cuda, calculate_per_token_loss=True,
@@ -70,7 +73,7 @@ def build_optimizer(model: Any, config: TrainerConfig, bf16: bool, cuda: bool) -
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    sharded = config.megatron.distributed_optimizer
+    sharded = config.backend.distributed_optimizer
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=sharded)
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)

@@ -5,6 +5,12 @@ marker file `path`), and reading/writing the optimizer's state per model paramet
 optimizer the backend builds (`optimizer_state`, also what the elastic snapshots read and
 restore). Must not know: the GRPO step, batches, Redis.
 
+Runs in: every trainer rank process (`save` and `load` are collective over all of them). The
+optimizer adapters also run on the core rank that takes an elastic snapshot and in the hybrid
+replica's process that loads it (`elastic.backends`). Takes the model and optimizer it reads or
+writes as arguments, never the backend object: `megatron.backend` imports this module, not the
+other way round.
+
 One format for every execution path. Each model parameter `name` is stored as Megatron's own
 sharded tensor `model.<name>` (TP/PP offsets in the global shape), and its optimizer state beside
 it, sharded exactly like the parameter:
@@ -41,19 +47,18 @@ import glob
 import os
 import random
 import shutil
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from libra.services.trainer.backend import atomic_torch_save
 from libra.services.trainer.megatron import runtime as rt
 from libra.services.trainer.megatron.build import load_state
-
-if TYPE_CHECKING:
-    from libra.services.trainer.megatron.backend import MegatronBackend
 
 CHECKPOINT_FORMAT = 2
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def save(backend: MegatronBackend, path: str, extra: dict[str, Any]) -> None:
+def save(model: Any, optimizer: Any, path: str, extra: dict[str, Any]) -> None:
+    """Write `model` (this rank's GPTModel stage) and `optimizer` as checkpoint `path`; collective."""
     import torch
     from megatron.core import dist_checkpointing
 
@@ -63,7 +68,7 @@ def save(backend: MegatronBackend, path: str, extra: dict[str, Any]) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     rt.barrier()
-    state = sharded_state(backend, loading=False)
+    state = sharded_state(model, optimizer, loading=False)
     dist_checkpointing.save(state, staging)
     rt.barrier()
     if rt.rank() == 0:
@@ -71,14 +76,13 @@ def save(backend: MegatronBackend, path: str, extra: dict[str, Any]) -> None:
         os.rename(staging, directory)
         marker = {"format": CHECKPOINT_FORMAT, "backend": "megatron", "directory": os.path.basename(directory),
                   "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "extra": dict(extra)}
-        from libra.services.trainer.torch_backend import _atomic_torch_save
-
-        _atomic_torch_save(marker, path)
+        atomic_torch_save(marker, path)
         _prune_orphans(os.path.dirname(os.path.abspath(path)))
     rt.barrier()
 
 
-def load(backend: MegatronBackend, path: str) -> dict[str, Any]:
+def load(model: Any, optimizer: Any, path: str) -> dict[str, Any]:
+    """Restore what `save` wrote into `model` and `optimizer` (built alike); returns its `extra`."""
     import torch
     from megatron.core import dist_checkpointing
 
@@ -89,30 +93,29 @@ def load(backend: MegatronBackend, path: str) -> dict[str, Any]:
         raise ValueError(f"{path}: Megatron checkpoint format {marker.get('format')}, this version reads "
                          f"format {CHECKPOINT_FORMAT}; resume from a checkpoint written by this version")
     directory = os.path.join(os.path.dirname(os.path.abspath(path)), marker["directory"])
-    loaded = dist_checkpointing.load(sharded_state(backend, loading=True), directory)
-    model = {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")}
-    load_state(backend.model, model)
+    loaded = dist_checkpointing.load(sharded_state(model, optimizer, loading=True), directory)
+    load_state(model, {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")})
     step = float(loaded["optim.step"].reshape(-1)[0])
     states = {}
-    for name, _ in trainable_parameters(backend):
-        states[name] = {what: loaded[f"optim.{name}.{what}"] for what in _kinds(backend)}
-    optimizer_state(backend).set_states(states, step)
+    for name, _ in trainable_parameters(model):
+        states[name] = {what: loaded[f"optim.{name}.{what}"] for what in _kinds(model)}
+    optimizer_state(model, optimizer).set_states(states, step)
     torch.set_rng_state(marker["rng"]["torch"])
     version, internal, gauss = marker["rng"]["python"]
     random.setstate((version, tuple(internal), gauss))
     return marker["extra"]
 
 
-def sharded_state(backend: MegatronBackend, loading: bool) -> dict[str, Any]:
+def sharded_state(model: Any, optimizer: Any, loading: bool) -> dict[str, Any]:
     """The flat sharded state dict: `model.*` from Megatron, `optim.*` shaped like each parameter."""
     import torch
 
-    model_sd = _flatten(backend.model.sharded_state_dict())
+    model_sd = _flatten(model.sharded_state_dict())
     state: dict[str, Any] = {f"model.{k}": v for k, v in model_sd.items()}
-    adapter = optimizer_state(backend)
-    kinds = _kinds(backend)
+    adapter = optimizer_state(model, optimizer)
+    kinds = _kinds(model)
     saved = None if loading else adapter.get_states()
-    for name, param in trainable_parameters(backend):
+    for name, param in trainable_parameters(model):
         template = model_sd.get(name)
         for what in kinds:
             data = torch.zeros(param.shape, dtype=torch.float32) if loading else saved[name][what]
@@ -124,25 +127,25 @@ def sharded_state(backend: MegatronBackend, loading: bool) -> dict[str, Any]:
 
 # ---- optimizer state in model space ---------------------------------------------------------
 
-def trainable_parameters(backend: MegatronBackend) -> list[tuple[str, Any]]:
+def trainable_parameters(model: Any) -> list[tuple[str, Any]]:
     """(name, parameter) of every trainable parameter, in the model's order (every rank agrees)."""
-    return [(n, p) for n, p in backend.model.named_parameters() if p.requires_grad]
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def _kinds(backend: MegatronBackend) -> tuple[str, ...]:
+def _kinds(model: Any) -> tuple[str, ...]:
     """Stored tensors per parameter: the moments, plus fp32 masters when the parameters are not fp32."""
     import torch
 
-    low_precision = any(p.dtype != torch.float32 for _, p in trainable_parameters(backend))
+    low_precision = any(p.dtype != torch.float32 for _, p in trainable_parameters(model))
     return MOMENTS + (("main",) if low_precision else ())
 
 
-def optimizer_state(backend: MegatronBackend) -> _Adapter:
-    optimizer = backend.optimizer
+def optimizer_state(model: Any, optimizer: Any) -> _Adapter:
+    """The adapter that reads and writes `optimizer`'s state per parameter of `model` (model space)."""
     inner = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     if not hasattr(inner[0], "get_loss_scale"):  # a plain torch optimizer (the CPU path)
-        return _TorchAdamW(backend, optimizer)
-    return _MegatronOptimizers(backend, inner)
+        return _TorchAdamW(model, optimizer)
+    return _MegatronOptimizers(model, inner)
 
 
 class _Adapter:
@@ -170,14 +173,14 @@ class _Adapter:
 class _TorchAdamW(_Adapter):
     """The CPU path: torch AdamW over the fp32 model parameters themselves."""
 
-    def __init__(self, backend: MegatronBackend, optimizer: Any) -> None:
-        self.backend, self.optimizer = backend, optimizer
+    def __init__(self, model: Any, optimizer: Any) -> None:
+        self.model, self.optimizer = model, optimizer
 
     def get_states(self) -> dict[str, dict[str, Any]]:
         import torch
 
         out = {}
-        for name, p in trainable_parameters(self.backend):
+        for name, p in trainable_parameters(self.model):
             state = self.optimizer.state.get(p) or {}
             out[name] = {k: (state[k] if k in state else torch.zeros_like(p)).detach().float().cpu().clone()
                          for k in MOMENTS}
@@ -197,7 +200,7 @@ class _TorchAdamW(_Adapter):
     def set_states(self, states: dict[str, dict[str, Any]], step: float) -> None:
         import torch
 
-        for name, p in trainable_parameters(self.backend):
+        for name, p in trainable_parameters(self.model):
             # AdamW bumps `step` in place: each parameter gets its own tensor.
             self.optimizer.state[p] = {"step": torch.tensor(step), **{k: states[name][k].to(p.device, p.dtype).clone()
                                                                        for k in MOMENTS}}
@@ -211,8 +214,8 @@ class _MegatronOptimizers(_Adapter):
     Every rank walks the parameters in the same order, so the per-parameter all-reduces match.
     """
 
-    def __init__(self, backend: MegatronBackend, inner: list[Any]) -> None:
-        self.backend, self.inner = backend, inner
+    def __init__(self, model: Any, inner: list[Any]) -> None:
+        self.model, self.inner = model, inner
         sharded = [o for o in inner if _distributed(o)]
         self.dp_group = sharded[0].data_parallel_group if sharded else None
         self.owner: dict[int, Any] = {}
@@ -223,7 +226,7 @@ class _MegatronOptimizers(_Adapter):
                                    (opt.model_fp32_groups, opt.shard_fp32_groups)):
                 for model_group, shard_group in zip(models, shards):
                     self.shard.update((id(m), s) for m, s in zip(model_group, shard_group))
-        for name, p in trainable_parameters(backend):
+        for name, p in trainable_parameters(model):
             found = [o for o in inner if _owns(o, p)]
             if len(found) > 1 or (not found and not sharded):
                 raise RuntimeError(f"megatron checkpoint: parameter {name} belongs to {len(found)} optimizers, not 1")
@@ -257,7 +260,7 @@ class _MegatronOptimizers(_Adapter):
 
         reduce = self.dp_group is not None and dist.get_world_size(self.dp_group) > 1
         out = {}
-        for name, p in trainable_parameters(self.backend):
+        for name, p in trainable_parameters(self.model):
             tensors, start, end = self._local(p)
             full = {}
             for kind, source in _KINDS_TO_LOCAL:
@@ -281,7 +284,7 @@ class _MegatronOptimizers(_Adapter):
         tensors, start, end = self._local(p)
         if end - start != p.numel():
             raise RuntimeError(f"parameter {name} has {end - start} of {p.numel()} optimizer values on this rank "
-                               "(a sharded optimizer); hybrids need trainer.megatron.distributed_optimizer=false")
+                               "(a sharded optimizer); hybrids need trainer.backend.distributed_optimizer=false")
         return {"main": tensors["param"], **{k: tensors[k] for k in MOMENTS if k in tensors}}
 
     def step(self) -> float:
@@ -315,7 +318,7 @@ class _MegatronOptimizers(_Adapter):
                     opt._init_optimizer_states_with_dummy_values()  # allocate Adam state (then overwritten)
             else:
                 _init_torch_state(opt.optimizer)
-        for name, p in trainable_parameters(self.backend):
+        for name, p in trainable_parameters(self.model):
             tensors, start, end = self._local(p)
             for kind, target in _KINDS_TO_LOCAL:
                 if target in tensors and end > start:

@@ -4,6 +4,9 @@ Owns: mapping an HF model config to a Megatron `TransformerConfig` (refusing wha
 local GPT layers cannot express, naming the HF field), and moving weights both ways for one
 tensor-parallel rank. Must not know: training, optimizers, files other than what it is handed.
 
+Runs in: every trainer rank process and a hybrid replica's process (building the model, loading
+its HF weights, publishing them from global rank 0).
+
 Layouts (H hidden, d head dim, nq query heads, ng key/value groups, I intermediate, tp TP size):
 
     HF q_proj [nq·d, H], k_proj/v_proj [ng·d, H]   ─▶  linear_qkv [(nq+2ng)·d / tp, H], grouped:
@@ -84,19 +87,19 @@ def model_shape(hf_config: Any) -> Shape:
 def check_parallel(shape: Shape, tp: int, pp: int) -> None:
     """Clear errors for a tensor/pipeline split that the model's dimensions do not allow."""
     if shape.heads % tp:
-        raise ValueError(f"trainer.megatron.tensor_parallel={tp} does not divide config.json "
+        raise ValueError(f"trainer.backend.tensor_parallel={tp} does not divide config.json "
                          f"num_attention_heads={shape.heads}; choose a divisor of it")
     if shape.groups % tp:
-        raise ValueError(f"trainer.megatron.tensor_parallel={tp} does not divide config.json "
+        raise ValueError(f"trainer.backend.tensor_parallel={tp} does not divide config.json "
                          f"num_key_value_heads={shape.groups}; choose a divisor of it")
     if shape.intermediate % tp:
-        raise ValueError(f"trainer.megatron.tensor_parallel={tp} does not divide config.json "
+        raise ValueError(f"trainer.backend.tensor_parallel={tp} does not divide config.json "
                          f"intermediate_size={shape.intermediate}")
     if shape.vocab % tp:
-        raise ValueError(f"trainer.megatron.tensor_parallel={tp} does not divide config.json "
+        raise ValueError(f"trainer.backend.tensor_parallel={tp} does not divide config.json "
                          f"vocab_size={shape.vocab}; pad the vocabulary to a multiple of it")
     if shape.layers % pp:
-        raise ValueError(f"trainer.megatron.pipeline_parallel={pp} does not divide config.json "
+        raise ValueError(f"trainer.backend.pipeline_parallel={pp} does not divide config.json "
                          f"num_hidden_layers={shape.layers}")
 
 

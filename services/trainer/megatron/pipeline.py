@@ -7,6 +7,9 @@ norms), a stage's HF weights in (only the tensors it needs) and out (gathered on
 and the parameter count of the whole model.
 Must not know: optimizers, the elastic gradient hook, Redis, how batches are assembled.
 
+Runs in: every trainer rank process (collective over its model-parallel group) and a hybrid
+replica's process (one stage, TP = PP = 1: nothing sent or broadcast).
+
     stage 0: embedding, layers [0, L/P) ─▶ … ─▶ stage P−1: layers, final norm, LM head ─▶ CE ─▶ loss
              ◀──── activation gradients (1F1B: warm-up forwards, then one forward, one backward)
     metric sums and log-probs: computed on the last stage, broadcast over the pipeline group

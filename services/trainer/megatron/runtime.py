@@ -5,6 +5,10 @@ sums over the data-parallel group, model-parallel-aware gradient clipping for th
 patches that let Megatron-Core run where torch has no CUDA. Must not know: models, batches, the
 GRPO loss.
 
+Runs in: every trainer rank process (joins the launcher's world) and a hybrid replica's process
+(finds the one-process world `elastic.backends` made for it, never the core's); the CPU patches in
+whichever of them runs without CUDA.
+
 Rank layout (Megatron's default order tp-cp-ep-dp-pp): global rank = tp + TP·(dp + DP·pp), so
 global rank 0 is TP rank 0 of DP replica 0 on the first pipeline stage.
 """
@@ -35,14 +39,14 @@ def init_parallel(tp: int, cuda: bool, pp: int = 1) -> None:
             dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tp * pp):
-        raise ValueError(f"trainer.megatron.tensor_parallel={tp} × pipeline_parallel={pp} = {tp * pp} does not "
+        raise ValueError(f"trainer.backend.tensor_parallel={tp} × pipeline_parallel={pp} = {tp * pp} does not "
                          f"divide the world size {world}; launch a multiple of {tp * pp} ranks")
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
         if have != (tp, pp):
             raise FailedPrecondition(
                 f"Megatron model parallelism is already initialised with TP={have[0]}, PP={have[1]}, not "
-                f"trainer.megatron.tensor_parallel={tp}, pipeline_parallel={pp}; one process holds one layout")
+                f"trainer.backend.tensor_parallel={tp}, pipeline_parallel={pp}; one process holds one layout")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if cuda:
@@ -92,13 +96,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def dp_sums(values: list[float], cuda: bool) -> list[float]:
-    import torch
-
-    tensor = torch.tensor(values, dtype=torch.float64, device="cuda" if cuda else "cpu")
-    return [float(v) for v in dp_sum_tensor(tensor)]
-
-
 def dp_sum_tensor(tensor: Any) -> Any:
     """All-reduce SUM over the data-parallel group, in place (a no-op with one replica)."""
     import torch.distributed as dist
@@ -137,18 +134,6 @@ def clip_model_parallel(params: list[Any], max_norm: float) -> float:
         for p in grads:
             p.grad.mul_(scale)
     return norm
-
-
-def average_metrics(sums: dict[str, float], dp: int, replicas: int, cuda: bool) -> dict[str, float]:
-    """Metric sums were divided by (N / W); summed over DP (hybrids' already added) ÷ W gives means."""
-    import torch
-
-    if dp == 1 and replicas == 1:
-        return dict(sums)
-    names = sorted(sums)
-    values = dp_sum_tensor(torch.tensor([sums[n] for n in names], dtype=torch.float64,
-                                         device="cuda" if cuda else "cpu"))
-    return {n: float(v) / replicas for n, v in zip(names, values)}
 
 
 PATCHED_ = False

@@ -3,6 +3,9 @@
 Owns: which Megatron-Core modules make up one transformer layer of the policy model.
 Must not know: Hugging Face, weights on disk, the GRPO loss.
 
+Runs in: every trainer rank process and a hybrid replica's process (the layers of the model each
+of them builds).
+
 Megatron's local spec (`get_gpt_layer_local_spec`) computes attention unfused: it materialises the
 (b·heads, s, s) score matrix, softmaxes it in a separate kernel and multiplies again — on an H200
 that held a ~0.94B model at ~25% MFU. Transformer Engine (Megatron's fused path) is not installed
@@ -28,7 +31,7 @@ def layer_spec(name: str, qk_layernorm: bool) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if name not in SPECS:
-        raise ValueError(f"trainer.megatron.layer_spec must be one of {SPECS}, got {name!r}")
+        raise ValueError(f"trainer.backend.layer_spec must be one of {SPECS}, got {name!r}")
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
     if name == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = _sdpa_class()

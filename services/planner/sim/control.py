@@ -1,4 +1,4 @@
-"""Plan controllers for the cluster simulator: who chooses the allocation, and when it changes.
+"""Plan controllers of the cluster simulator: who chooses the allocation, and when it changes.
 
 The simulator calls `initial(trace)` once and `after_step(record)` after every training step; a
 controller answers with a `PlanChange` (the new candidate and its transition cost) or None.
@@ -10,7 +10,8 @@ controller answers with a `PlanChange` (the new candidate and its transition cos
               step's measured times and lengths as the trainer reports them (rollout seconds =
               the trainer's wait for the batch); it applies a plan only when the predicted gain
               minus the transition cost pays
-    scripted  fixed changes at given steps (tests)
+    scripted  a given first plan and fixed changes at given steps (tests; with no changes, one
+              plan held for the whole run: `run.run_plan`)
 
 Controllers see only what the real planner would see: finished steps' facts, never the future.
 """
@@ -18,28 +19,14 @@ Controllers see only what the real planner would see: finished steps' facts, nev
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
+from libra.services.planner.config import ReplanSettings
 from libra.services.planner.hardware import GpuSpec, ModelSpec
-from libra.services.planner.replan import Replanner, ReplanSettings, StepObservation
+from libra.services.planner.replan import Replanner, StepObservation
 from libra.services.planner.search import Candidate, SearchConfig, search
-from libra.services.planner.traces import Trace
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One finished training step, as the simulator measured it."""
-
-    step: int
-    time_s: float  # simulated clock when the step finished
-    interval_s: float  # since the previous step finished (the step's wall time)
-    rollout_s: float  # batch released -> its last trajectory finished
-    train_s: float
-    wait_s: float  # the trainer waited this long for the batch (what the real trainer reports as rollout seconds)
-    sequences: int
-    lengths: Sequence[tuple[int, int]]  # (prompt + tool payloads, output) per sequence of the batch
-    queue_depth: float  # turns waiting in engine queues when the step finished
-    active_rollouts: float  # trajectories in flight when the step finished
+from libra.services.planner.sim.result import StepRecord
+from libra.traces.spec import Trace
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,11 @@
-"""Baseline routing policies that C-MLFQ is measured against, behind the same `Policy` interface.
+"""The baseline routing policies that C-MLFQ is measured against, behind the same `Policy` interface.
 
-All three map a length to a bucket level (the smallest bucket whose `max_tokens` covers it, the
-longest if none does) and differ only in *which* length they trust:
+`LoadBalance` ("load_balance") sends each model turn to the serving worker with the fewest
+outstanding tokens, rotating among ties, and keeps a trajectory on its worker between turns
+(prefix-cache affinity) unless that worker is over its cap while another has room.
+
+The three bucket policies map a length to a bucket level (the smallest bucket whose `max_tokens`
+covers it, the longest if none does) and differ only in *which* length they trust:
 
 - `LengthAware` ("length_aware"): the prompt length of the turn (`Turn.prompt_tokens`);
 - `LAMLFQ` ("la_mlfq"): length-based demotion. A trajectory starts in the shortest bucket (or,
@@ -25,8 +29,25 @@ from collections import OrderedDict
 from typing import Callable
 
 from libra.errors import InvalidArgument
-from libra.services.scheduler.cmlfq import ordered_buckets
-from libra.services.scheduler.core import POLICIES, Placement, Policy, Turn, Worker
+from libra.routing.policy import Placement, Policy, Turn, Worker, ordered_buckets
+
+
+class LoadBalance(Policy):
+    """Least outstanding tokens with rotating ties, and worker affinity under the cap."""
+
+    name = "load_balance"
+
+    def choose(self, turn: Turn, placement: Placement, candidates: list[Worker]) -> tuple[Worker, str]:
+        by_id = {w.worker_id: w for w in candidates}
+        current = by_id.get(placement.worker_id or "")
+        if self.affinity and current is not None:
+            if current.outstanding_tokens < self.cap or all(w.outstanding_tokens >= self.cap for w in candidates):
+                return current, "affinity"
+        under_cap = [w for w in candidates if w.outstanding_tokens < self.cap] or candidates
+        reason = "new:least_loaded" if placement.worker_id is None else "least_loaded"
+        if placement.worker_id is not None and current is None:
+            reason = "reroute:worker_gone"
+        return self.least_loaded(under_cap), reason
 
 
 class BucketPolicy(Policy):
@@ -146,6 +167,3 @@ class Oracle(BucketPolicy):
         level = self.level_for(self.remaining_of(turn.trajectory_id))
         return level, f"oracle:{self.buckets[level]}"
 
-
-for _policy in (LengthAware, LAMLFQ, Oracle):
-    POLICIES[_policy.name] = _policy

@@ -1,8 +1,9 @@
 """One simulated run from command-line choices: trace, controller, simulator, summary, JSON, plot.
 
 `libra sim` and `benchmarks/grp_eval.py` both go through `simulate()`, so the figures a person
-gets from the CLI are the figures the benchmark tabulates. Bad input (a trace with absurd
-lengths, a GPU budget below one replica, a model the cluster cannot hold) raises
+gets from the CLI are the figures the benchmark tabulates. `run_plan()` plays a trace (e.g. the
+recent window) under one plan held fixed: one call per candidate plan. Bad input (a trace with
+absurd lengths, a GPU budget below one replica, a model the cluster cannot hold) raises
 `InvalidArgument`/`ConfigError` with the cause; the CLI turns those into exit code 2.
 """
 
@@ -10,22 +11,27 @@ from __future__ import annotations
 
 import json
 import pathlib
+import typing
 from dataclasses import asdict
 from typing import Callable
 
 from pydantic import ValidationError
 
 from libra.errors import ConfigError, InvalidArgument
-from libra.services.planner import plan_control, traces
+from libra.routing.config import PolicyName
+from libra.services.planner.config import ReplanSettings
 from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.hardware import GpuSpec, ModelSpec
-from libra.services.planner.plan_control import StepRecord
-from libra.services.planner.replan import ReplanSettings
-from libra.services.planner.search import SearchConfig
-from libra.services.planner.sim_result import SimResult
-from libra.services.planner.simulator import SimConfig, Simulator
+from libra.services.planner.search import Candidate, SearchConfig
+from libra.services.planner.sim import control
+from libra.services.planner.sim.cluster import SimConfig, Simulator
+from libra.services.planner.sim.instance import InstanceModel
+from libra.services.planner.sim.result import SimResult, StepRecord
+from libra.traces import files, synthetic
+from libra.traces.spec import Trace
 
 PLANNERS = ("static", "tp2", "online")
+POLICIES = typing.get_args(PolicyName)
 
 
 def cohort_copies(batch: int, max_units: int) -> int:
@@ -37,27 +43,27 @@ def cohort_copies(batch: int, max_units: int) -> int:
 
 
 def build_trace(source: str, steps: int, prompts: int, group_size: int, seed: int, drift: float,
-                max_units: int) -> traces.Trace:
+                max_units: int) -> Trace:
     if steps < 1:
         raise InvalidArgument(f"steps must be >= 1, got {steps}")
     if source == "synthetic":
         copies = cohort_copies(prompts * group_size, max_units)
-        return traces.synthetic(steps, prompts, group_size, seed, drift, copies)
-    return traces.load(source, steps, prompts * group_size)
+        return synthetic.drifting(steps, prompts, group_size, seed, drift, copies)
+    return files.load(source, steps, prompts * group_size)
 
 
 def make_controller(planner: str, model: ModelSpec, gpu: GpuSpec, config: SearchConfig,
-                    replan: ReplanSettings | None = None) -> plan_control.Controller:
+                    replan: ReplanSettings | None = None) -> control.Controller:
     if planner == "static":
-        return plan_control.static(model, gpu, config)
+        return control.static(model, gpu, config)
     if planner == "tp2":
-        return plan_control.homogeneous_tp2(model, gpu, config)
+        return control.homogeneous_tp2(model, gpu, config)
     if planner == "online":
-        return plan_control.Online(model, gpu, config, replan or ReplanSettings())
+        return control.Online(model, gpu, config, replan or ReplanSettings())
     raise InvalidArgument(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
 
 
-def simulate(model: ModelSpec, gpu: GpuSpec, gpus: int, trace: traces.Trace, planner: str, policy: str,
+def simulate(model: ModelSpec, gpu: GpuSpec, gpus: int, trace: Trace, planner: str, policy: str,
              sim: SimConfig | None = None, replan: ReplanSettings | None = None,
              progress: Callable[[StepRecord], None] | None = None, group_size: int = 8,
              search_options: dict | None = None) -> SimResult:
@@ -71,13 +77,26 @@ def simulate(model: ModelSpec, gpu: GpuSpec, gpus: int, trace: traces.Trace, pla
     except ValidationError as error:
         first = error.errors()[0]
         raise InvalidArgument(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
-    if policy not in ("load_balance", "cmlfq", "length_aware", "la_mlfq"):
-        raise InvalidArgument(f"unknown policy {policy!r}; choose load_balance, cmlfq, length_aware or la_mlfq")
+    if policy not in POLICIES:
+        raise InvalidArgument(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     controller = make_controller(planner, model, gpu, config, replan)
     try:
         return Simulator(model, gpu, trace, controller, config, sim).run(progress)
     except Infeasible as error:
         raise InvalidArgument(f"{gpus} GPUs cannot run {model.name} on {gpu.name} for this trace: {error}") from None
+
+
+def run_plan(model: ModelSpec, gpu: GpuSpec, trace: Trace, candidate: Candidate, search: SearchConfig,
+             sim: SimConfig | None = None, instance_model: InstanceModel | None = None) -> SimResult:
+    """Play `trace` (e.g. the recent window of a run) under `candidate`, held for the whole trace:
+    what the asynchronous pipeline does with that plan. `search` supplies the efficiencies and the
+    TP degrees the engines are built for; `instance_model` replaces the cost model's engines."""
+    controller = control.Scripted(candidate, {})
+    try:
+        return Simulator(model, gpu, trace, controller, search, sim or SimConfig(), instance_model).run()
+    except Infeasible as error:
+        raise InvalidArgument(f"plan {candidate.describe()} cannot run {model.name} on {gpu.name} for this trace: "
+                              f"{error}") from None
 
 
 def summary(result: SimResult, label: str = "") -> list[str]:

@@ -35,9 +35,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from libra.errors import InvalidArgument
-from libra.services.scheduler.core import POLICIES, Placement, Policy, Turn, Worker
-from libra.services.scheduler.prefix_tree import PrefixForest
-from libra.services.scheduler.signatures import SizeThresholds, signature
+from libra.routing.policy import Placement, Policy, Turn, Worker, ordered_buckets
+from libra.routing.prefix_tree import PrefixForest
+from libra.routing.signatures import SizeThresholds, signature
 
 
 @dataclass
@@ -51,17 +51,6 @@ class Progress:
     output_tokens: int = 0
     target: int | None = None  # level of a pending move, applied on the next route
     moves: int = 0
-
-
-def ordered_buckets(buckets: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """Buckets sorted by max_tokens, after checking names and limits are unique and positive."""
-    if not buckets:
-        raise InvalidArgument("cmlfq needs at least one bucket (name, max_tokens), e.g. planner.buckets")
-    names = [name for name, _ in buckets]
-    limits = [limit for _, limit in buckets]
-    if len(set(names)) != len(names) or len(set(limits)) != len(limits) or min(limits) < 1:
-        raise InvalidArgument(f"cmlfq buckets need unique names and unique max_tokens >= 1, got {buckets}")
-    return sorted(buckets, key=lambda bucket: bucket[1])
 
 
 class CMLFQ(Policy):
@@ -206,5 +195,3 @@ class CMLFQ(Policy):
         remaining = [total] + [max(0, total - produced) for produced in record.produced_at]
         self.forest.insert(prompt_id or record.prompt_id, record.signatures, remaining)
 
-
-POLICIES[CMLFQ.name] = CMLFQ

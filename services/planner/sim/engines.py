@@ -1,8 +1,8 @@
-"""Rollout instances of the cluster simulator: continuous batching at the cost model's speed.
+"""The cost-model instance model: engines batching continuously at the planner's cost model's speed.
 
-One `SimInstance` is a vLLM-like engine of TP degree `tp`, or a pool of `replicas` identical ones
-treated as one worker (the simulator's resolution knob at thousands of GPUs; with replicas = 1 it
-is exact). It owns a running batch bounded by `max_seqs` and the KV cache, a FIFO waiting queue,
+One `CostModelInstance` is a vLLM-like engine of TP degree `tp`, or a pool of `replicas` identical
+ones treated as one worker (the simulator's resolution knob at thousands of GPUs; with replicas = 1
+it is exact). It owns a running batch bounded by `max_seqs` and the KV cache, a FIFO waiting queue,
 and a clock. It knows nothing of policies, trajectories' futures or training.
 
 Decode speed comes from `cost_rollout.Instance.decode_step_seconds`, which is linear in the
@@ -26,38 +26,22 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from libra.services.planner.cost_rollout import Instance
+from libra.services.planner import cost_rollout
+from libra.services.planner.cost_rollout import Infeasible, RolloutEfficiency
+from libra.services.planner.hardware import GpuSpec, ModelSpec
+from libra.services.planner.sim.instance import SimulationError, Unit
 
 
 @dataclass(eq=False)
-class Unit:
-    """A trajectory (or a cohort of `copies` identical ones) in flight."""
+class CostModelInstance:
+    """One engine (or a pool of `replicas`) of the cost model's speed; an `instance.Instance`."""
 
-    spec: object  # traces.TrajectorySpec
-    copies: int
-    context: float  # tokens per sequence so far (prompt, outputs, tool payloads)
-    turn: int = 0
-    turn_left: float = 0.0  # output tokens of the current turn not yet generated
-    prefill: float = 0.0  # tokens to prefill when admitted
-    worker: str = ""
-    kv_on: str = ""  # the instance holding this trajectory's prefix cache
-    policy: object = None  # the policy object that routed the current turn
-    released_s: float = 0.0
-    seq: int = 0
-
-    @property
-    def final(self) -> float:
-        """Context per sequence at the end of the current turn."""
-        return self.context + self.turn_left
-
-
-@dataclass(eq=False)
-class SimInstance:
     wid: str
     tp: int
     replicas: int
-    engine: Instance
+    engine: cost_rollout.Instance
     up_at: float = 0.0
+    bucket: str = ""
     up: bool = False
     alive: bool = True
     heap: list = field(default_factory=list)  # (progress at which the turn ends, seq, unit)
@@ -91,6 +75,12 @@ class SimInstance:
 
     def load_tokens(self) -> int:
         return int(self.reserved + sum(u.copies * u.final for u in self.waiting))
+
+    def requests(self) -> int:
+        return len(self.heap) + len(self.waiting)
+
+    def enqueue(self, unit: Unit) -> None:
+        self.waiting.append(unit)
 
     def advance(self, now: float) -> None:
         dt = now - self.last
@@ -163,6 +153,32 @@ class SimInstance:
     def _refresh(self) -> None:
         per_engine = self.seqs / self.replicas
         self.fixed = self.engine.decode_step_seconds(per_engine, 0.0) if self.seqs else 0.0
+
+
+class CostModelEngines:
+    """Builds `CostModelInstance`s: one cost-model engine per TP degree that holds the model."""
+
+    def __init__(self, model: ModelSpec, gpu: GpuSpec, tp_choices: tuple[int, ...], eff: RolloutEfficiency):
+        self.model, self.gpu = model, gpu
+        self.engines: dict[int, cost_rollout.Instance] = {}
+        for tp in tp_choices:
+            if gpu.gpus_per_node % tp == 0:
+                try:
+                    self.engines[tp] = cost_rollout.instance(model, gpu, tp, eff)
+                except Infeasible:
+                    continue
+        if not self.engines:
+            raise SimulationError(f"no rollout TP degree in {tp_choices} can hold {model.name} on "
+                                  f"{gpu.name}: the model does not fit this cluster's GPUs")
+
+    def holds(self, tp: int) -> bool:
+        return tp in self.engines
+
+    def max_context_tokens(self) -> float:
+        return max(e.kv_capacity_tokens for e in self.engines.values())
+
+    def instance(self, wid: str, bucket: str, tp: int, replicas: int, up_at: float) -> CostModelInstance:
+        return CostModelInstance(wid, tp, replicas, self.engines[tp], up_at=up_at, bucket=bucket)
 
 
 def pool(rollout: tuple[tuple[int, int], ...], max_workers: int) -> list[tuple[int, int]]:

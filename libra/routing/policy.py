@@ -1,9 +1,15 @@
-"""Routing policies as deterministic step functions (no network, no Redis, no clock).
+"""The routing interface every policy implements, and the state they all share.
 
-`LoadBalance` sends each model turn to the serving worker with the fewest outstanding tokens,
-rotating among ties, and keeps a trajectory on its worker between turns (prefix-cache affinity)
-unless that worker is over its cap while another has room. C-MLFQ (`cmlfq.py`) and the other
-baselines implement the same `Policy` interface; `make_policy` builds the configured one.
+A `Policy` owns the worker membership (`register`/`deregister`), the load each worker carries
+(outstanding tokens and requests, released when a turn is reported done), and the placement of
+each live trajectory. Subclasses decide only `choose`: which serving candidate gets a turn, and
+why. `route` then books the load; `turn_done`, `tool_returned` and `finish` are the reports the
+rollout gateway (or the simulator) sends back, which the learning policies override.
+
+    route(Turn) ──▶ candidates (serving, not excluded) ──▶ choose() ──▶ book load ──▶ Decision
+    turn_done / finish ──▶ release load;  tool_returned ──▶ (policies that learn)
+
+Pure logic: no network, no Redis, no clock. This module knows no concrete policy.
 """
 
 from __future__ import annotations
@@ -13,9 +19,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from libra.errors import FailedPrecondition, InvalidArgument, NotFound
-from libra.services.scheduler.config import SchedulerConfig
-from libra.services.scheduler.prefix_tree import PrefixForest
-from libra.services.scheduler.signatures import SizeThresholds
 
 
 @dataclass
@@ -59,7 +62,7 @@ class Placement:
 
 
 @dataclass
-class SchedulerState:
+class RoutingState:
     workers: dict[str, Worker] = field(default_factory=dict)
     placements: dict[str, Placement] = field(default_factory=dict)
     reasons: Counter = field(default_factory=Counter)
@@ -67,14 +70,14 @@ class SchedulerState:
 
 
 class Policy(abc.ABC):
-    """A routing policy over a SchedulerState (worker membership is shared by all policies)."""
+    """A routing policy over a RoutingState (worker membership is shared by all policies)."""
 
     name = "policy"
 
     def __init__(self, per_worker_cap_tokens: int, affinity: bool = True):
         self.cap = per_worker_cap_tokens
         self.affinity = affinity
-        self.state = SchedulerState()
+        self.state = RoutingState()
 
     # -- membership ----------------------------------------------------------------------------
     def register(self, worker: Worker) -> None:
@@ -150,49 +153,12 @@ class Policy(abc.ABC):
         placement.inflight_tokens = 0
 
 
-class LoadBalance(Policy):
-    """Least outstanding tokens with rotating ties, and worker affinity under the cap."""
-
-    name = "load_balance"
-
-    def choose(self, turn: Turn, placement: Placement, candidates: list[Worker]) -> tuple[Worker, str]:
-        by_id = {w.worker_id: w for w in candidates}
-        current = by_id.get(placement.worker_id or "")
-        if self.affinity and current is not None:
-            if current.outstanding_tokens < self.cap or all(w.outstanding_tokens >= self.cap for w in candidates):
-                return current, "affinity"
-        under_cap = [w for w in candidates if w.outstanding_tokens < self.cap] or candidates
-        reason = "new:least_loaded" if placement.worker_id is None else "least_loaded"
-        if placement.worker_id is not None and current is None:
-            reason = "reroute:worker_gone"
-        return self.least_loaded(under_cap), reason
-
-
-POLICIES = {LoadBalance.name: LoadBalance}
-
-
-def make_policy(config: SchedulerConfig, buckets: list[tuple[str, int]] | None = None) -> Policy:
-    """Build the configured policy; the bucket policies also need the buckets as (name, max_tokens)."""
-    if config.policy == "cmlfq":
-        from libra.services.scheduler import cmlfq  # imported here: it builds on this module
-
-        if not buckets:
-            raise InvalidArgument("scheduler.policy cmlfq needs the bucket list (planner.buckets)")
-        forest = PrefixForest(config.min_visits, config.p90_window, config.max_prompt_trees)
-        thresholds = SizeThresholds(config.tool_small_max_tokens, config.tool_medium_max_tokens)
-        return cmlfq.CMLFQ(config.per_worker_cap_tokens, config.affinity, buckets, forest, thresholds,
-                           config.max_moves, config.start_spill_factor)
-    if config.policy in ("length_aware", "la_mlfq", "oracle"):
-        from libra.services.scheduler import baselines  # imported here: it builds on this module
-
-        if config.policy == "oracle":
-            raise InvalidArgument("scheduler.policy oracle knows each trajectory's true remaining output: it is "
-                                  "for evaluation only (benchmarks/scheduler_eval.py); choose cmlfq or la_mlfq")
-        if not buckets:
-            raise InvalidArgument(f"scheduler.policy {config.policy} needs the bucket list (planner.buckets)")
-        if config.policy == "la_mlfq":
-            return baselines.LAMLFQ(config.per_worker_cap_tokens, config.affinity, buckets, config.max_prompt_trees)
-        return baselines.LengthAware(config.per_worker_cap_tokens, config.affinity, buckets)
-    if config.policy not in POLICIES:
-        raise InvalidArgument(f"unknown scheduler policy {config.policy!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[config.policy](config.per_worker_cap_tokens, config.affinity)
+def ordered_buckets(buckets: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Buckets sorted by max_tokens, after checking names and limits are unique and positive."""
+    if not buckets:
+        raise InvalidArgument("a bucket policy needs at least one bucket (name, max_tokens), e.g. planner.buckets")
+    names = [name for name, _ in buckets]
+    limits = [limit for _, limit in buckets]
+    if len(set(names)) != len(names) or len(set(limits)) != len(limits) or min(limits) < 1:
+        raise InvalidArgument(f"routing buckets need unique names and unique max_tokens >= 1, got {buckets}")
+    return sorted(buckets, key=lambda bucket: bucket[1])

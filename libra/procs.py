@@ -1,0 +1,116 @@
+"""Child processes that die with their parent, and stopping everything a job started.
+
+`libra up` starts Redis and the five services with `start_group`; the rollout service starts its
+engine workers (vLLM, hf) the same way. Each child is the leader of its own session, so one
+`signal_group` reaches whatever it forked in turn, and the kernel sends it a signal when its
+parent dies, even by SIGKILL (Linux PR_SET_PDEATHSIG, armed by util-linux's `setpriv --pdeathsig`,
+which then execs the command: no Python code runs between fork and exec, which is what keeps this
+safe in processes with threads — gRPC's among them; a `preexec_fn` there crashed engine starts):
+
+```
+ libra up ──┬─ redis-server        ─┐ own session each; SIGKILL when libra up dies
+            ├─ libra serve trainer  │
+            └─ libra serve rollout ─┘
+                 └─ vLLM api_server    own session; SIGTERM when rollout dies, so vLLM stops
+                      └─ EngineCore, Worker   its EngineCore and workers itself (a SIGKILLed
+                                              api_server leaves them running: measured)
+```
+
+The kernel signals a child when the *thread* that started it ends, not the process: start
+children from a thread that lives as long as they should (the main thread, an event loop's).
+
+`sweep` is the last resort of a stop: every process whose environment holds a marker that the
+job gave its children (children inherit their parent's environment, vLLM's included).
+
+Must not know: which services or engines exist.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable
+
+SETPRIV = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+
+
+def with_parent_death_signal(argv: list[str], sig: int) -> list[str]:
+    """`argv` wrapped so that the process it becomes receives `sig` when its parent (the thread that
+    started it) dies; unchanged where `setpriv` is missing (not Linux): then only the stop and the
+    `sweep` reclaim children, and `libra up` says so at start (`PARENT_DEATH`)."""
+    if SETPRIV is None:
+        return list(argv)
+    return [SETPRIV, "--pdeathsig", signal.Signals(sig).name.removeprefix("SIG"), "--", *argv]
+
+
+PARENT_DEATH = SETPRIV is not None
+"""Whether children die with their parent here (util-linux `setpriv` found)."""
+
+
+def start_group(argv: list[str], death_signal: int, **popen: object) -> subprocess.Popen:
+    """Start `argv` as the leader of a new session (its own process group; the group id is its
+    pid) that receives `death_signal` when this process, or the thread calling, dies."""
+    return subprocess.Popen(with_parent_death_signal(argv, death_signal), start_new_session=True,
+                            **popen)  # type: ignore[arg-type]
+
+
+def signal_group(group: int, sig: int) -> None:
+    """Send `sig` to every process of process group `group`; nothing if the group is gone."""
+    try:
+        os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_group(process: subprocess.Popen, timeout_s: float, hurry: Callable[[], bool] = lambda: False) -> int:
+    """SIGTERM the group `process` leads, wait up to `timeout_s` (less once `hurry()` is true)
+    for the leader, then SIGKILL the group, so nothing it left behind survives; its exit code."""
+    if process.poll() is None:
+        signal_group(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while process.poll() is None and time.monotonic() < deadline and not hurry():
+        time.sleep(0.05)
+    signal_group(process.pid, signal.SIGKILL)
+    return process.wait()
+
+
+def marked(name: str, value: str) -> list[int]:
+    """Pids of the processes (other than this one) whose environment has `name=value`."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if needle in handle.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def sweep(name: str, value: str, grace_s: float = 3.0) -> list[int]:
+    """Wait up to `grace_s` for the processes marked `name=value` to exit, then SIGKILL the rest
+    until none is left (bounded); the pids that had to be killed."""
+    deadline = time.monotonic() + grace_s
+    while marked(name, value) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    killed: list[int] = []
+    for _ in range(20):  # a killed parent's children may still be starting; a few rounds catch them
+        left = marked(name, value)  # a zombie's environment reads empty: only the living match
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    return sorted(set(killed))
+

@@ -1,0 +1,247 @@
+"""The rollout loop of the simulator: trajectories' turns routed through a real `Policy` and run on
+simulated instances, and `Window`, one window of trajectories played to its end.
+
+Every model turn is routed by a `libra.routing` policy object (the classes the scheduler service
+runs), called exactly as the rollout gateway calls it:
+
+    start(spec) ─▶ route(Turn) ─▶ instance queue ─▶ batch ─decode─▶ done: turn_done(output)
+                      ▲                                                  │
+                      └─ tool latency (TOOL event) ◀─ tool_returned ◀────┤ another turn follows
+                                                       finish(total) ◀───┘ the last turn
+
+A turn prefills its whole context where its KV cache is not (new trajectory, or moved), only the
+tool payload where it stays. A turn that no serving instance can hold waits ("parked") until one
+that can comes up. The loop owns the instances in force and the routing counters; it does not own
+the clock's other events (releases, training: `cluster.py`) nor the speed of an instance
+(`instance.py`). Deterministic: events at the same time run in the order they were scheduled.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from typing import Callable, Sequence
+
+from libra.errors import FailedPrecondition, InvalidArgument
+from libra.routing.policy import Policy, Turn, Worker
+from libra.services.planner.sim.instance import Group, Instance, InstanceModel, SimulationError, Unit
+from libra.services.planner.sim.result import RolloutResult
+from libra.services.planner.sim.simple import SimpleModel
+from libra.traces.spec import TrajectorySpec
+
+TOOL, DONE, UP = "tool", "done", "up"
+
+
+class Events:
+    """The simulated clock: a heap of (time, sequence, kind, item, version); ties go in push order."""
+
+    def __init__(self) -> None:
+        self.heap: list = []
+        self.seq = 0
+        self.now = 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self.heap)
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def push(self, when: float, kind: str, item, version: int = 0) -> None:
+        heapq.heappush(self.heap, (when, self.next_seq(), kind, item, version))
+
+    def pop(self) -> tuple[str, object, int]:
+        self.now, _, kind, item, version = heapq.heappop(self.heap)
+        return kind, item, version
+
+
+class Rollout:
+    """The instances in force, the policy that routes onto them, and every turn in flight."""
+
+    def __init__(self, events: Events, policy: Policy | None, turn_budget_tokens: int,
+                 on_finish: Callable[[Unit], None] | None = None):
+        self.events, self.policy, self.turn_budget_tokens = events, policy, turn_budget_tokens
+        self.on_finish = on_finish
+        self.instances: dict[str, Instance] = {}
+        self.serving: list[Instance] = []
+        self.floor: tuple[float, float, float] = (0, 0, 0)
+        self.parked: list[Unit] = []
+        self.routes, self.moves, self.tokens, self.reasons = 0, 0, 0, Counter()
+        self.last_finish = 0.0  # not the last event: a stale completion may pop after it
+        self.plan = ""  # how errors name the instances in force
+
+    # -- instances -------------------------------------------------------------------------------
+    def add(self, instance: Instance) -> None:
+        """A new instance; it serves once `up` (an UP event, or a direct call at the start)."""
+        self.instances[instance.wid] = instance
+
+    def up(self, instance: Instance) -> None:
+        if not instance.alive or instance.wid not in self.instances:
+            return
+        instance.up = True
+        instance.last = self.events.now
+        self.serving_changed()
+        self.register(instance)
+        parked, self.parked = self.parked, []
+        for unit in parked:
+            self.route(unit)
+
+    def remove(self, instance: Instance) -> list[Unit]:
+        """Take an instance down now; its turns (progress kept where the model can) come back."""
+        instance.advance(self.events.now)
+        moved = instance.evict()
+        del self.instances[instance.wid]
+        return moved
+
+    def register(self, instance: Instance) -> None:
+        self.policy.register(Worker(instance.wid, instance.bucket, f"sim://{instance.wid}", instance.tp,
+                                    outstanding_tokens=instance.load_tokens(),
+                                    outstanding_requests=instance.requests()))
+
+    def serving_changed(self) -> None:
+        """Cache the instances that serve and the largest turn every one of them can hold."""
+        self.serving = [i for i in self.instances.values() if i.up]
+        self.floor = (min((i.seq_capacity for i in self.serving), default=0),
+                      min((i.max_seqs for i in self.serving), default=0),
+                      min((i.capacity for i in self.serving), default=0))
+
+    def kick(self, instance: Instance) -> None:
+        """Admit what fits and schedule the instance's next completion (older ones become void)."""
+        instance.admit()
+        instance.version += 1
+        when = instance.next_completion()
+        if when is not None:
+            self.events.push(when, DONE, instance, instance.version)
+
+    # -- turns -----------------------------------------------------------------------------------
+    def handle(self, kind: str, item, version: int) -> None:
+        if kind == DONE:
+            if item.alive and version == item.version:
+                self.done(item)
+        elif kind == TOOL:
+            self.route(item)
+        elif kind == UP:
+            self.up(item)
+        else:
+            raise AssertionError(f"unknown event {kind!r}")
+
+    def start(self, spec: TrajectorySpec) -> Unit:
+        """A trajectory is released now: route its first turn."""
+        unit = self.new_unit(spec)
+        self.route(unit)
+        return unit
+
+    def new_unit(self, spec: TrajectorySpec) -> Unit:
+        """A trajectory released now, before its first turn (its whole prompt to prefill)."""
+        return Unit(spec, spec.copies, float(spec.prompt_tokens), 0, float(spec.turns[0].output_tokens),
+                    float(spec.prompt_tokens), released_s=self.events.now, seq=self.events.next_seq())
+
+    def route(self, unit: Unit) -> None:
+        policy, spec = self.policy, unit.spec
+        if unit.policy is not None and unit.policy is not policy:
+            Policy.finish(unit.policy, spec.trajectory_id, spec.prompt_id, 0)  # forget it there, learn nothing
+            unit.policy = None
+        if not self.serving:
+            self.parked.append(unit)
+            return
+        seq_floor, seqs_floor, kv_floor = self.floor
+        exclude: frozenset[str] = frozenset()
+        if unit.final > seq_floor or unit.copies > seqs_floor or unit.copies * unit.final > kv_floor:
+            # rare: some instance cannot hold this turn, check them one by one
+            exclude = frozenset(i.wid for i in self.serving if not i.fits(unit))
+        if len(exclude) == len(self.serving):
+            if any(i.fits(unit) for i in self.instances.values()):
+                self.parked.append(unit)  # an instance that can hold it is starting
+                return
+            raise SimulationError(f"trajectory {spec.trajectory_id!r} turn {unit.turn} needs {unit.final:.0f} KV "
+                                  f"tokens per sequence x {unit.copies}; no engine of the plan "
+                                  f"({self.plan}) can hold it")
+        try:
+            decision = policy.route(Turn(spec.trajectory_id, spec.prompt_id, unit.turn, int(unit.context),
+                                         self.turn_budget_tokens, exclude))
+        except FailedPrecondition as error:
+            raise SimulationError(f"routing failed: {error}") from None
+        self.routes += 1
+        self.moves += decision.moved
+        self.reasons[decision.reason] += 1
+        unit.policy = policy
+        instance = self.instances[decision.worker_id]
+        if unit.kv_on != instance.wid:
+            unit.prefill = unit.context  # no prefix cache there: the whole context again
+        unit.kv_on = unit.worker = instance.wid
+        instance.advance(self.events.now)
+        instance.enqueue(unit)
+        instance.routed += 1
+        self.kick(instance)
+
+    def reroute(self, units: list[Unit]) -> None:
+        for unit in sorted(units, key=lambda u: u.seq):
+            self.route(unit)
+
+    def done(self, instance: Instance) -> None:
+        now = self.events.now
+        instance.advance(now)
+        unit = instance.complete()
+        spec, k = unit.spec, unit.turn
+        turn = spec.turns[k]
+        unit.context = unit.final
+        unit.turn_left = 0.0
+        self.tokens += turn.output_tokens * unit.copies
+        unit.policy.turn_done(spec.trajectory_id, instance.wid, turn.output_tokens)
+        if k + 1 < len(spec.turns):
+            unit.policy.tool_returned(spec.trajectory_id, turn.tool, turn.status, turn.payload_tokens)
+            unit.context += turn.payload_tokens
+            unit.turn, unit.turn_left = k + 1, float(spec.turns[k + 1].output_tokens)
+            unit.prefill = float(turn.payload_tokens)
+            self.events.push(now + turn.latency_s, TOOL, unit)
+        else:
+            unit.policy.finish(spec.trajectory_id, spec.prompt_id, spec.output_tokens)
+            self.last_finish = now
+            if self.on_finish is not None:
+                self.on_finish(unit)
+        self.kick(instance)
+
+    def busy(self, makespan_s: float) -> dict[str, float]:
+        """Per bucket: the mean fraction of `makespan_s` its instances were busy."""
+        fractions: dict[str, list[float]] = {}
+        for instance in self.instances.values():
+            fractions.setdefault(instance.bucket, []).append(instance.busy_s / makespan_s if makespan_s else 0.0)
+        return {bucket: sum(v) / len(v) for bucket, v in fractions.items()}
+
+
+class Window:
+    """One window of trajectories, all released at t=0 on a fixed layout, played until the last one
+    finishes: the scheduler evaluation's experiment. Instances are named `{bucket}-tp{tp}-{i}`."""
+
+    def __init__(self, layout: Sequence[Group], trace: Sequence[TrajectorySpec], model: InstanceModel | None = None,
+                 turn_budget_tokens: int = 4096):
+        if not layout or not trace:
+            raise InvalidArgument("the simulator needs at least one instance group and one trajectory")
+        self.layout, self.trace = list(layout), list(trace)
+        self.model = model if model is not None else SimpleModel()
+        self.turn_budget_tokens = turn_budget_tokens
+        self.units: dict[str, Unit] = {}
+
+    def remaining_of(self, trajectory_id: str) -> int:
+        """True output tokens the trajectory still has to generate (the oracle's crystal ball)."""
+        unit = self.units[trajectory_id]
+        return round(unit.turn_left) + sum(unit.spec.outputs[unit.turn + 1:])
+
+    def run(self, policy: Policy) -> RolloutResult:
+        events = Events()
+        rollout = Rollout(events, policy, self.turn_budget_tokens)
+        rollout.plan = " + ".join(f"{g.bucket} TP{g.tp}x{g.count}" for g in self.layout)
+        for group in self.layout:
+            for i in range(group.count):
+                instance = self.model.instance(f"{group.bucket}-tp{group.tp}-{i}", group.bucket, group.tp, 1, 0.0)
+                rollout.add(instance)
+                rollout.up(instance)
+        self.units = {}
+        for spec in self.trace:  # registered before routing: the oracle asks about it during route
+            self.units[spec.trajectory_id] = unit = rollout.new_unit(spec)
+            rollout.route(unit)
+        while events:
+            rollout.handle(*events.pop())
+        makespan = rollout.last_finish
+        return RolloutResult(makespan, sum(s.copies for s in self.trace), rollout.tokens, rollout.busy(makespan),
+                             rollout.moves, rollout.routes, rollout.reasons)
