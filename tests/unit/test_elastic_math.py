@@ -107,8 +107,13 @@ def step_until_two_hybrids(one_step, core: ElasticCore, then: int, limit: int = 
     return step
 
 
-def _control_pending(core: ElasticCore) -> bool:
-    return not core.endpoint._control.empty()
+def _control_pending(core: ElasticCore, replica_id: str | None = None, kind: str | None = None) -> bool:
+    """A control frame waits for the core's next boundary (from `replica_id`, of `kind`, when given).
+
+    Name both where another hybrid may still be talking: a late frame of one hybrid must not pass
+    for another's (under load that let a step run before the second hybrid was prepared)."""
+    return any((replica_id is None or r == replica_id) and (kind is None or f.kind == kind)
+               for r, f in list(core.endpoint._control.queue))
 
 
 def _caught_up_pending(core: ElasticCore, step: int) -> bool:
@@ -156,7 +161,7 @@ def _admit(run: Run, replica_id: str, **options) -> Hybrid:
     hybrid = Hybrid(run.core, replica_id, **options)
     _wait(lambda: run.core.endpoint.link(replica_id) is not None)
     run.run(1)  # admission applied; `prepare` sent (the hybrid builds its model)
-    _wait(lambda: _control_pending(run.core))  # `prepared`
+    _wait(lambda: _control_pending(run.core, replica_id, "prepared"))
     run.run(1)  # connected and prepared → snapshot of the state after the previous step
     return hybrid
 
@@ -164,7 +169,7 @@ def _admit(run: Run, replica_id: str, **options) -> Hybrid:
 def _join(run: Run, replica_id: str, **options) -> Hybrid:
     """Admit before the next step and drive boundaries until the replica is active from the third."""
     hybrid = _admit(run, replica_id, **options)
-    _wait(lambda: hybrid.replica.backend is not None and _control_pending(run.core))  # `loaded`
+    _wait(lambda: hybrid.replica.backend is not None and _control_pending(run.core, replica_id, "loaded"))
     return hybrid
 
 
@@ -219,7 +224,7 @@ def test_snapshot_is_written_while_the_core_keeps_stepping(model_dir, tmp_path):
     run.run(3)  # steps 3, 4, 5 run while the snapshot is still being written
     assert hybrid.replica.backend is None and run.core.membership.hybrid("h-slow").state == HybridState.SNAPSHOT
     release_writer.set()
-    _wait(lambda: hybrid.replica.backend is not None and _control_pending(run.core))
+    _wait(lambda: hybrid.replica.backend is not None and _control_pending(run.core, "h-slow", "loaded"))
     run.run(1)  # boundary 6: steps 2..5 streamed to it; step 6 runs without it (and is streamed too)
     _wait(lambda: _caught_up_pending(run.core, 6))
     run.run(2)  # boundary 7: caught up, active from 7
