@@ -1,141 +1,238 @@
-"""Makespan and throughput of the routing policies on the rollout simulator, side by side.
+"""Makespan of the routing policies on the rollout simulator, against a true lower bound.
 
-Every policy (C-MLFQ, load balance, length-aware, LA-MLFQ, and the oracle that knows each
-trajectory's true remaining output) runs on the same layouts and the same traces, on the
-planner's simulator with its simple instance model (`services/planner/sim/`: `rollout.Window`,
-`simple.SimpleModel`; traces from `libra/traces/synthetic.py`): one where the first tool outcome
-predicts the continuation ("signal") and one with the same lengths but random tool outcomes
-("no signal"). Each policy object first plays a warm-up trace (other trajectories, same prompt
-pool), then the evaluated trace; it keeps learning during both.
+Every policy (C-MLFQ; the baselines load balance, length-aware and LA-MLFQ; and the clairvoyant
+heuristic, which routes by each trajectory's true remaining output) plays the same windows on the
+same layouts: the planner's simulator with its simple instance model (`services/planner/sim/`:
+`rollout.Window`, `simple.SimpleModel`). Each makespan is divided by the lower bound of that window
+on that layout (`sim/bound.py`: no policy, clairvoyant or not, can finish sooner) and compared
+with load balance's.
+
+Traces (a window of `--trajectories` trajectories, all released at once):
+
+    signal            synthetic: the first tool outcome predicts the continuation
+    no signal         the same lengths, every tool outcome drawn at random
+    equal depth       no signal again, every trajectory re-cut to 3 tool calls (the number of
+                      calls no longer says how long a trajectory runs)
+    quickstart        drawn from the trace a real `libra up` of configs/quickstart.yaml recorded
+    code agent        drawn from the trace a real `libra up` of configs/code_agent.yaml recorded
+
+Synthetic traces run on buckets short <= 2,000, medium <= 8,000, long <= 32,000 tokens; recorded
+ones on their run's own buckets, each turn booking that run's max_new_tokens (what the per-worker
+cap counts). Each policy object first plays a warm-up window (other trajectories, same prompt
+pool), then the measured one, learning throughout. Per seed the windows differ; rows are means
+over seeds.
 
     .venv/bin/python benchmarks/scheduler_eval.py [--trajectories 400] [--seeds 3] [--cap 1000000]
-        [--recorded RUN_DIR/trace.jsonl --recorded-buckets short:10,long:512]
+        [--traces signal,quickstart] [--json out.json]
+        [--recorded NAME=PATH@short:10,long:512@48 ...]   (replaces the shipped recordings)
 
-`--recorded` adds a trace that a real run wrote (libra/trace_record.py): trajectories are drawn
-from it by seed (warm-up and evaluation draws differ), with their real prompt ids, per-turn
-lengths, tool outcomes and tool latencies, on a layout of the run's own buckets (TP1x4 for the
-first, TP2x2 for the second, TP4x1 for a third) with the run's bucket thresholds.
-
-Goals: C-MLFQ within 15% of the oracle's makespan and clearly ahead of load balance where
-signals exist; not worse than load balance where outcomes carry no signal.
+Goals (issue 15): C-MLFQ's makespan within 3% of the best baseline's (load balance, length-aware,
+LA-MLFQ) on every trace and layout; on the signal trace within 1.15x of the bound.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import json
+import pathlib
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
 
-from libra.routing.baselines import LAMLFQ, LengthAware, LoadBalance, Oracle
+from libra.errors import InvalidArgument
+from libra.routing.baselines import LAMLFQ, Clairvoyant, LengthAware, LoadBalance
 from libra.routing.cmlfq import CMLFQ
 from libra.routing.policy import Policy
-from libra.routing.prefix_tree import PrefixForest
+from libra.services.planner.sim.bound import lower_bound
 from libra.services.planner.sim.instance import Group
-from libra.services.planner.sim.result import RolloutResult
 from libra.services.planner.sim.rollout import Window
 from libra.traces import files, synthetic
+from libra.traces.spec import TrajectorySpec
 
-BUCKETS = [("short", 2_000), ("medium", 8_000), ("long", 32_000)]
-LAYOUTS = {
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+SYNTHETIC_BUCKETS = [("short", 2_000), ("medium", 8_000), ("long", 32_000)]
+SYNTHETIC_LAYOUTS = {
     "TP1x4+TP2x2+TP4x1": [Group("short", 1, 4), Group("medium", 2, 2), Group("long", 4, 1)],
     "TP1x8+TP2x2+TP4x2": [Group("short", 1, 8), Group("medium", 2, 2), Group("long", 4, 2)],
 }
-TRACES = {"signal": synthetic.signal, "no signal": synthetic.no_signal}
-POLICY_NAMES = ("cmlfq", "load_balance", "length_aware", "la_mlfq", "oracle")
+TWO_BUCKET_SHAPES = {"TP1x4+TP2x2": ((1, 4), (2, 2)), "TP1x8+TP4x2": ((1, 8), (4, 2))}
+RECORDED = {  # name -> (file, that run's buckets, its rollout.max_new_tokens: what each Route books)
+    "quickstart": (RESULTS / "quickstart-trace.jsonl", [("short", 10), ("long", 512)], 48),
+    "code agent": (RESULTS / "code-agent-trace.jsonl", [("short", 64), ("long", 1024)], 128),
+}
+SYNTHETIC_TURN_BUDGET = 4096  # max_new_tokens a synthetic turn books (the simulator's default)
+BASELINES = ("load_balance", "length_aware", "la_mlfq")
+POLICY_NAMES = ("cmlfq", *BASELINES, "clairvoyant")
 CAP = 1_000_000  # outstanding tokens per worker before spilling (the service default)
+Draw = Callable[[int, int, str], list[TrajectorySpec]]  # (n, seed, id prefix) -> trajectories
 
 
-class Holder:
-    """Lets the oracle ask whichever window is running for the true remaining output."""
+@dataclass(frozen=True)
+class Case:
+    """One trace on one layout with its buckets."""
 
-    sim: Window | None = None
+    trace: str
+    layout_name: str
+    layout: list[Group]
+    buckets: list[tuple[str, int]]
+    draw: Draw
+    turn_budget_tokens: int = SYNTHETIC_TURN_BUDGET
 
-    def remaining_of(self, trajectory_id: str) -> int:
-        assert self.sim is not None
-        return self.sim.remaining_of(trajectory_id)
+
+@dataclass
+class Run:
+    """One policy on one seed of a case."""
+
+    trace: str
+    layout: str
+    policy: str
+    seed: int
+    makespan_s: float
+    bound_s: float
+    binding: str
+    moves: int
+    reasons: dict[str, int]
 
 
-def build(name: str, holder: Holder, cap: int = CAP, buckets=BUCKETS) -> Policy:
+def cases(recorded: dict[str, tuple[pathlib.Path, list[tuple[str, int]], int]]) -> list[Case]:
+    synthetic_draws: dict[str, Draw] = {
+        "signal": lambda n, seed, prefix: synthetic.signal(n, seed, prefix=prefix),
+        "no signal": lambda n, seed, prefix: synthetic.no_signal(n, seed, prefix=prefix),
+        "equal depth": lambda n, seed, prefix: synthetic.equal_depth(n, seed, prefix=prefix),
+    }
+    out = [Case(trace, name, layout, SYNTHETIC_BUCKETS, draw)
+           for trace, draw in synthetic_draws.items() for name, layout in SYNTHETIC_LAYOUTS.items()]
+    for trace, (path, buckets, turn_budget) in recorded.items():
+        specs = files.read(path)
+        draw = lambda n, seed, prefix, specs=specs: files.sample(specs, n, seed, prefix)
+        for name, shapes in TWO_BUCKET_SHAPES.items():
+            if len(buckets) != len(shapes):
+                raise InvalidArgument(f"recorded trace {trace!r}: the layouts have {len(shapes)} buckets, "
+                                      f"got {len(buckets)} ({buckets})")
+            layout = [Group(bucket, tp, count) for (bucket, _), (tp, count) in zip(buckets, shapes)]
+            out.append(Case(trace, name, layout, buckets, draw, turn_budget))
+    return out
+
+
+def build(name: str, window: Callable[[], Window], cap: int, buckets) -> Policy:
     if name == "cmlfq":
-        return CMLFQ(cap, buckets=buckets, forest=PrefixForest(min_visits=3))
+        return CMLFQ(cap, buckets=buckets)
     if name == "load_balance":
         return LoadBalance(cap)
     if name == "length_aware":
         return LengthAware(cap, buckets=buckets)
     if name == "la_mlfq":
         return LAMLFQ(cap, buckets=buckets)
-    return Oracle(cap, buckets=buckets, remaining_of=holder.remaining_of)
+    return Clairvoyant(cap, buckets=buckets, remaining_of=lambda tid: window().remaining_of(tid))
 
 
-def evaluate(name: str, layout: list[Group], make_trace, n: int, seed: int, cap: int = CAP,
-             buckets=BUCKETS) -> RolloutResult:
-    """Warm the policy on one trace, then measure it on another (same prompt pool)."""
-    holder = Holder()
-    policy = build(name, holder, cap, buckets)
-    for trace_seed in (seed * 1000 + 1, seed * 1000 + 2):  # warm-up, then evaluation
-        holder.sim = Window(layout, make_trace(n, trace_seed, prefix=f"s{trace_seed}-"))
-        result = holder.sim.run(policy)
-    return result
+def evaluate(case: Case, seed: int, n: int, cap: int = CAP) -> list[Run]:
+    """Every policy on one seed: warm up on one window, measure on the next (same prompt pool)."""
+    warm = case.draw(n, seed * 1000 + 1, f"s{seed}w-")
+    measured = case.draw(n, seed * 1000 + 2, f"s{seed}m-")
+    bound = lower_bound(case.layout, measured)
+    runs = []
+    for name in POLICY_NAMES:
+        current: list[Window] = []
+        policy = build(name, lambda: current[-1], cap, case.buckets)
+        for specs in (warm, measured):
+            current.append(Window(case.layout, specs, turn_budget_tokens=case.turn_budget_tokens))
+            result = current[-1].run(policy)
+        if result.makespan_s < bound.makespan_s * (1 - 1e-9):
+            raise AssertionError(f"{name} on {case.trace} / {case.layout_name} seed {seed} finished in "
+                                 f"{result.makespan_s:.3f} s, under the lower bound {bound.makespan_s:.3f} s")
+        runs.append(Run(case.trace, case.layout_name, name, seed, result.makespan_s, bound.makespan_s,
+                        bound.binding, result.moves, dict(result.reasons)))
+    return runs
 
 
-@dataclass
-class Row:
-    """One table row: the seed-average of a policy's runs."""
+def table(runs: Sequence[Run]) -> list[str]:
+    """Per case and policy: mean makespan, mean makespan / bound, load balance's / the policy's."""
+    lines = [f"{'trace':<22} {'layout':<18} {'policy':<13} {'makespan s':>10} {'/ bound':>7} {'vs LB':>6} "
+             f"{'worst seed / best baseline':>26}"]
+    keys = list(dict.fromkeys((r.trace, r.layout) for r in runs))
+    for trace, layout in keys:
+        here = [r for r in runs if (r.trace, r.layout) == (trace, layout)]
+        seeds = sorted({r.seed for r in here})
+        by = {(r.policy, r.seed): r for r in here}
+        best = {seed: min(by[p, seed].makespan_s for p in BASELINES) for seed in seeds}
+        for name in POLICY_NAMES:
+            mine = [by[name, seed] for seed in seeds]
+            makespan = sum(r.makespan_s for r in mine) / len(mine)
+            over_bound = sum(r.makespan_s / r.bound_s for r in mine) / len(mine)
+            vs_lb = sum(by["load_balance", s].makespan_s for s in seeds) / len(seeds) / makespan
+            worst = max(by[name, s].makespan_s / best[s] for s in seeds)
+            lines.append(f"{trace:<22} {layout:<18} {name:<13} {makespan:>10.2f} {over_bound:>7.2f} {vs_lb:>6.2f} "
+                         f"{worst:>26.3f}")
+        lines.append("")
+    return lines
 
-    makespan_s: float
-    trajectories_per_s: float
-    tokens_per_s: float
-    busy: dict[str, float]
-    moves: int
+
+def verdict(runs: Sequence[Run]) -> list[str]:
+    """C-MLFQ against the best baseline per case (seed means) and the signal trace against its bound."""
+    lines = []
+    for trace, layout in dict.fromkeys((r.trace, r.layout) for r in runs):
+        here = [r for r in runs if (r.trace, r.layout) == (trace, layout)]
+        mean = {p: sum(r.makespan_s for r in here if r.policy == p) / len([r for r in here if r.policy == p])
+                for p in POLICY_NAMES}
+        best = min(BASELINES, key=mean.__getitem__)
+        ratio = mean["cmlfq"] / mean[best]
+        mine = [r for r in here if r.policy == "cmlfq"]
+        bound = sum(r.makespan_s / r.bound_s for r in mine) / len(mine)
+        lines.append(f"{trace:<22} {layout:<18} cmlfq / {best} = {ratio:.3f} ({'ok' if ratio <= 1.03 else 'MISS'}"
+                     f" within 3%); cmlfq / bound = {bound:.2f}")
+    return lines
 
 
-def mean_result(runs: list[RolloutResult]) -> Row:
-    """The seed-average of several runs (makespans are dominated by a few long trajectories: noisy)."""
-    avg = lambda values: sum(values) / len(values)
-    buckets = {bucket for run in runs for bucket in run.busy}
-    return Row(avg([r.makespan_s for r in runs]), avg([r.trajectories_per_s for r in runs]),
-               avg([r.tokens_per_s for r in runs]), {b: avg([r.busy.get(b, 0.0) for r in runs]) for b in buckets},
-               round(avg([r.moves for r in runs])))
+def parse_recorded(items: list[str]) -> dict[str, tuple[pathlib.Path, list[tuple[str, int]], int]]:
+    out = {}
+    for item in items:
+        try:
+            name, rest = item.split("=", 1)
+            path, spec, budget = (rest.split("@") + [str(SYNTHETIC_TURN_BUDGET)])[:3]
+            buckets = [(bucket, int(tokens)) for bucket, tokens in (b.split(":") for b in spec.split(","))]
+            out[name] = (pathlib.Path(path), buckets, int(budget))
+        except ValueError:
+            raise InvalidArgument(f"--recorded {item!r}: expected NAME=PATH@bucket:max_tokens,...[@max_new_tokens], "
+                                  f"e.g. quickstart=runs/quickstart/trace.jsonl@short:10,long:512@48") from None
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trajectories", type=int, default=400)
-    parser.add_argument("--seeds", type=int, default=3, help="seeds averaged per row (1..N)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per case (1..N)")
     parser.add_argument("--cap", type=int, default=CAP, help="per-worker cap on outstanding tokens")
-    parser.add_argument("--recorded", help="a trace.jsonl a run recorded (RUN_DIR/trace.jsonl; any format "
-                                           "libra.traces.files reads)")
-    parser.add_argument("--recorded-buckets", default="short:10,long:512",
-                        help="that run's buckets as name:max_tokens,... (the quickstart's by default)")
-    parser.add_argument("--only-recorded", action="store_true", help="skip the synthetic traces")
+    parser.add_argument("--traces", help="comma-separated trace names to run (default: all)")
+    parser.add_argument("--recorded", action="append", default=[],
+                        help="NAME=PATH@bucket:max_tokens,...[@max_new_tokens]: a run's trace.jsonl, its buckets and "
+                             "its rollout.max_new_tokens (repeatable; replaces the shipped recordings)")
+    parser.add_argument("--json", help="write every run (per seed) here")
     args = parser.parse_args()
-    started = time.perf_counter()
-    runs = [] if args.only_recorded else [(name, layout, trace_name, make_trace, BUCKETS)
-                                          for name, layout in LAYOUTS.items() for trace_name, make_trace in TRACES.items()]
-    if args.recorded:
-        buckets = [(name, int(tokens)) for name, tokens in (item.split(":") for item in args.recorded_buckets.split(","))]
-        shapes = [(1, 4), (2, 2), (4, 1)]
-        layout = [Group(name, *shapes[i]) for i, (name, _) in enumerate(buckets[:3])]
-        layout_name = "+".join(f"TP{g.tp}x{g.count}" for g in layout)
-        runs.append((layout_name, layout, "recorded", functools.partial(files.sample, files.read(args.recorded)),
-                     buckets))
-    print(f"{args.trajectories} trajectories, mean of {args.seeds} seeds, per-worker cap {args.cap} tokens")
-    print(f"{'layout':<18} {'trace':<9} {'policy':<13} {'makespan s':>10} {'traj/s':>6} {'tok/s':>6} "
-          f"{'vs LB':>5} {'vs oracle':>9} {'moves':>5}  busy per bucket")
-    for layout_name, layout, trace_name, make_trace, buckets in runs:
-        results = {name: mean_result([evaluate(name, layout, make_trace, args.trajectories, seed, args.cap, buckets)
-                                      for seed in range(1, args.seeds + 1)]) for name in POLICY_NAMES}
-        lb, oracle = results["load_balance"].makespan_s, results["oracle"].makespan_s
-        for name, r in results.items():
-            busy = "/".join(f"{r.busy.get(b, 0):.2f}" for b, _ in buckets)
-            print(f"{layout_name:<18} {trace_name:<9} {name:<13} {r.makespan_s:>10.1f} "
-                  f"{r.trajectories_per_s:>6.3f} {r.tokens_per_s:>6.0f} {lb / r.makespan_s:>5.2f} "
-                  f"{r.makespan_s / oracle:>9.2f} {r.moves:>5}  {busy}")
-        print()
-    print("vs LB: load-balance makespan / policy makespan (>1 is faster); "
-          "vs oracle: policy makespan / oracle makespan (1.15 = 15% slower)")
-    print(f"({time.perf_counter() - started:.1f} s)")
+    if args.trajectories < 1 or args.seeds < 1:
+        parser.error("--trajectories and --seeds must be >= 1")
+    started = time.process_time()
+    try:  # a bad trace file or bucket list: its message, not a traceback
+        chosen = cases(parse_recorded(args.recorded) if args.recorded else RECORDED)
+        if args.traces:
+            wanted = {name.strip() for name in args.traces.split(",")}
+            unknown = wanted - {case.trace for case in chosen}
+            if unknown:
+                parser.error(f"--traces: unknown {sorted(unknown)}; choose from {sorted({c.trace for c in chosen})}")
+            chosen = [case for case in chosen if case.trace in wanted]
+        runs = [run for case in chosen for seed in range(1, args.seeds + 1)
+                for run in evaluate(case, seed, args.trajectories, args.cap)]
+    except InvalidArgument as error:
+        parser.error(str(error))
+    print(f"{args.trajectories} trajectories per window, mean of {args.seeds} seeds, per-worker cap {args.cap} tokens")
+    print("\n".join(table(runs)))
+    print("/ bound: makespan / lower bound (1.00 would be optimal); vs LB: load-balance makespan / policy "
+          "makespan (>1 is faster); worst seed / best baseline: the policy's makespan over the best of "
+          "load_balance, length_aware, la_mlfq, at its worst seed\n")
+    print("\n".join(verdict(runs)))
+    print(f"({time.process_time() - started:.1f} CPU s)")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps([asdict(r) for r in runs], indent=1))
 
 
 if __name__ == "__main__":

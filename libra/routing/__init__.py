@@ -5,8 +5,8 @@ cluster simulator (services/planner/sim/) and the benchmarks route every simulat
 the very same classes, so a policy measured offline is the policy that runs.
 
     policy.py       Worker, Turn, Decision, the Policy interface (membership, load, affinity)
-    baselines.py    LoadBalance, LengthAware, LA-MLFQ, Oracle (evaluation only)
-    cmlfq.py        C-MLFQ: bucket levels from tool-outcome prefixes
+    baselines.py    LoadBalance, LengthAware, LA-MLFQ, Clairvoyant (evaluation only)
+    cmlfq.py        C-MLFQ: bucket levels from prompt history, work done and tool-outcome prefixes
     prefix_tree.py  C-MLFQ's causal prefix forest (and its compact persistence)
     signatures.py   tool returns as `tool:size:status`
     config.py       RoutingConfig: which policy and its limits (the scheduler's config extends it)

@@ -11,8 +11,10 @@ covers it, the longest if none does) and differ only in *which* length they trus
 - `LAMLFQ` ("la_mlfq"): length-based demotion. A trajectory starts in the shortest bucket (or,
   for a prompt seen before, in the bucket of that prompt's last observed total output) and is
   demoted one bucket each time its output so far exceeds its bucket's `max_tokens`;
-- `Oracle` ("oracle"): the true remaining output of the trajectory, from a `remaining_of`
-  callable. For evaluation only (the simulator knows the future; the service does not).
+- `Clairvoyant` ("clairvoyant"): the true remaining output of the trajectory, from a
+  `remaining_of` callable. For evaluation only (the simulator knows the future; the service does
+  not). It is a heuristic that knows the future, not an optimal schedule: it bounds nothing (the
+  evaluation's bound is `services/planner/sim/bound.py`), and other policies may beat it.
 
     route(turn) ──▶ target level (per policy) ──▶ same level as the worker? keep it (affinity)
                          └─ else least outstanding tokens under the cap in that bucket
@@ -149,21 +151,21 @@ class LAMLFQ(BucketPolicy):
             self.history.popitem(last=False)
 
 
-class Oracle(BucketPolicy):
+class Clairvoyant(BucketPolicy):
     """The bucket that fits the trajectory's true remaining output (evaluation only)."""
 
-    name = "oracle"
+    name = "clairvoyant"
 
     def __init__(self, per_worker_cap_tokens: int, affinity: bool = True,
                  buckets: list[tuple[str, int]] = (("short", 4000),),  # type: ignore[assignment]
                  remaining_of: Callable[[str], int] | None = None):
         super().__init__(per_worker_cap_tokens, affinity, buckets)
         if remaining_of is None:
-            raise InvalidArgument("the oracle policy needs remaining_of(trajectory_id) -> int: it is for "
+            raise InvalidArgument("the clairvoyant policy needs remaining_of(trajectory_id) -> int: it is for "
                                   "evaluation (benchmarks/scheduler_eval.py), not for the service")
         self.remaining_of = remaining_of
 
     def target_level(self, turn: Turn, placement: Placement) -> tuple[int, str]:
         level = self.level_for(self.remaining_of(turn.trajectory_id))
-        return level, f"oracle:{self.buckets[level]}"
+        return level, f"clairvoyant:{self.buckets[level]}"
 

@@ -1,29 +1,42 @@
 """C-MLFQ: causality-aware multi-level feedback queue routing, as a deterministic step function.
 
-Buckets are levels ordered by `max_tokens`. A trajectory starts in the shortest bucket that has a
-serving worker. Each tool return adds a signature (`signatures`) to the trajectory and looks up
-the causal prefix tree (`prefix_tree`) for the output it still has to generate; the mean and the
-p90 of that prediction each map to the smallest bucket whose `max_tokens` covers them. The
-trajectory moves (up or down) on its next turn only when both agree and the node has enough
-visits. Without a confident prediction (no node, or mean and p90 disagree) the signal left is work
-done: a trajectory that has already produced more than its bucket's `max_tokens` moves up one
-level ("move:work"). Between moves it keeps its worker (KV/prefix cache affinity) unless that
-worker is over the per-worker cap. Finished trajectories teach the tree.
+Buckets are levels ordered by `max_tokens` (the remaining output each is for; longer buckets hold
+wider, faster instances). Every decision uses only what a trajectory has causally shown so far,
+and its reason names which:
 
-    route(turn) ──▶ new? shortest bucket (or "fallback:spill" to an idling bucket) ── pending move?
-                    target bucket ── else affinity
-                          │                         │
-                          └──── least outstanding tokens under the cap in the bucket
-                                 └─ none: nearest other bucket with room ("fallback:bucket")
-                                    └─ none: any serving worker ("fallback:any")
-    tool_returned ──▶ signature ──▶ tree lookup ──▶ mean & p90 agree? ──▶ pending move
-    turn_done(output_tokens) ──▶ output so far;  finish ──▶ tree insert (remaining after each signature)
+- start: a new trajectory starts where its prompt's history points: the bucket covering the p90
+  of the total output of the prompt's recent samples (the root of the prompt's prefix tree),
+  "new:history:<bucket>". A prompt never seen starts in the shortest bucket ("new:shortest"),
+  unless that bucket queues while another idles ("fallback:spill", `start_spill_factor`).
+- work done: a trajectory that has produced more than its bucket's `max_tokens` goes up to the
+  bucket that covers what it produced ("move:work:up:<bucket>"), never down. This is LA-MLFQ's
+  rule (with the prompt's history at the start, it is all the length history LA-MLFQ has), and
+  C-MLFQ's fallback wherever tool outcomes say nothing.
+- tool outcomes: each tool return adds a signature (`signatures`); the deepest node of the causal
+  prefix tree (`prefix_tree`) that at least one signature leads to and that has >= min_visits
+  visits predicts the output still to come. When its mean and p90 map to one bucket the
+  trajectory moves there ("move:signal:up|down:<bucket>"), never below what its work done covers.
+  A move *down* needs >= `min_visits_down` visits: a long trajectory wrongly sent to a slow bucket
+  costs the makespan far more than a short one wrongly sent to a fast bucket. Where outcomes carry
+  no signal, nodes disagree (or are too thin to move anything down) and work done decides.
 
-"Aging" without a queue: Route is synchronous, so the scheduler never holds a request; a request
-"waits" only by landing behind others on a busy worker. Nothing starves because (1) a request is
-never refused while any worker serves: a saturated bucket overflows to the nearest bucket with
-room, then to any worker; and (2) hysteresis: after `max_moves` moves a trajectory is pinned to
-its bucket, so a trajectory whose predictions flip-flop stops paying cache misses and requeueing.
+    route(turn) ──▶ new? history / shortest (/ spill) ── pending move? its bucket
+                          │                                  │
+                          └──── in its bucket already? keep the worker (affinity, under the cap)
+                                 └─ else least outstanding tokens under the cap in the bucket
+                                    └─ none: nearest other bucket with room ("fallback:bucket")
+                                       └─ none: any serving worker ("fallback:any")
+    turn_done(output_tokens) ──▶ work done
+    tool_returned ──▶ signature ──▶ tree node confident? ──▶ max(its bucket, work floor)
+                                             └─ no ──────▶ max(current bucket, work floor)
+    finish ──▶ tree insert (total at the root, remaining after each signature)
+
+A trajectory keeps its worker between turns (KV/prefix cache affinity) while that worker is in the
+trajectory's bucket and under the per-worker cap; one that overflowed (or spilled) into another
+bucket goes back to its own when it has room. Nothing starves: Route never holds a request (a
+saturated bucket overflows to the nearest bucket with room, then to any worker), and after
+`max_moves` signal moves a trajectory is pinned against the tree (work done still moves it up,
+which cannot flip-flop).
 
 No network, no Redis, no clock: the service wraps this and persists `forest.to_bytes()`.
 """
@@ -42,7 +55,7 @@ from libra.routing.signatures import SizeThresholds, signature
 
 @dataclass
 class Progress:
-    """What C-MLFQ knows of one live trajectory."""
+    """What C-MLFQ knows of one live trajectory (plain fields: the scheduler stores it as JSON)."""
 
     prompt_id: str
     level: int
@@ -50,18 +63,19 @@ class Progress:
     produced_at: list[int] = field(default_factory=list)  # output tokens before each signature
     output_tokens: int = 0
     target: int | None = None  # level of a pending move, applied on the next route
-    moves: int = 0
+    why: str = ""  # what set the pending move: "signal" (tool outcomes) or "work" (work done)
+    moves: int = 0  # signal moves so far (hysteresis)
 
 
 class CMLFQ(Policy):
-    """Bucket levels from predicted remaining output, learned from tool-outcome prefixes."""
+    """Bucket levels from the prompt's history, work done and tool-outcome prefixes."""
 
     name = "cmlfq"
 
     def __init__(self, per_worker_cap_tokens: int, affinity: bool = True,
                  buckets: list[tuple[str, int]] = (("short", 4000),),  # type: ignore[assignment]
                  forest: PrefixForest | None = None, thresholds: SizeThresholds | None = None,
-                 max_moves: int = 4, start_spill_factor: float = 2.0):
+                 max_moves: int = 4, start_spill_factor: float = 2.0, min_visits_down: int = 20):
         super().__init__(per_worker_cap_tokens, affinity)
         ordered = ordered_buckets(list(buckets))
         self.buckets = [name for name, _ in ordered]
@@ -70,35 +84,52 @@ class CMLFQ(Policy):
         self.nearest = [self._nearest_levels(level) for level in range(len(self.buckets))]
         self.forest = forest if forest is not None else PrefixForest()
         self.thresholds = thresholds if thresholds is not None else SizeThresholds()
-        if max_moves < 0:
-            raise InvalidArgument(f"max_moves must be >= 0, got {max_moves}")
-        self.max_moves = max_moves
+        if max_moves < 0 or min_visits_down < 1:
+            raise InvalidArgument(f"max_moves must be >= 0 and min_visits_down >= 1, got {max_moves}, "
+                                  f"{min_visits_down}")
+        self.max_moves, self.min_visits_down = max_moves, min_visits_down
         if start_spill_factor and start_spill_factor < 1:
             raise InvalidArgument(f"start_spill_factor must be 0 (off) or >= 1, got {start_spill_factor}")
         self.start_spill_factor = start_spill_factor
         self.progress: dict[str, Progress] = {}
-        self.signals: Counter = Counter()  # what tool returns concluded: move, stay, disagree, ...
+        self.signals: Counter = Counter()  # what tool returns concluded: move:signal, move:work, stay, ...
 
     # -- routing -------------------------------------------------------------------------------
     def choose(self, turn: Turn, placement: Placement, candidates: list[Worker]) -> tuple[Worker, str]:
         record = self.progress.get(turn.trajectory_id)
         if record is None:
-            by_level = self._by_level(candidates)
-            start = next((level for level, workers in enumerate(by_level) if workers), 0)
-            self.progress[turn.trajectory_id] = Progress(turn.prompt_id, start)
-            return self._in_level(start, by_level, candidates, "new:shortest")
+            return self._start(turn, candidates)
+        current = next((w for w in candidates if w.worker_id == placement.worker_id), None)
         if record.target is not None:
             direction = "up" if record.target > record.level else "down"
             record.level, record.target = record.target, None
-            record.moves += 1
-            return self._in_level(record.level, self._by_level(candidates), candidates,
-                                  f"move:{direction}:{self.buckets[record.level]}")
-        current = next((w for w in candidates if w.worker_id == placement.worker_id), None)
-        if self.affinity and current is not None:
+            reason = f"move:{record.why}:{direction}:{self.buckets[record.level]}"
+        elif current is None:
+            reason = "reroute:worker_gone"
+        else:
+            reason = "affinity"
+        if self.affinity and current is not None and self.level_of.get(current.bucket) == record.level:
             if current.outstanding_tokens < self.cap or all(w.outstanding_tokens >= self.cap for w in candidates):
-                return current, "affinity"
-        reason = "reroute:worker_gone" if current is None else "least_loaded"
+                return current, reason  # already in its bucket (e.g. it had overflowed there)
+        if reason == "affinity":  # over the cap, or back from an overflow into another bucket
+            reason = "least_loaded"
         return self._in_level(record.level, self._by_level(candidates), candidates, reason)
+
+    def _start(self, turn: Turn, candidates: list[Worker]) -> tuple[Worker, str]:
+        """The prompt's history, else the shortest bucket with a serving worker (or a spill)."""
+        by_level = self._by_level(candidates)
+        history = self.forest.prompt_trees.get(turn.prompt_id)
+        if history is not None and history.visits[0]:
+            level = self.level_for(history.stats(0).p90)
+            worker, reason = self._in_level(level, by_level, candidates, f"new:history:{self.buckets[level]}")
+        else:
+            level = next((level for level, workers in enumerate(by_level) if workers), 0)
+            worker, reason = self._in_level(level, by_level, candidates, "new:shortest")
+            if reason == "new:shortest" and self.start_spill_factor:
+                worker, reason = self._spill(level, worker, by_level) or (worker, reason)
+        # a spilled or overflowed start keeps its level: its next turn goes back there if it has room
+        self.progress[turn.trajectory_id] = Progress(turn.prompt_id, level)
+        return worker, reason
 
     def _by_level(self, candidates: list[Worker]) -> list[list[Worker]]:
         """Candidates grouped by bucket level (workers of unknown buckets serve only as "any")."""
@@ -115,18 +146,14 @@ class CMLFQ(Policy):
         for nearest in self.nearest[level]:
             room = [w for w in by_level[nearest] if w.outstanding_tokens < self.cap]
             if room:
-                best = self.least_loaded(room)
-                if nearest == level and self.start_spill_factor and reason == "new:shortest":
-                    return self._spill(level, best, by_level) or (best, reason)
-                return best, reason if nearest == level else "fallback:bucket"
+                return self.least_loaded(room), reason if nearest == level else "fallback:bucket"
         return self.least_loaded(candidates), "fallback:any"
 
     def _spill(self, level: int, best: Worker, by_level: list[list[Worker]]) -> tuple[Worker, str] | None:
-        """Work conservation at admission: a new trajectory starts in the shortest bucket unless even
-        that bucket's least loaded worker carries more than `start_spill_factor` times the load of
-        another bucket's least loaded worker (that bucket idles while this one queues); then it
-        starts there (nearest bucket first). Only starts spill: once the tree has spoken, a
-        trajectory goes where its prediction says (spilling those would mix long and short again)."""
+        """Work conservation at admission: a trajectory of a prompt never seen starts in the shortest
+        bucket unless even that bucket's least loaded worker carries more than `start_spill_factor`
+        times the load of another bucket's least loaded worker (that bucket idles while this one
+        queues); then it starts there (nearest bucket first)."""
         if best.outstanding_tokens == 0:
             return None
         for other in self.nearest[level][1:]:
@@ -141,9 +168,9 @@ class CMLFQ(Policy):
         """`level`, then the others by distance; on a tie the longer bucket first (it fits)."""
         return sorted(range(len(self.buckets)), key=lambda other: (abs(other - level), other < level))
 
-    def level_for(self, remaining_tokens: float) -> int:
-        """The smallest bucket whose max_tokens covers `remaining_tokens` (the longest if none)."""
-        level = bisect.bisect_left(self.limits, remaining_tokens)
+    def level_for(self, tokens: float) -> int:
+        """The smallest bucket whose max_tokens covers `tokens` (the longest if none)."""
+        level = bisect.bisect_left(self.limits, tokens)
         return level if level < len(self.limits) else len(self.limits) - 1
 
     # -- reports -------------------------------------------------------------------------------
@@ -167,24 +194,34 @@ class CMLFQ(Policy):
 
     def _decide_move(self, record: Progress) -> str:
         """Set or clear the trajectory's pending move; return what was concluded."""
-        if record.moves >= self.max_moves:
-            return "pinned"
-        stats, _source, _depth = self.forest.lookup(record.prompt_id, record.signatures)
-        if stats is None:
-            return self._by_work_done(record, "no_signal")
-        by_mean, by_p90 = self.level_for(stats.mean), self.level_for(stats.p90)
-        if by_mean != by_p90:
-            return self._by_work_done(record, "disagree")
-        record.target = by_mean if by_mean != record.level else None
-        return "stay" if record.target is None else "move"
+        work = self.level_for(record.output_tokens)  # the floor: what it has already produced
+        tree, verdict = self._tree_level(record)
+        if tree is None:
+            target, why = max(record.level, work), "work"
+        elif tree >= work:
+            target, why = tree, "signal"
+        else:  # the tree says less than work done covers: no lower than the floor
+            target, why = work, "work" if work > record.level else "signal"
+        if target == record.level:
+            record.target, record.why = None, ""
+            return verdict
+        record.target, record.why = target, why
+        record.moves += why == "signal"
+        return f"move:{why}"
 
-    def _by_work_done(self, record: Progress, verdict: str) -> str:
-        """Without a confident prediction, work done is the causal signal left: a trajectory that
-        has already produced more than its bucket's max_tokens goes up one level."""
-        if record.level + 1 < len(self.limits) and record.output_tokens > self.limits[record.level]:
-            record.target = record.level + 1
-            return "move:work"
-        return verdict
+    def _tree_level(self, record: Progress) -> tuple[int | None, str]:
+        """The level the tree confidently predicts for what remains, or None and why not."""
+        if record.moves >= self.max_moves:
+            return None, "pinned"
+        stats, _source, depth = self.forest.lookup(record.prompt_id, record.signatures)
+        if stats is None or depth == 0:  # a root knows totals, not what any tool outcome led to
+            return None, "no_signal"
+        level = self.level_for(stats.mean)
+        if level != self.level_for(stats.p90):
+            return None, "disagree"
+        if level < record.level and stats.visits < self.min_visits_down:
+            return None, "weak_down"
+        return level, "stay"
 
     def finish(self, trajectory_id: str, prompt_id: str, output_tokens: int) -> None:
         super().finish(trajectory_id, prompt_id, output_tokens)
@@ -194,4 +231,3 @@ class CMLFQ(Policy):
         total = max(output_tokens, record.output_tokens)
         remaining = [total] + [max(0, total - produced) for produced in record.produced_at]
         self.forest.insert(prompt_id or record.prompt_id, record.signatures, remaining)
-

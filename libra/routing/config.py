@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 from libra.configbase import Section, tagged_union
 
 PolicyName = Literal["load_balance", "cmlfq", "length_aware", "la_mlfq"]
-"""The policies a service may run (the evaluation-only oracle is built by hand)."""
+"""The policies a service may run (the evaluation-only clairvoyant heuristic is built by hand)."""
 
 
 class LoadBalancePolicy(Section):
@@ -50,7 +50,7 @@ class LaMlfqPolicy(Section):
 
 
 class CmlfqPolicy(Section):
-    """cmlfq: bucket levels learned from tool-outcome prefixes (C-MLFQ)."""
+    """cmlfq: bucket levels from the prompt's history, work done and tool-outcome prefixes (C-MLFQ)."""
 
     type: Literal["cmlfq"] = Field("cmlfq", description="policy type")
     tool_small_max_tokens: int = Field(256, ge=0, le=10_000_000,
@@ -62,11 +62,16 @@ class CmlfqPolicy(Section):
     p90_window: int = Field(64, ge=1, le=4096, description="observations per prefix-tree node kept for the p90")
     max_prompt_trees: int = Field(10_000, ge=1, le=10_000_000,
                                   description="per-prompt trees kept (least recently learned evicted)")
-    max_moves: int = Field(4, ge=0, le=1000, description="bucket moves after which a trajectory is pinned (hysteresis)")
+    min_visits_down: int = Field(20, ge=1, le=1_000_000,
+                                 description="finished trajectories a prefix needs before it can move one to a "
+                                 "shorter bucket (a long trajectory on a slow bucket costs more than the reverse)")
+    max_moves: int = Field(4, ge=0, le=1000,
+                           description="tool-outcome moves after which a trajectory is pinned against the tree "
+                           "(hysteresis; work done still moves it up)")
     start_spill_factor: float = Field(2.0, ge=0, le=1000,
-                                      description="a new trajectory starts in a longer bucket when the shortest "
-                                      "bucket's least loaded worker carries more than this many times the load of "
-                                      "that bucket's least loaded worker (0: always start shortest)")
+                                      description="a new trajectory of a prompt never seen starts in a longer bucket "
+                                      "when the shortest bucket's least loaded worker carries more than this many "
+                                      "times the load of that bucket's least loaded worker (0: always start shortest)")
 
     @model_validator(mode="after")
     def _spill_factor_is_off_or_at_least_one(self) -> "CmlfqPolicy":
@@ -74,6 +79,15 @@ class CmlfqPolicy(Section):
             raise ValueError(f"scheduler.policy.start_spill_factor must be 0 (off) or >= 1, got "
                              f"{self.start_spill_factor}: below 1 a new trajectory would leave the shortest bucket "
                              "even when it is less loaded")
+        return self
+
+    @model_validator(mode="after")
+    def _down_needs_at_least_min_visits(self) -> "CmlfqPolicy":
+        # left at its default it is simply at least min_visits (a thinner prefix moves nothing anyway)
+        if "min_visits_down" in self.model_fields_set and self.min_visits_down < self.min_visits:
+            raise ValueError(f"scheduler.policy.min_visits_down ({self.min_visits_down}) must be >= "
+                             f"scheduler.policy.min_visits ({self.min_visits}): a prefix below min_visits moves "
+                             "nothing, so a smaller min_visits_down would never apply")
         return self
 
     @model_validator(mode="after")
@@ -94,9 +108,9 @@ class RoutingConfig(Section):
 
     policy: PolicyConfig = Field(
         default_factory=LoadBalancePolicy,
-        description="routing policy (load_balance: least outstanding tokens; cmlfq: bucket levels learned from "
-                    "tool-outcome prefixes; length_aware: bucket fitting the prompt length; la_mlfq: start short, "
-                    "demote as output grows, per-prompt history)")
+        description="routing policy (load_balance: least outstanding tokens; cmlfq: bucket levels from the "
+                    "prompt's history, work done and tool-outcome prefixes; length_aware: bucket fitting the prompt "
+                    "length; la_mlfq: start short, demote as output grows, per-prompt history)")
     per_worker_cap_tokens: int = Field(1_000_000, ge=1,
                                        description="outstanding tokens above which a worker is skipped if another has room")
     affinity: bool = Field(True, description="keep a trajectory on its worker between turns (prefix cache)")

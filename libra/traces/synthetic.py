@@ -5,7 +5,9 @@
 - `signal` / `no_signal`: the scheduler evaluation's single window of trajectories. In `signal`
   the first tool outcome predicts the rest (`search:large:success` -> a long continuation,
   `search:small:success` -> medium, `calc:small:failure` -> short); `no_signal` keeps the very
-  same lengths and draws every tool outcome at random, so outcomes carry no information.
+  same lengths and draws every tool outcome at random, so outcomes carry no information; its
+  `tool_calls` option (`equal_depth`) also re-cuts every trajectory to the same number of tool
+  calls, since in `signal` long trajectories make more calls than short ones.
 
 All randomness comes from a seeded `random.Random`; output lengths are log-uniform inside a class
 (a long tail inside each class).
@@ -126,12 +128,36 @@ def signal(n: int, seed: int, n_prompts: int | None = None, prefix: str = "t") -
     return trace
 
 
-def no_signal(n: int, seed: int, n_prompts: int | None = None, prefix: str = "t") -> list[TrajectorySpec]:
-    """The same trajectories as `signal(n, seed)` with every tool outcome drawn at random."""
+def no_signal(n: int, seed: int, n_prompts: int | None = None, prefix: str = "t",
+              tool_calls: int | None = None) -> list[TrajectorySpec]:
+    """The same trajectories as `signal(n, seed)` with every tool outcome drawn at random.
+
+    With `tool_calls` every trajectory is re-cut to exactly that many tool calls (tool_calls + 1
+    model turns): the first turn keeps its length, the rest of the output is cut at random points,
+    so that neither the outcomes nor the *number* of calls says how long a trajectory runs.
+    """
+    if tool_calls is not None and not 1 <= tool_calls <= 64:
+        raise InvalidArgument(f"tool_calls must be in 1..64 (tool calls per trajectory), got {tool_calls}")
     rng = random.Random(f"noise:{seed}")
     out = []
     for spec in signal(n, seed, n_prompts, prefix):
-        tools = [_tool(rng, rng.choice(RANDOM_TOOLS)) for _ in spec.turns[:-1]]
+        outputs = spec.outputs if tool_calls is None else _recut(rng, spec.outputs, tool_calls)
+        tools = [_tool(rng, rng.choice(RANDOM_TOOLS)) for _ in outputs[:-1]]
         out.append(TrajectorySpec(spec.trajectory_id, spec.prompt_id, 0, spec.prompt_tokens,
-                                  _with_tools(spec.outputs, tools)))
+                                  _with_tools(outputs, tools)))
     return out
+
+
+def equal_depth(n: int, seed: int, n_prompts: int | None = None, prefix: str = "t",
+                tool_calls: int = 3) -> list[TrajectorySpec]:
+    """`no_signal` with every trajectory re-cut to `tool_calls` tool calls (the evaluation's third trace)."""
+    return no_signal(n, seed, n_prompts, prefix, tool_calls)
+
+
+def _recut(rng: random.Random, outputs: tuple[int, ...], tool_calls: int) -> tuple[int, ...]:
+    """The first turn as it was, the rest of the output cut into `tool_calls` turns (each >= 1 token)."""
+    rest = sum(outputs[1:])
+    if rest < tool_calls:
+        rest = tool_calls  # a continuation shorter than the turns it must fill: one token each
+    cuts = sorted(rng.sample(range(1, rest), tool_calls - 1)) if tool_calls > 1 else []
+    return (outputs[0], *(b - a for a, b in zip([0] + cuts, cuts + [rest])))

@@ -1,11 +1,14 @@
-"""C-MLFQ routing as a deterministic step function: levels, moves, affinity, fallbacks, learning."""
+"""C-MLFQ routing as a deterministic step function: history starts, work-done and signal moves,
+affinity, fallbacks, learning, and a reason on every route."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from pydantic import ValidationError
 
-from libra.routing.baselines import LoadBalance
+from libra.routing.baselines import LAMLFQ, LoadBalance
 from libra.routing.cmlfq import CMLFQ
 from libra.routing.policy import Turn, Worker
 from libra.routing.prefix_tree import PrefixForest
@@ -18,9 +21,9 @@ SMALL = "search:small:success"
 
 
 def policy(cap: int = 100_000, max_moves: int = 4, workers=("s0:short", "s1:short", "m0:medium", "l0:long"),
-           start_spill_factor: float = 0) -> CMLFQ:
+           start_spill_factor: float = 0, min_visits_down: int = 3) -> CMLFQ:
     cmlfq = CMLFQ(cap, buckets=BUCKETS, forest=PrefixForest(min_visits=3), max_moves=max_moves,
-                  start_spill_factor=start_spill_factor)
+                  start_spill_factor=start_spill_factor, min_visits_down=min_visits_down)
     for spec in workers:
         worker_id, bucket = spec.split(":")
         cmlfq.register(Worker(worker_id, bucket, f"http://{worker_id}"))
@@ -31,7 +34,8 @@ def turn(tid: str, prompt: str = "p", tokens: int = 10) -> Turn:
     return Turn(tid, prompt, 0, tokens, 10)
 
 
-def teach(cmlfq: CMLFQ, signatures: list[str], remaining_after: list[int], times: int = 3, prompt: str = "p"):
+def teach(cmlfq: CMLFQ, signatures: list[str], remaining_after: list[int], times: int = 3, prompt: str = "other"):
+    """Finished trajectories of another prompt (so that "p" has no history: it starts shortest)."""
     for _ in range(times):
         cmlfq.forest.insert(prompt, signatures, remaining_after)
 
@@ -56,16 +60,16 @@ def test_learned_long_signature_moves_up_and_short_one_moves_down():
     teach(cmlfq, [BIG, SMALL], [5000, 4000, 50])
     cmlfq.route(turn("t"))
     up = tool_turn(cmlfq, "t", 5000)
-    assert (up.reason, up.bucket, up.moved) == ("move:up:long", "long", True)
+    assert (up.reason, up.bucket, up.moved) == ("move:signal:up:long", "long", True)
     down = tool_turn(cmlfq, "t", 10)
-    assert (down.reason, down.bucket, down.moved) == ("move:down:short", "short", True)
-    assert cmlfq.signals["move"] == 2
+    assert (down.reason, down.bucket, down.moved) == ("move:signal:down:short", "short", True)
+    assert cmlfq.signals["move:signal"] == 2
 
 
 def test_no_move_when_mean_and_p90_disagree_or_visits_are_few():
     cmlfq = policy()
     for remaining in [10] * 8 + [2000] * 2:  # mean 408 -> medium, p90 2000 -> long
-        cmlfq.forest.insert("p", [BIG], [remaining, remaining])
+        cmlfq.forest.insert("other", [BIG], [remaining, remaining])
     cmlfq.route(turn("t"))
     assert tool_turn(cmlfq, "t", 5000).reason == "affinity"
     teach(cmlfq, [BIG, BIG], [10, 10, 5000], times=2)  # deeper node says long, but 2 < min_visits
@@ -112,7 +116,7 @@ def test_pinned_after_max_moves():
     cmlfq = policy(max_moves=1)
     teach(cmlfq, [BIG, SMALL], [5000, 4000, 50])
     cmlfq.route(turn("t"))
-    assert tool_turn(cmlfq, "t", 5000).reason == "move:up:long"
+    assert tool_turn(cmlfq, "t", 5000).reason == "move:signal:up:long"
     stay = tool_turn(cmlfq, "t", 10)
     assert (stay.reason, stay.bucket) == ("affinity", "long") and cmlfq.signals["pinned"] == 1
 
@@ -164,9 +168,12 @@ def test_bad_reports_are_rejected():
 
 def test_make_policy_from_config():
     assert isinstance(make_policy(SchedulerConfig()), LoadBalance)
-    built = make_policy(SchedulerConfig(policy={"type": "cmlfq", "min_visits": 5, "p90_window": 8, "max_moves": 2}),
-                        BUCKETS)
+    built = make_policy(SchedulerConfig(policy={"type": "cmlfq", "min_visits": 5, "p90_window": 8, "max_moves": 2,
+                                                "min_visits_down": 9}), BUCKETS)
     assert isinstance(built, CMLFQ) and built.forest.min_visits == 5 and built.max_moves == 2
+    assert built.min_visits_down == 9
+    with pytest.raises(ValidationError, match="min_visits_down .2. must be >= scheduler.policy.min_visits .5."):
+        SchedulerConfig(policy={"type": "cmlfq", "min_visits": 5, "min_visits_down": 2})
     with pytest.raises(ValueError, match="bucket list"):
         make_policy(SchedulerConfig(policy="cmlfq"))
     with pytest.raises(ValidationError, match="greater"):
@@ -193,7 +200,7 @@ def test_without_a_confident_prediction_work_done_moves_a_long_trajectory_up():
     cmlfq.turn_done("t", cmlfq.state.placements["t"].worker_id, limit + 1)  # already past the short bucket
     cmlfq.tool_returned("t", "search", "success", 10)
     decision = cmlfq.route(turn("t"))
-    assert (decision.reason, decision.bucket) == ("move:up:medium", "medium")
+    assert (decision.reason, decision.bucket) == ("move:work:up:medium", "medium")
     assert cmlfq.signals == {"move:work": 1}
 
 
@@ -213,3 +220,110 @@ def test_a_new_trajectory_spills_to_an_idling_bucket_only_at_start():
     off.register(Worker("s0", "short", "http://s0"))
     off.register(Worker("l0", "long", "http://l0"))
     assert {off.route(turn(t)).worker_id for t in "abc"} == {"s0"}
+
+
+def finish(cmlfq: CMLFQ, tid: str, prompt: str, total: int) -> None:
+    cmlfq.turn_done(tid, cmlfq.state.placements[tid].worker_id, total)
+    cmlfq.finish(tid, prompt, total)
+
+
+def test_a_known_prompt_starts_where_the_p90_of_its_history_points():
+    cmlfq = policy()
+    for i, total in enumerate([50, 60, 700]):  # p90 of the prompt's totals: 700 -> medium
+        cmlfq.route(turn(f"old{i}", prompt="q"))
+        finish(cmlfq, f"old{i}", "q", total)
+    known = cmlfq.route(turn("t", prompt="q"))
+    assert (known.reason, known.bucket) == ("new:history:medium", "medium")
+    assert cmlfq.progress["t"].level == 1
+    fresh = cmlfq.route(turn("u", prompt="never-seen"))
+    assert (fresh.reason, fresh.bucket) == ("new:shortest", "short")
+
+
+def test_work_done_is_a_floor_that_no_prediction_goes_below():
+    cmlfq = policy()
+    teach(cmlfq, [SMALL], [50, 20])  # the tree is sure: 20 tokens left after this outcome
+    cmlfq.route(turn("t"))
+    cmlfq.turn_done("t", cmlfq.state.placements["t"].worker_id, 1_500)  # produced past medium's 1000
+    cmlfq.tool_returned("t", "search", "success", 10)
+    up = cmlfq.route(turn("t"))
+    assert (up.reason, up.bucket) == ("move:work:up:long", "long")  # not short: it already made 1500
+    assert cmlfq.signals == {"move:work": 1}
+
+
+def test_a_move_down_needs_min_visits_down_an_up_move_only_min_visits():
+    cmlfq = policy(min_visits_down=10)
+    teach(cmlfq, [BIG, SMALL], [5000, 4000, 50], times=3)
+    cmlfq.route(turn("t"))
+    assert tool_turn(cmlfq, "t", 5000).reason == "move:signal:up:long"  # 3 visits are enough to go up
+    stay = tool_turn(cmlfq, "t", 10)
+    assert (stay.reason, stay.bucket) == ("affinity", "long") and cmlfq.signals["weak_down"] == 1
+    teach(cmlfq, [BIG, SMALL], [5000, 4000, 50], times=7)  # 10 visits now
+    cmlfq.route(turn("u"))
+    tool_turn(cmlfq, "u", 5000)
+    assert tool_turn(cmlfq, "u", 10).reason == "move:signal:down:short"
+
+
+def test_a_spilled_start_keeps_its_level_and_goes_back_when_its_bucket_has_room():
+    cmlfq = CMLFQ(10**6, buckets=[("short", 100), ("long", 1000)], start_spill_factor=2.0)
+    cmlfq.register(Worker("s0", "short", "http://s0"))
+    cmlfq.register(Worker("l0", "long", "http://l0"))
+    cmlfq.route(Turn("a", "p", 0, 100, 100))
+    spilled = cmlfq.route(Turn("b", "p", 0, 100, 100))
+    assert (spilled.worker_id, spilled.reason) == ("l0", "fallback:spill") and cmlfq.progress["b"].level == 0
+    cmlfq.turn_done("a", "s0", 5)  # short has room again
+    cmlfq.turn_done("b", "l0", 5)
+    cmlfq.tool_returned("b", "search", "success", 5)  # nothing learned, 5 tokens made: still short
+    back = cmlfq.route(Turn("b", "p", 1, 110, 100))
+    assert (back.worker_id, back.reason, back.moved) == ("s0", "least_loaded", True)
+    cmlfq.turn_done("b", "s0", 5)
+    assert cmlfq.route(Turn("b", "p", 2, 120, 100)).reason == "affinity"
+
+
+def test_without_signal_cmlfq_routes_like_la_mlfq():
+    """While no tool-outcome prefix is confident (here: none has the visits), C-MLFQ has LA-MLFQ's
+    information (the prompt's history, its one sample so far; work done) and makes LA-MLFQ's decisions."""
+    cmlfq, la = CMLFQ(100_000, buckets=BUCKETS, forest=PrefixForest(min_visits=100), min_visits_down=100), \
+        LAMLFQ(100_000, buckets=BUCKETS)
+    for worker in ("s0:short", "s1:short", "m0:medium", "l0:long"):
+        worker_id, bucket = worker.split(":")
+        for p in (cmlfq, la):
+            p.register(Worker(worker_id, bucket, f"http://{worker_id}"))
+    outputs = {0: [40, 80, 900], 1: [30, 2_000, 5], 2: [300], 3: [20, 20]}
+    for rnd in range(2):  # the second round starts from each prompt's one finished sample
+        for n, produced in outputs.items():
+            tid, prompt = f"r{rnd}t{n}", f"p{n}"
+            chosen = []
+            for k, tokens in enumerate(produced):
+                a, b = cmlfq.route(Turn(tid, prompt, k, 10, 10)), la.route(Turn(tid, prompt, k, 10, 10))
+                chosen.append((a.bucket, b.bucket))
+                for p, d in ((cmlfq, a), (la, b)):
+                    p.turn_done(tid, d.worker_id, tokens)
+                    if k + 1 < len(produced):
+                        p.tool_returned(tid, "search", "success", 10 + 100 * ((n + k) % 3))
+            for p in (cmlfq, la):
+                p.finish(tid, prompt, sum(produced))
+            assert all(mine == theirs for mine, theirs in chosen), (tid, chosen)
+    assert cmlfq.signals["move:signal"] == 0
+
+
+def test_every_route_carries_an_explainable_reason():
+    from libra.services.planner.sim.instance import Group
+    from libra.services.planner.sim.rollout import Window
+    from libra.traces.synthetic import no_signal, signal
+
+    layout = [Group("short", 1, 2), Group("medium", 2, 1), Group("long", 4, 1)]
+    buckets = [("short", 2_000), ("medium", 8_000), ("long", 32_000)]
+    cmlfq = CMLFQ(10**6, buckets=buckets)
+    reasons = set()
+    for trace in (signal(120, 1, prefix="a"), signal(120, 2, prefix="b"), no_signal(120, 3, prefix="c")):
+        reasons |= set(Window(layout, trace).run(cmlfq).reasons)
+    bucket = "(short|medium|long)"
+    vocabulary = re.compile(rf"new:(history:{bucket}|shortest)|move:(signal|work):(up|down):{bucket}|affinity"
+                            r"|least_loaded|reroute:worker_gone|fallback:(spill|bucket|any)")
+    assert all(vocabulary.fullmatch(reason) for reason in reasons), reasons
+    assert {"new:history:long", "move:signal:up:long", "move:signal:down:short", "move:work:up:long"} <= reasons
+
+
+def test_min_visits_above_the_default_min_visits_down_is_accepted():
+    config = SchedulerConfig(policy={"type": "cmlfq", "min_visits": 30})  # min_visits_down left at 20
+    assert (config.policy.min_visits, config.policy.min_visits_down) == (30, 20)

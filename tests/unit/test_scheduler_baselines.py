@@ -1,11 +1,11 @@
-"""Baseline routing policies: length-aware, LA-MLFQ and the oracle — levels, affinity, fallbacks."""
+"""Baseline routing policies: length-aware, LA-MLFQ and the clairvoyant heuristic — levels, affinity, fallbacks."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from libra.routing.baselines import LAMLFQ, LengthAware, Oracle
+from libra.routing.baselines import LAMLFQ, Clairvoyant, LengthAware
 from libra.routing.config import LaMlfqPolicy
 from libra.routing.policy import Turn, Worker
 from libra.routing.registry import make_policy
@@ -81,17 +81,17 @@ def test_la_mlfq_places_a_known_prompt_from_its_history():
         policy.turn_done("v", policy.state.placements["v"].worker_id, -1)
 
 
-def test_oracle_routes_by_true_remaining_output():
+def test_clairvoyant_routes_by_true_remaining_output():
     remaining = {"t": 5_000}
-    policy = register(Oracle(100_000, buckets=BUCKETS, remaining_of=remaining.__getitem__))
+    policy = register(Clairvoyant(100_000, buckets=BUCKETS, remaining_of=remaining.__getitem__))
     first = policy.route(turn("t"))
-    assert (first.reason, first.bucket) == ("oracle:long", "long")
+    assert (first.reason, first.bucket) == ("clairvoyant:long", "long")
     policy.turn_done("t", first.worker_id, 4_950)
     remaining["t"] = 50
     down = policy.route(turn("t"))
-    assert (down.reason, down.bucket, down.moved) == ("oracle:short", "short", True)
+    assert (down.reason, down.bucket, down.moved) == ("clairvoyant:short", "short", True)
     with pytest.raises(ValueError, match="remaining_of"):
-        Oracle(100, buckets=BUCKETS)
+        Clairvoyant(100, buckets=BUCKETS)
 
 
 def test_bucket_policies_skip_buckets_without_serving_workers():
@@ -100,15 +100,15 @@ def test_bucket_policies_skip_buckets_without_serving_workers():
     assert (start.reason, start.bucket) == ("fallback:bucket", "medium")
 
 
-def test_make_policy_builds_baselines_and_refuses_the_oracle():
+def test_make_policy_builds_baselines_and_refuses_the_clairvoyant_heuristic():
     built = make_policy(SchedulerConfig(policy={"type": "la_mlfq", "max_history": 7}), BUCKETS)
     assert isinstance(built, LAMLFQ) and built.max_history == 7 and built.buckets == ["short", "medium", "long"]
     assert isinstance(make_policy(SchedulerConfig(policy="length_aware"), BUCKETS), LengthAware)
     with pytest.raises(ValueError, match="bucket list"):
         make_policy(SchedulerConfig(policy="length_aware"))
     with pytest.raises(ValueError, match="evaluation only"):
-        make_policy(SchedulerConfig.model_construct(policy=LaMlfqPolicy.model_construct(type="oracle")), BUCKETS)
+        make_policy(SchedulerConfig.model_construct(policy=LaMlfqPolicy.model_construct(type="clairvoyant")), BUCKETS)
     with pytest.raises(ValidationError):
-        SchedulerConfig(policy="oracle")
+        SchedulerConfig(policy="clairvoyant")
     with pytest.raises(ValidationError, match="max_prompt_trees of la_mlfq is now its history size"):
         SchedulerConfig(policy="la_mlfq", max_prompt_trees=7)  # the layout before the policy union

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from libra.routing.baselines import LoadBalance, Oracle
+from libra.routing.baselines import Clairvoyant, LoadBalance
 from libra.routing.cmlfq import CMLFQ
 from libra.routing.policy import Placement, Policy, Turn, Worker
 from libra.services.planner.hardware import gpu_named, model_named
@@ -74,7 +74,7 @@ def test_everything_on_one_instance_is_slower_than_load_balance():
     assert lone.busy["short"] == pytest.approx(0.25) and balanced.busy["short"] > 0.9  # 1 of 4 instances ran
 
 
-def test_the_oracle_sees_the_true_remaining_output():
+def test_the_clairvoyant_heuristic_sees_the_true_remaining_output():
     trace = signal(80, 2)
     sim = Window(MIXED, trace)
     seen = []
@@ -83,7 +83,7 @@ def test_the_oracle_sees_the_true_remaining_output():
         seen.append((tid, sim.remaining_of(tid)))
         return seen[-1][1]
 
-    sim.run(Oracle(10**6, buckets=BUCKETS, remaining_of=remaining_of))
+    sim.run(Clairvoyant(10**6, buckets=BUCKETS, remaining_of=remaining_of))
     first = {spec.trajectory_id: sum(spec.outputs) for spec in trace}
     assert {tid: left for tid, left in reversed(seen)} == first  # the first ask per trajectory is the total
     assert len(seen) == sum(len(spec.outputs) for spec in trace)

@@ -149,3 +149,15 @@ def test_sample_draws_by_seed_and_renames():
     assert [s.trajectory_id for s in drawn] == [f"x{i}" for i in range(10)]
     assert files.sample(specs, 10, seed=3, prefix="x") == drawn != files.sample(specs, 10, seed=4, prefix="x")
     assert {(s.prompt_id, s.turns) for s in drawn} <= {(s.prompt_id, s.turns) for s in specs}
+
+
+def test_equal_depth_recuts_every_trajectory_to_the_same_number_of_tool_calls():
+    plain, even = synthetic.no_signal(200, 4), synthetic.equal_depth(200, 4, tool_calls=3)
+    assert {len(spec.turns) for spec in plain} != {4} and {len(spec.turns) for spec in even} == {4}
+    for before, after in zip(synthetic.signal(200, 4), even):
+        assert after.output_tokens == before.output_tokens and after.outputs[0] == before.outputs[0]
+        assert after.prompt_id == before.prompt_id and all(output >= 1 for output in after.outputs)
+        assert all(turn.tool and turn.status for turn in after.turns[:-1]) and not after.turns[-1].tool
+    assert synthetic.equal_depth(200, 4) == even  # deterministic; 3 calls by default
+    with pytest.raises(InvalidArgument, match="tool_calls must be in 1..64"):
+        synthetic.no_signal(10, 1, tool_calls=0)

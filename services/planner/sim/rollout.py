@@ -27,7 +27,7 @@ from libra.routing.policy import Policy, Turn, Worker
 from libra.services.planner.sim.instance import Group, Instance, InstanceModel, SimulationError, Unit
 from libra.services.planner.sim.result import RolloutResult
 from libra.services.planner.sim.simple import SimpleModel
-from libra.traces.spec import TrajectorySpec
+from libra.traces.spec import TrajectorySpec, check_spec
 
 TOOL, DONE, UP = "tool", "done", "up"
 
@@ -217,13 +217,17 @@ class Window:
                  turn_budget_tokens: int = 4096):
         if not layout or not trace:
             raise InvalidArgument("the simulator needs at least one instance group and one trajectory")
+        if sum(group.count for group in layout) < 1:
+            raise InvalidArgument(f"the layout {list(layout)} has no instances: give a group a count >= 1")
+        for spec in trace:
+            check_spec(spec, f"trajectory {spec.trajectory_id!r}")
         self.layout, self.trace = list(layout), list(trace)
         self.model = model if model is not None else SimpleModel()
         self.turn_budget_tokens = turn_budget_tokens
         self.units: dict[str, Unit] = {}
 
     def remaining_of(self, trajectory_id: str) -> int:
-        """True output tokens the trajectory still has to generate (the oracle's crystal ball)."""
+        """True output tokens the trajectory still has to generate (the clairvoyant heuristic asks)."""
         unit = self.units[trajectory_id]
         return round(unit.turn_left) + sum(unit.spec.outputs[unit.turn + 1:])
 
@@ -237,7 +241,7 @@ class Window:
                 rollout.add(instance)
                 rollout.up(instance)
         self.units = {}
-        for spec in self.trace:  # registered before routing: the oracle asks about it during route
+        for spec in self.trace:  # registered before routing: the clairvoyant heuristic asks during route
             self.units[spec.trajectory_id] = unit = rollout.new_unit(spec)
             rollout.route(unit)
         while events:
