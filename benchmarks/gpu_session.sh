@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks of the Megatron backend, weight sync and elastic join, as run on the
-# H200 device machine (Python 3.12, torch, transformers; no network). Wheels the machine lacks are
-# carried in .whl/ (megatron-core 0.19.2 cp312, pydantic, structlog, redis, pytest) and installed
-# into /tmp/site; e2e also needs the quickstart's warm-started model in .carry/ws_e2e_model. Results go to $OUT (default /tmp/libra-gpu-out).
+# The GPU checks and benchmarks, as run on the H200 device machine (Python 3.12, torch, transformers;
+# no network). What the machine lacks comes carried: benchmarks/gpu_carry.sh fetches it here into
+# .whl/ and .carry/ (carry both), and benchmarks/gpu_bootstrap.sh installs it there (wheels, Debian's
+# redis-server in a private prefix, libra itself). Results go to $OUT (default /tmp/libra-gpu-out);
+# e2e also needs the quickstart's warm-started model in .carry/ws_e2e_model.
 #
-#   bash benchmarks/gpu_session.sh tests sync mfu        # any of: tests gputests sync syncdirect syncbuckets mfu mfu16 profile pp elastic elastic-megatron e2e
+#   bash benchmarks/gpu_session.sh libra-up gpu-tests      # any of the items below, in order
+#
+#   libra-up    `libra up --config configs/gpu-1.yaml` through every service on one GPU (weights: colocated,
+#               packed micro-batches): 25 GRPO steps, reward, versions, step-time breakdown    (~5 min)
+#   libra-up-2  the same with configs/gpu-2.yaml on two GPUs (weights group over NCCL)            (~5 min)
+#   packing     packed vs padded micro-batches, useful tokens/s and MFU, ~1B model, long-tailed batch (~5 min)
+#   colocated   time per version through CUDA IPC handles, 1B and 7B, share and copy           (~2 min)
+#   gpu-tests   pytest -m gpu tests/gpu (two-GPU tests skip on one GPU)                         (~2 min)
+#   and the earlier ones: tests gputests sync syncdirect syncbuckets mfu mfu16 profile pp elastic elastic-megatron e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/libra-gpu-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-[ -e libra/services ] || ln -sfn ../services libra/services
+source benchmarks/gpu_bootstrap.sh || { echo "bootstrap failed"; exit 1; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-python3 -c "import torch, transformers, megatron.core as m; print('torch', torch.__version__, 'transformers', transformers.__version__, 'megatron-core', m.__version__)"
+SUMMARY=()
 
 step() {  # step NAME TIMEOUT COMMAND...: runs one item, logs to $OUT/NAME.log, never stops the session
     local name=$1 limit=$2; shift 2
@@ -24,6 +30,12 @@ step() {  # step NAME TIMEOUT COMMAND...: runs one item, logs to $OUT/NAME.log, 
     local rc=$?
     tail -n 25 "$OUT/$name.log"
     echo "== $name: rc=$rc in $((SECONDS - started)) s"
+    SUMMARY+=("$name: rc=$rc in $((SECONDS - started)) s")
+}
+
+table() {  # table NAME LINES: an item's closing table again, for the summary at the end
+    echo "-- $1"
+    tail -n "$2" "$OUT/$1.log"
 }
 
 for item in "$@"; do
@@ -51,6 +63,24 @@ for item in "$@"; do
                               --threads 4 --max-join-s 120 --max-catch-up-steps 160 --json "$OUT/elastic-megatron.json" ;;
         e2e) step e2e 240 python3 benchmarks/gpu_e2e_grpo.py --model .carry/ws_e2e_model --trainer megatron \
                  --dtype bfloat16 --steps 25 --lr 1e-4 --out "$OUT/e2e_megatron" ;;
+        libra-up) step libra-up 560 python3 benchmarks/gpu_libra_up.py --config configs/gpu-1.yaml --out "$OUT" \
+                      --timeout 520 ;;
+        libra-up-2) step libra-up-2 560 python3 benchmarks/gpu_libra_up.py --config configs/gpu-2.yaml --out "$OUT" \
+                        --timeout 520 ;;
+        packing) step packing 540 python3 benchmarks/gpu_packing.py --out "$OUT" --run-timeout 120 ;;
+        colocated) step colocated 300 python3 benchmarks/gpu_colocated.py --sets 1b,7b --versions 5 --out "$OUT" ;;
+        gpu-tests) step gpu-tests 420 python3 -m pytest -q -p no:cacheprovider tests/gpu \
+                       tests/unit/test_packing.py tests/unit/test_colocated.py ;;
         *) echo "unknown item $item" ;;
+    esac
+done
+echo "== summary"
+printf '%s\n' "${SUMMARY[@]}"
+for item in "$@"; do
+    case $item in
+        libra-up|libra-up-2) table "$item" 14 ;;
+        packing) table packing 7 ;;
+        colocated) table colocated 5 ;;
+        gpu-tests) table gpu-tests 6 ;;
     esac
 done

@@ -2,9 +2,12 @@
 
 H200 nodes, Qwen3-14B, one GRPO step of 256 prompts x 16 samples with a synthetic long-tailed
 trace (log-normal prompt and output lengths, outputs capped at 32k). Prints the search time next
-to the 1 s target, and the plan it found.
+to the 1 s target, and the plan it found. `--whole-nodes auto` (the default, as `libra plan`)
+searches twice on a cluster of whole nodes (whole-node splits and packed ones, then compares);
+`on` or `off` searches once.
 
     .venv/bin/python benchmarks/planner_search.py [--gpus 1024] [--prompts 256] [--repeat 3]
+                                                  [--whole-nodes auto|on|off]
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--whole-nodes", choices=("auto", "on", "off"), default="auto")
     args = parser.parse_args()
     model, gpu = model_named("qwen3-14b"), gpu_named("h200-141g")
     trace = long_tailed_trace(args.prompts, args.group)
-    config = SearchConfig(total_gpus=args.gpus, group_size=args.group)
+    config = SearchConfig(total_gpus=args.gpus, group_size=args.group, whole_nodes=args.whole_nodes)
     times = []
     for _ in range(args.repeat):
         start = time.perf_counter()
@@ -48,7 +52,7 @@ def main() -> None:
     print(f"planner search: {args.gpus} GPUs, {model.name} on {gpu.name}, {len(trace)} requests")
     print(f"  seconds (best of {args.repeat}): {min(times):.3f}   target: <= {TARGET_S:.1f}   "
           f"{'OK' if min(times) <= TARGET_S else 'OVER'}")
-    print(f"  training layouts costed: {result.evaluated}, pruned by bound: {result.pruned}")
+    print(f"  training layouts costed: {result.evaluated}, pruned by bound: {result.pruned}; {result.placement}")
     print(f"  best: {result.best.describe()}  ({result.sequences_per_s:.1f} sequences/s)")
     for alt in result.alternatives[1:]:
         print(f"   alt: {alt.describe()}")

@@ -50,6 +50,7 @@ import time
 
 from libra.redis_server import PrivateRedis, free_port
 from libra.rpc import channel, peer_serving
+from libra.security import Security
 from libra.services.rollout.router import SchedulerRouter
 from libra.v1 import common_pb2, scheduler_pb2
 
@@ -73,6 +74,8 @@ scheduler:
 """
 
 
+TOKEN = "scheduler-latency-benchmark-token"  # the scheduler's run token (security.auth)
+
 class Scheduler:
     """A `libra serve scheduler` child process in its own session; `stop()` ends it in bounded time."""
 
@@ -87,9 +90,9 @@ class Scheduler:
         command = [sys.executable, "-m", "libra.cli", "serve", "scheduler", "--config", str(config),
                    "--redis-url", redis_url, "--port", str(self.port), "--set", f"scheduler.policy={policy}",
                    "--run-id", self.run_id]
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "wb") as log:  # the run's token: this process's (see measure)
             self.process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, env={**os.environ, "LIBRA_TOKEN": TOKEN})
 
     @property
     def address(self) -> str:
@@ -189,11 +192,11 @@ async def phase(router: SchedulerRouter, scheduler: Scheduler, name: str, trajec
 async def measure(scheduler: Scheduler, args: argparse.Namespace, transport: str) -> list[dict]:
     """The unloaded baseline (one trajectory, back-to-back turns), then the concurrent run."""
     await scheduler.wait_serving()
-    async with channel(scheduler.address) as chan:
+    async with channel(scheduler.address, security=Security(TOKEN)) as chan:
         router = ROUTERS[transport](chan, scheduler.run_id)
         for i in range(args.workers):
             await router.register(common_pb2.WorkerInfo(worker_id=f"w{i}", bucket=BUCKETS[i % len(BUCKETS)][0],
-                                                        address=f"http://w{i}", tp=1))
+                                                        address=f"http://w{i}:8000", tp=1))
         await phase(router, scheduler, "warm-up", 50, 2, 0.0, 0.0, args.seed + 1, args.timeout_s)
         baseline = await phase(router, scheduler, "1 in flight", 1, args.baseline_turns, 0.0, 0.0,
                                args.seed + 2, args.timeout_s)

@@ -2,8 +2,9 @@
 
     libra up --config configs/quickstart.yaml [--fresh | --resume]   # the whole job on one machine
     libra serve SERVICE --config FILE [--port P]   # one service (what compose and Slurm run)
-    libra status --config FILE                     # plan, pool, workers, trainer progress
-    libra check-config --config FILE               # validate a config and print it resolved
+    libra status --config FILE [--watch [SECONDS]] # health, plan, pool, workers, buckets, trainer (live)
+    libra report RUN_DIR [--out FILE]              # one self-contained HTML page about a run
+    libra check-config --config FILE               # validate a config (model, data, ports too), print it
     libra plan --cluster HW.yaml --model M.yaml --trace T --gpus N   # preflight allocation
     libra plan explain --config FILE               # the planner's decisions and calibration
     libra data prepare WORKLOAD --source RAW [--out FILE]   # a dataset -> Libra's prompt JSONL
@@ -69,33 +70,55 @@ def cmd_up(args: argparse.Namespace) -> int:
     return up(_load(args), fresh=args.fresh, resume=args.resume)
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from libra.status import print_status
+def _client(args: argparse.Namespace):
+    """The config, with its token and TLS installed for this process's channels (status, explain)."""
+    from libra import security
 
-    return print_status(_load(args))
+    config = _load(args)
+    security.install(security.load(config))
+    return config
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from libra.status import print_status, watch_status
+
+    if args.watch is not None:
+        if args.watch <= 0:
+            raise ConfigError(f"--watch takes the seconds between refreshes, a number above 0; got {args.watch}")
+        return watch_status(_client(args), args.watch)
+    return print_status(_client(args))
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from libra.telemetry.report import write_report
+
+    try:
+        print(f"report: {write_report(args.run_dir, args.out)}")
+    except ImportError as error:  # the control plane alone: no matplotlib
+        raise FailedPrecondition(f"libra report draws its charts with matplotlib, which is not installed "
+                                 f"({error}); pip install matplotlib") from None
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from libra.errors import InvalidArgument
     from libra.services.planner.hardware import load_gpu, load_model
-    from libra.services.planner.preflight import load_trace, preflight
+    from libra.services.planner.preflight import load_batch, preflight
 
     missing = [f"--{name}" for name in ("cluster", "model", "trace", "gpus") if getattr(args, name) is None]
     if missing:
         raise ConfigError(f"libra plan needs {', '.join(missing)} (or `libra plan explain --config FILE`)")
-
+    options = {"group_size": args.group_size, "whole_nodes": args.whole_nodes}
+    for name in ("tp_choices", "pp_choices", "min_train_gpus", "min_rollout_gpus"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     try:
-        trace = load_trace(args.trace)
-        if args.batch:  # one training step's sequences, drawn from a longer trace (e.g. a whole recorded run)
-            import random
-
-            if args.batch > len(trace):
-                raise ConfigError(f"--batch {args.batch} is larger than the trace ({len(trace)} sequences)")
-            trace = random.Random(0).sample(trace, args.batch)
-        decision = preflight(load_model(args.model), load_gpu(args.cluster), trace, args.gpus, args.top_k)
+        trace, note = load_batch(args.trace, args.batch)
+        decision = preflight(load_model(args.model), load_gpu(args.cluster), trace, args.gpus, args.top_k, options)
     except InvalidArgument as error:
         raise ConfigError(str(error)) from None
     print(f"chosen: {decision.candidates[0].note}")
+    print(f"trace:  {note}")
     print(f"why:    {decision.reason}")
     for rank, candidate in enumerate(decision.candidates[1:], start=2):
         print(f"  #{rank}: {candidate.note}")
@@ -104,19 +127,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _degrees(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4) for --tp / --pp."""
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,4,8, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one degree, e.g. 1,2,4,8")
+    return values
+
+
 def cmd_plan_explain(args: argparse.Namespace) -> int:
     """The planner's recent decisions and calibration (the Explain RPC of a running planner)."""
     import asyncio
 
     import grpc
 
+    from libra.rpc import channel
     from libra.services.planner.core import render_explain as render
     from libra.v1 import planner_pb2, planner_pb2_grpc
 
-    config = _load(args)
+    config = _client(args)
 
     async def call():
-        async with grpc.aio.insecure_channel(config.address_of("planner")) as chan:
+        async with channel(config.address_of("planner")) as chan:
             return await planner_pb2_grpc.PlannerStub(chan).Explain(
                 planner_pb2.ExplainRequest(run_id=config.run_id, limit=args.limit), timeout=10)
     try:
@@ -184,6 +219,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not args.config:
         raise ConfigError("check-config needs a config: libra check-config --config FILE")
     config = _load(args)
+    if not args.offline:
+        from libra.checks import check_model, check_ports, check_workload
+
+        check_model(config)  # each raises ConfigError naming the field: exit 2
+        check_workload(config)
+        if not args.no_ports:
+            check_ports(config)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
@@ -217,18 +259,43 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--resume", action="store_true",
                        help="insist on resuming: fail (exit 2) if the run directory has nothing to resume")
     up.set_defaults(func=cmd_up)
-    status = sub.add_parser("status", help="show plan, pool, workers and trainer progress")
+    status = sub.add_parser("status", help="show health, plan, pool, workers, buckets and trainer progress")
+    status.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+                        help="refresh in place every SECONDS (default 2) until the run is done or Ctrl-C; plain "
+                             "text, one block per refresh, when the output is not a terminal")
     _common(status, config_required=False)
     status.set_defaults(func=cmd_status)
+    report = sub.add_parser("report", help="write one self-contained HTML page about a run (RUN_DIR/report.html)",
+                            description="Write one self-contained HTML page about a run from its run record "
+                                        "(RUN_DIR/telemetry/): reward, step time, rollout, buckets and moves, the "
+                                        "planner's decisions, staleness, worker lag. Works on a finished, stopped "
+                                        "or running run.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (the config's run_dir)")
+    report.add_argument("--out", help="where to write the page (default RUN_DIR/report.html)")
+    report.set_defaults(func=cmd_report)
     plan = sub.add_parser("plan", help="preflight: choose an allocation for a cluster, model and trace")
     plan.add_argument("--cluster", help="hardware description, e.g. configs/hardware/h200-141g.yaml (required)")
     plan.add_argument("--model", help="model description, e.g. configs/models/qwen3-14b.yaml (required)")
-    plan.add_argument("--trace", help="length trace: JSON lines or CSV of prompt_tokens,output_tokens, or a "
-                      "run's RUN_DIR/trace.jsonl (required)")
-    plan.add_argument("--gpus", type=int, help="GPU budget shared by training and rollout (required)")
+    plan.add_argument("--trace", help="trace file in any format `libra sim` reads: CSV or JSON lines of "
+                      "prompt_tokens,output_tokens, a trajectory JSONL (configs/traces/*.jsonl: its last step's "
+                      "batch), or a run's RUN_DIR/trace.jsonl (required)")
+    plan.add_argument("--gpus", type=int, help="GPU budget shared by training and rollout: any count >= 2, "
+                      "one node, or nodes and a part of one (required)")
     plan.add_argument("--batch", type=int, default=0,
                       help="sequences per training step, drawn (seed 0) from the trace; default: the whole trace "
                       "is one step (a recorded run's trace.jsonl holds many steps: pass e.g. --batch 1024)")
+    plan.add_argument("--group-size", type=int, default=8,
+                      help="GRPO samples per prompt: each data-parallel replica trains whole groups (default 8)")
+    plan.add_argument("--tp", dest="tp_choices", type=_degrees, metavar="1,2,4,8",
+                      help="tensor-parallel degrees to try on both sides (default 1,2,4,8)")
+    plan.add_argument("--pp", dest="pp_choices", type=_degrees, metavar="1,2,4,8",
+                      help="training pipeline-parallel degrees to try (default 1,2,4,8)")
+    plan.add_argument("--min-train-gpus", type=int, help="fewest GPUs for training (default 1)")
+    plan.add_argument("--min-rollout-gpus", type=int, help="fewest GPUs for rollout (default 1)")
+    plan.add_argument("--whole-nodes", choices=("auto", "on", "off"), default="auto",
+                      help="on: each side gets whole nodes; off: the sides may share a node (TP groups never "
+                           "straddle one); auto (default): on for clusters of two or more whole nodes unless "
+                           "that costs over 5%% of the predicted step, and the output says which and why")
     plan.add_argument("--top-k", type=int, default=5, help="alternatives to show")
     plan.set_defaults(func=cmd_plan)
     plan_sub = plan.add_subparsers(dest="plan_command")
@@ -237,8 +304,15 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--json", action="store_true", help="print the Explain reply as JSON")
     _common(explain, config_required=False)
     explain.set_defaults(func=cmd_plan_explain)
-    check = sub.add_parser("check-config", help="validate a config and print it with defaults")
+    check = sub.add_parser("check-config", help="validate a config and print it with defaults",
+                           description="Validate a config and print it resolved. Also checks what can be checked "
+                                       "before a start: model.path, the workload's data (readable, at least one "
+                                       "valid row) and the ports the run listens on here. Exit 2 names the field.")
     check.add_argument("config_path", nargs="?", help=argparse.SUPPRESS)  # the older form: check-config FILE
+    check.add_argument("--no-ports", action="store_true",
+                       help="skip the port checks (checking a config while its run is up, or for another host)")
+    check.add_argument("--offline", action="store_true",
+                       help="only validate the config itself: no model, data or port checks")
     _common(check, config_required=False)
     check.set_defaults(func=cmd_check)
     sim = sub.add_parser("sim", help="simulate the whole loop at cluster scale (plans, routing, drift)")

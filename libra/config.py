@@ -2,7 +2,8 @@
 
 Load it with `load_run_config(path, overrides)`; any error raises `ConfigError` whose message names
 the field and the fix (the CLI turns it into exit code 2). Environment overrides:
-`LIBRA_REDIS_URL`, `LIBRA_RUN_ID`, `LIBRA_RUN_DIR`, and `LIBRA_<SERVICE>_ADDRESS` for peers.
+`LIBRA_REDIS_URL`, `LIBRA_RUN_ID`, `LIBRA_RUN_DIR`, `LIBRA_LISTEN_HOST` (security.listen_host), and
+`LIBRA_<SERVICE>_ADDRESS` for peers. The run's token comes from `LIBRA_TOKEN` (libra.security).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from libra.configbase import Section, check_address
 from libra.errors import ConfigError
 from libra.model_config import ModelConfig
+from libra.security.config import SecurityConfig
 from libra.services.elastic.config import ElasticConfig
 from libra.services.planner.config import PlannerConfig
 from libra.services.rollout.config import RolloutConfig
 from libra.services.scheduler.config import SchedulerConfig
 from libra.services.trainer.config import TrainerConfig
+from libra.telemetry.config import TelemetryConfig
 from libra.weights.config import DiskWeights, WeightsConfig
 from libra.workloads.config import CalculatorConfig, WorkloadConfig
 
@@ -72,6 +75,8 @@ class RunConfig(Section):
     redis: RedisConfig = Field(default_factory=RedisConfig, description="state store")
     addresses: Addresses = Field(default_factory=Addresses, description="service addresses")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics")
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig,
+                                       description="run record, TensorBoard and W&B (docs/observability.md)")
     model: ModelConfig = Field(default_factory=ModelConfig, description="policy model")
     workload: WorkloadConfig = Field(default_factory=CalculatorConfig, description="agentic workload")
     planner: PlannerConfig = Field(default_factory=PlannerConfig, description="planner service")
@@ -80,7 +85,19 @@ class RunConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="trainer service")
     elastic: ElasticConfig = Field(default_factory=ElasticConfig, description="elastic coordinator")
     weights: WeightsConfig = Field(default_factory=DiskWeights,
-                                   description="how policy versions reach the rollout workers: disk or group")
+                                   description="how policy versions reach the rollout workers: disk, group or "
+                                               "colocated")
+    security: SecurityConfig = Field(default_factory=SecurityConfig,
+                                     description="token, TLS, listen interface and request bounds")
+
+    @model_validator(mode="after")
+    def _packing_budget(self) -> "RunConfig":
+        tokens, longest = self.trainer.micro_batch_tokens, self.rollout.max_total_tokens
+        if tokens and tokens < longest:
+            raise ValueError(f"trainer.micro_batch_tokens={tokens} cannot hold a trajectory of "
+                             f"rollout.max_total_tokens={longest}; raise micro_batch_tokens to at least {longest} "
+                             "(or 0: padded micro-batches)")
+        return self
 
     @model_validator(mode="after")
     def _weights_backend(self) -> "RunConfig":
@@ -89,7 +106,25 @@ class RunConfig(Section):
                 and engine.device == "cpu":
             raise ValueError("weights.backend nccl needs GPU workers; set rollout.worker.engine.device: cuda "
                              "or weights.backend: gloo")
+        if self.weights.type == "colocated":
+            self._check_colocated()
         return self
+
+    def _check_colocated(self) -> None:
+        """weights: colocated — the Megatron trainer (rank 0 on GPU 0) and hf engines on that GPU, one dtype."""
+        from libra.weights.ipc import NEEDS
+
+        engine, backend = self.rollout.worker.engine, self.trainer.backend
+        if engine.type != "hf" or engine.device not in ("cuda", "cuda:0"):
+            raise ValueError(f"{NEEDS}: set rollout.worker.engine: {{type: hf, device: cuda:0}} (the trainer's "
+                             "rank 0 runs on GPU 0)")
+        if backend.type != "megatron":
+            raise ValueError(f"{NEEDS}: set trainer.backend: megatron (the torch backend trains on the CPU in the "
+                             "trainer service)")
+        dtype = "bfloat16" if backend.bf16 else "float32"
+        if self.rollout.worker.dtype != dtype:
+            raise ValueError(f"weights: colocated hands the engines the trainer's {dtype} tensors as they are: set "
+                             f"rollout.worker.dtype: {dtype}")
 
     @property
     def run_path(self) -> pathlib.Path:
@@ -100,6 +135,11 @@ class RunConfig(Section):
 
     def port_of(self, service: str) -> int:
         return int(self.address_of(service).rsplit(":", 1)[1])
+
+    def listen_host_of(self, service: str) -> str:
+        """The interface `service` (and its metrics) listens on: security.listen_host, else the host
+        of its own address."""
+        return self.security.listen_host or self.address_of(service).rsplit(":", 1)[0]
 
     def metrics_port_of(self, service: str) -> int:
         return self.metrics.base_port + SERVICES.index(service) if self.metrics.base_port else 0
@@ -125,6 +165,8 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         found["run_id"] = env["LIBRA_RUN_ID"]
     if env.get("LIBRA_RUN_DIR"):
         found["run_dir"] = env["LIBRA_RUN_DIR"]
+    if env.get("LIBRA_LISTEN_HOST"):
+        found["security.listen_host"] = env["LIBRA_LISTEN_HOST"]
     for service in SERVICES:
         value = env.get(f"LIBRA_{service.upper()}_ADDRESS")
         if value:

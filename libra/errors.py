@@ -47,6 +47,18 @@ class Conflict(LibraError):
     code = grpc.StatusCode.ABORTED
 
 
+class ResourceExhausted(LibraError):
+    """A bounded resource is in use (e.g. the one Preflight search a planner runs at a time); retry later."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(LibraError):
+    """Work ran past its own time limit (not the caller's deadline) and was stopped."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class Unavailable(LibraError):
     """A peer (service, worker or Redis) cannot be reached right now; retry later."""
 

@@ -22,6 +22,18 @@ children from a thread that lives as long as they should (the main thread, an ev
 `sweep` is the last resort of a stop: every process whose environment holds a marker that the
 job gave its children (children inherit their parent's environment, vLLM's included).
 
+`adopt` is what a restarted service does first: its predecessor's children (engine workers,
+hybrids, trainer ranks) carry `LIBRA_OWNER=KEY@PID` with the dead predecessor's pid; they got their
+parent-death signal but may still be shutting down, holding ports. `adopt` stops them (SIGTERM,
+then SIGKILL after a grace) and marks this process as the owner of whatever it starts next. A
+live owner's children are never touched (a second copy of a running service leaves them alone):
+
+```
+ libra serve rollout (pid 41, killed) ─▶ vLLM api_server  LIBRA_OWNER=rollout:run@41  (still exiting)
+ libra serve rollout (pid 77, restart) ─ adopt("rollout:run") ─▶ 41 is gone: stop it ─▶ ports free
+                                                                  LIBRA_OWNER=rollout:run@77 from now on
+```
+
 Must not know: which services or engines exist.
 """
 
@@ -35,6 +47,10 @@ import sys
 import time
 from typing import Callable
 
+OWNER_ENV = "LIBRA_OWNER"
+"""Environment variable naming the service process that owns a child: `KEY@PID` (`adopt`)."""
+ADOPT_GRACE_S = 15.0
+"""Seconds a predecessor's children get to exit on SIGTERM before `adopt` SIGKILLs them."""
 SETPRIV = shutil.which("setpriv") if sys.platform.startswith("linux") else None
 
 
@@ -114,3 +130,66 @@ def sweep(name: str, value: str, grace_s: float = 3.0) -> list[int]:
         time.sleep(0.1)
     return sorted(set(killed))
 
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def orphans(key: str) -> list[int]:
+    """Pids of the processes owned (`OWNER_ENV`) under `key` by an owner that is no longer alive."""
+    prefix = f"{OWNER_ENV}={key}@".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                owner = next((item[len(prefix):] for item in handle.read().split(b"\0") if item.startswith(prefix)),
+                             None)
+        except OSError:
+            continue
+        if owner is not None and owner.isdigit() and int(owner) != os.getpid() and not _alive(int(owner)):
+            found.append(int(entry))
+    return found
+
+
+def reclaim(key: str, grace_s: float = ADOPT_GRACE_S) -> list[int]:
+    """Stop what a dead owner under `key` left running: SIGTERM, wait up to `grace_s` (vLLM stops its
+    engine processes itself on SIGTERM), then SIGKILL the rest; the pids that were found."""
+    found = orphans(key)
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while any(_alive(pid) for pid in found) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for _ in range(20):  # an orphan's own children may still be starting: a few rounds catch them
+        left = orphans(key)
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        found = sorted(set(found) | set(left))
+        time.sleep(0.1)
+    return found
+
+
+def adopt(key: str, grace_s: float = ADOPT_GRACE_S) -> list[int]:
+    """Stop the children a dead predecessor under `key` left behind (`reclaim`), then mark every
+    process this one starts from now on as owned by it; the pids that were stopped."""
+    if "@" in key or "\0" in key:
+        raise ValueError(f"an owner key must not contain '@' or NUL: {key!r}")
+    stopped = reclaim(key, grace_s)
+    os.environ[OWNER_ENV] = f"{key}@{os.getpid()}"
+    return stopped

@@ -1,7 +1,12 @@
-"""A private redis-server for `libra up` and the tests (loopback only, no persistence).
+"""A private redis-server for `libra up` and the tests (loopback only).
 
 It runs in its own session and is SIGKILLed by the kernel when the process that started it dies
 (libra/procs.py): a killed `libra up` or test session leaves no Redis behind.
+
+`persistent=True` (what `libra up` uses) keeps an append-only file in its directory, written on
+every command and fsynced every second: a Redis killed and started again (`restart`, same port,
+same directory) comes back with everything it had acknowledged (only a crash of the machine
+itself can lose the last second). The tests' Redis keeps nothing on disk.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ class PrivateRedis:
     """
 
     def __init__(self, directory: pathlib.Path, port: int | None = None, log_path: pathlib.Path | None = None,
-                 env: Mapping[str, str] | None = None):
+                 env: Mapping[str, str] | None = None, persistent: bool = False):
+        self.persistent = persistent
         self.directory = pathlib.Path(directory)
         self.port = port or free_port()
         self.log_path = pathlib.Path(log_path) if log_path is not None else self.directory / "redis.log"
@@ -59,6 +65,12 @@ class PrivateRedis:
                 self.port = free_port()
         raise AssertionError("unreachable")
 
+    def restart(self, timeout_s: float = 30.0) -> "PrivateRedis":
+        """Start it again after it died: same port (its clients reconnect there), same directory (a
+        persistent one reloads its append-only file, which can take a while for a large one)."""
+        self.stop()
+        return self._start_once(timeout_s)
+
     def _start_once(self, timeout_s: float) -> "PrivateRedis":
         binary = shutil.which("redis-server")
         if binary is None:
@@ -66,8 +78,10 @@ class PrivateRedis:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.persistent else \
+                ["--appendonly", "no"]
             self.process = procs.start_group(
-                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence,
                  "--dir", str(self.directory), "--protected-mode", "yes"],
                 signal.SIGKILL, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout_s

@@ -131,6 +131,13 @@ class MemoryReplies:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def keep(self, scope: str, request_id: str, reply: Message) -> None:
+        """Remember `reply` as the first reply to a request (a restarted owner puts back replies it
+        had saved elsewhere, so their repeats are replays)."""
+        self._entries[(scope, request_id)] = reply
+        if len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
     async def claim(self, scope: str, request_id: str) -> Claim:
         key = (scope, request_id)
         found = self._entries.get(key)

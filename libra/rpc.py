@@ -1,7 +1,10 @@
 """gRPC plumbing shared by every service: the server with health and reflection, client channels
 with their retry policy, and the few waits that gRPC cannot do for us.
 
-Servicer methods go through `libra.boundary.rpc` (run check, request id, replay, status codes).
+Servicer methods go through `libra.boundary.rpc` (run check, request id, replay, status codes);
+before them, every call passes the server's gate (`libra.security.grpc_gate`: the run's token,
+requests that do not parse). A process's channels carry the token and TLS that
+`libra.security.install` made its own (`libra serve`, `libra up`, `libra status` install them).
 
 Retries are declared once, in the service config of every channel (`channel()`): a unary call
 to a Libra service that fails with UNAVAILABLE is retried by gRPC itself, with backoff, within
@@ -27,19 +30,23 @@ from grpc_reflection.v1alpha import reflection
 
 from libra import log as liblog
 from libra.errors import FailedPrecondition
+from libra.security import Security, installed
+from libra.security.config import is_loopback
+from libra.security.credentials import MESSAGE_BYTES
+from libra.security.grpc_gate import (Gate, SyncBearerToken, bearer_interceptors, channel_credentials,
+                                      server_credentials)
 
 _log = liblog.get("libra.rpc")
 
-MESSAGE_BYTES = 256 * 1024 * 1024
+
+def size_options(message_bytes: int) -> list[tuple[str, int]]:
+    """The largest message a server or channel receives and sends (security.limits.message_bytes)."""
+    return [("grpc.max_receive_message_length", message_bytes), ("grpc.max_send_message_length", message_bytes)]
+
+
 # gRPC Python enables SO_REUSEPORT by default: a second server would silently share the port.
-SERVER_OPTIONS = [
-    ("grpc.so_reuseport", 0),
-    ("grpc.max_receive_message_length", MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MESSAGE_BYTES),
-]
+SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MESSAGE_BYTES),
     ("grpc.enable_retries", 1),
     ("grpc.service_config_disable_resolution", 1),  # our service config, never one from DNS
     # Reconnect to a restarted peer within ~2 s (gRPC's default backoff grows to 120 s).
@@ -57,16 +64,23 @@ RETRY_POLICY = {
 
 
 class ServiceHost:
-    """An asyncio gRPC server with the health service and server reflection.
+    """An asyncio gRPC server with the health service and server reflection, behind the gate.
 
     Health starts NOT_SERVING; the service flips it once its peers and Redis are reachable.
+    `security` (libra.security.load): the token every call must carry, TLS, the message size;
+    None (tests in one process): no token, plaintext, the default size. A server without a token
+    is refused on an interface other than loopback, unless TLS authenticates its clients.
     """
 
-    def __init__(self, name: str, service_names: Iterable[str], port: int, host: str = "0.0.0.0"):
+    def __init__(self, name: str, service_names: Iterable[str], port: int, host: str = "127.0.0.1",
+                 security: Security | None = None):
         self.name = name
         self._service_names = list(service_names)
         self._requested = (host, port)
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.security = security
+        message_bytes = security.message_bytes if security is not None else MESSAGE_BYTES
+        self.server = grpc.aio.server(options=[*SERVER_OPTIONS, *size_options(message_bytes)],
+                                      interceptors=[Gate(security)])
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -76,8 +90,17 @@ class ServiceHost:
 
     async def start(self) -> int:
         host, port = self._requested
+        security = self.security
+        if security is not None and security.token is None and not is_loopback(host) and not (
+                security.tls is not None and security.tls.require_client_cert):
+            raise FailedPrecondition(f"{self.name}: security.auth is none but it would listen on {host}: anyone who "
+                                     f"reaches the port could call every RPC; use security.auth: token, mutual TLS, "
+                                     f"or a loopback address")
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            if security is not None and security.tls is not None:
+                self.port = self.server.add_secure_port(f"{host}:{port}", server_credentials(security.tls))
+            else:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
         except RuntimeError:
             self.port = 0
         if self.port == 0:
@@ -124,13 +147,40 @@ def service_config(wait_for_ready: bool) -> str:
     return json.dumps({"methodConfig": [method_config]})
 
 
-def channel(address: str, *, wait_for_ready: bool = False) -> grpc.aio.Channel:
-    """An insecure asyncio channel to a peer (HOST:PORT) with Libra's retry policy.
+def channel(address: str, *, wait_for_ready: bool = False, security: Security | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to a peer (HOST:PORT) with Libra's retry policy, carrying the token and
+    TLS of `security` (default: the process's, `libra.security.installed()`; none: plaintext).
 
     `wait_for_ready=True` for a peer that may not be up yet (or may be restarting) when a call is
     made: its unary calls wait for the connection, within their deadline, instead of failing."""
-    options = [*CHANNEL_OPTIONS, ("grpc.service_config", service_config(wait_for_ready))]
-    return grpc.aio.insecure_channel(address, options=options)
+    security = security if security is not None else installed()
+    options = [*CHANNEL_OPTIONS, ("grpc.service_config", service_config(wait_for_ready)),
+               *size_options(security.message_bytes if security is not None else MESSAGE_BYTES)]
+    if security is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    interceptors = bearer_interceptors(security) if security.token else None
+    if security.tls is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    if security.tls.server_name:
+        options.append(("grpc.ssl_target_name_override", security.tls.server_name))
+    return grpc.aio.secure_channel(address, channel_credentials(security.tls), options=options,
+                                   interceptors=interceptors)
+
+
+def sync_channel(address: str, security: Security | None = None) -> grpc.Channel:
+    """A blocking channel to a peer with the token and TLS of `security` (default: the process's);
+    for the few callers outside an event loop (hybrid replica processes)."""
+    security = security if security is not None else installed()
+    options = size_options(security.message_bytes if security is not None else MESSAGE_BYTES)
+    if security is not None and security.tls is not None:
+        if security.tls.server_name:
+            options.append(("grpc.ssl_target_name_override", security.tls.server_name))
+        chan = grpc.secure_channel(address, channel_credentials(security.tls), options=options)
+    else:
+        chan = grpc.insecure_channel(address, options=options)
+    if security is not None and security.token:
+        chan = grpc.intercept_channel(chan, SyncBearerToken(security))
+    return chan
 
 
 async def peer_serving(address: str, timeout_s: float = 2.0) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 
 from libra.errors import InvalidArgument
 from libra.rpc import retry_until
+from libra.security import redacted
 
 
 async def connect_store(url: str, run_id: str, timeout_s: float | None = None):
@@ -25,7 +26,7 @@ async def connect_store(url: str, run_id: str, timeout_s: float | None = None):
         holder["store"] = store
         return True
 
-    await retry_until(attempt, f"redis at {url}", timeout_s)
+    await retry_until(attempt, f"redis at {redacted(url)}", timeout_s)
     return holder["store"]
 
 

@@ -1,11 +1,21 @@
-"""`libra status`: the plan, the pool, the workers and the trainer of a running system, over gRPC."""
+"""`libra status`: the services' health, the plan, the pool, the workers, the buckets and the
+trainer of a running system, over gRPC; `--watch` refreshes it in place until the run is done.
+
+On a terminal each refresh redraws the screen (cursor home, clear: what `watch` does); elsewhere
+(a pipe, a log file) every refresh is printed as plain text under a time stamp, no escape codes.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import shutil
+import sys
 import time
+from typing import TextIO
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from libra.config import RunConfig
 from libra.rpc import channel
@@ -13,12 +23,32 @@ from libra.services.elastic.report import pool_lines
 from libra.v1 import (common_pb2, elastic_pb2, elastic_pb2_grpc, planner_pb2, planner_pb2_grpc, rollout_pb2,
                       rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, trainer_pb2, trainer_pb2_grpc)
 
+SERVICES = ("planner", "scheduler", "rollout", "trainer", "elastic")
 
-async def _gather(config: RunConfig) -> list[str]:
+
+async def _health(config: RunConfig) -> dict[str, str]:
+    """Each service's gRPC health (SERVING, NOT_SERVING) or why it did not answer (UNAVAILABLE, ...)."""
+
+    async def check(service: str) -> str:
+        async with channel(config.address_of(service)) as chan:
+            try:
+                reply = await health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(), timeout=3)
+            except grpc.aio.AioRpcError as error:
+                return error.code().name
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    return dict(zip(SERVICES, await asyncio.gather(*(check(s) for s in SERVICES))))
+
+
+async def _gather(config: RunConfig, health: dict[str, str] | None = None) -> list[str]:
     run = config.run_id
-    lines: list[str] = []
+    health = health if health is not None else await _health(config)
+    lines: list[str] = ["services  " + "  ".join(f"{service} {state}" for service, state in health.items())]
 
     async def section(service: str, call) -> None:
+        if health.get(service) == "UNAVAILABLE":  # no answer a moment ago: do not wait for it again
+            lines.append(f"{service:<9} {config.address_of(service)}: UNAVAILABLE (health check got no answer)")
+            return
         async with channel(config.address_of(service)) as chan:
             try:
                 lines.extend(await call(chan))
@@ -58,7 +88,11 @@ async def _gather(config: RunConfig) -> list[str]:
         stats = await scheduler_pb2_grpc.SchedulerStub(chan).GetStats(
             scheduler_pb2.GetStatsRequest(run_id=run), timeout=3)
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(stats.reasons.items()))
-        return [f"scheduler {stats.policy}: {stats.active_trajectories} active trajectories; decisions: {reasons}"]
+        rows = [f"scheduler {stats.policy}: {stats.active_trajectories} active trajectories; decisions: {reasons}"]
+        for b in sorted(stats.buckets, key=lambda b: b.bucket):
+            rows.append(f"  bucket {b.bucket:<8} {b.workers} workers, {b.outstanding_requests} requests and "
+                        f"{b.outstanding_tokens} tokens in flight, {b.routed} turns routed")
+        return rows
 
     async def trainer(chan):
         status = await trainer_pb2_grpc.TrainerStub(chan).GetStatus(
@@ -77,3 +111,33 @@ def print_status(config: RunConfig) -> int:
     lines = asyncio.run(_gather(config))
     print("\n".join(lines))
     return 0 if not any(": UNAVAILABLE" in line for line in lines) else 1
+
+
+async def _watch(config: RunConfig, interval_s: float, stream: TextIO) -> int:
+    """Until the trainer says done, or every service stopped answering after one did (the run ended)."""
+    terminal, answered = stream.isatty(), False
+    while True:
+        health = await _health(config)
+        lines = await _gather(config, health)
+        stamp = datetime.datetime.now().strftime("%H:%M:%S")
+        header = f"libra status · run {config.run_id} · {stamp} · every {interval_s:g} s"
+        if terminal:  # redraw in place; lines cut to the width so that nothing wraps
+            width = shutil.get_terminal_size().columns
+            stream.write("\x1b[H\x1b[J" + "\n".join(line[:width] for line in [header + " (Ctrl-C stops)", *lines])
+                         + "\n")
+        else:
+            stream.write("\n".join([f"--- {header}", *lines]) + "\n")
+        stream.flush()
+        reachable = any(state != "UNAVAILABLE" for state in health.values())
+        if any(line.startswith("trainer   done") for line in lines) or (answered and not reachable):
+            return 0
+        answered = answered or reachable
+        await asyncio.sleep(interval_s)
+
+
+def watch_status(config: RunConfig, interval_s: float, stream: TextIO | None = None) -> int:
+    """Refresh the status every `interval_s` until the trainer is done (0) or Ctrl-C (0)."""
+    try:
+        return asyncio.run(_watch(config, interval_s, stream or sys.stdout))
+    except KeyboardInterrupt:
+        return 0

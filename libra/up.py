@@ -1,21 +1,25 @@
-"""`libra up`: the whole job on one machine, each service its own process.
+"""`libra up`: the whole job on one machine, each service its own process, kept running.
 
 ```
  libra up ─┬─ run dir: resume / refuse a finished run / --fresh (run_dir.py); logs rotated
-           ├─ redis-server (private, unless redis.url is given)
+           ├─ the five ports held until their service starts (supervise.PortHold)
+           ├─ redis-server (private, persistent: RUN_DIR/redis, unless redis.url is given)
            ├─ libra serve planner | elastic | scheduler | rollout | trainer   (logs: RUN_DIR/logs/)
-           └─ progress: Trainer.WatchSteps ─▶ terminal;  a child that dies ─▶ stop all, exit 1
+           ├─ supervision: a service (or the private Redis) that dies is started again with backoff;
+           │  a crash loop stops the run, saying why (libra/supervise.py)
+           └─ progress: Trainer.WatchSteps ─▶ terminal
 ```
 Every child leads its own session and is SIGKILLed by the kernel if `libra up` dies, even by
-SIGKILL (libra/procs.py). The trainer finishing, a failed service, Ctrl-C, SIGTERM or SIGHUP
-stop everything: SIGTERM to one service at a time in reverse start order (each drains while its
-peers are up), SIGKILL to its process group after STOP_TIMEOUT_S, all services within
-STOP_BUDGET_S; a second signal kills at once. Last, whatever still carries this start's marker
-(MARKER in its environment, inherited by the services' own children: engine workers, vLLM's
-processes, hybrids) is killed, so nothing of the job outlives `libra up`.
+SIGKILL (libra/procs.py). The trainer finishing, a crash loop, Ctrl-C, SIGTERM or SIGHUP stop
+everything: SIGTERM to one service at a time in reverse start order (each drains while its peers
+are up), SIGKILL to its process group after STOP_TIMEOUT_S, all services within STOP_BUDGET_S; a
+second signal kills at once. Last, whatever still carries this start's marker (MARKER in its
+environment, inherited by the services' own children: engine workers, vLLM's processes, hybrids)
+is killed, so nothing of the job outlives `libra up`.
 
-Exit codes: 0 the job finished, 1 a service failed, 2 refused to start (config, ports in use, run
-directory), 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP).
+Exit codes: 0 the job finished, 1 a service kept crashing (a crash loop), 2 refused to start
+(config, model or data missing, ports in use, run directory), 128 + N stopped by signal N (130
+Ctrl-C, 143 SIGTERM, 129 SIGHUP).
 """
 
 from __future__ import annotations
@@ -24,17 +28,19 @@ import asyncio
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
 
-from libra import procs, run_dir
+from libra import procs, run_dir, security
+from libra.checks import check_before_start
 from libra.config import SERVICES, RunConfig
 from libra.errors import FailedPrecondition
 from libra.progress import ProgressPrinter
 from libra.redis_server import PrivateRedis
+from libra.supervise import PortHold, RestartPolicy, Supervisor
+from libra.telemetry import report
 
 START_ORDER = ("planner", "elastic", "scheduler", "rollout", "trainer")
 STOP_TIMEOUT_S = 40.0  # one service: its drain budget plus shutdown
@@ -43,17 +49,19 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 MARKER = "LIBRA_UP_TOKEN"  # environment variable every process of one start inherits
 
 
-def _check_ports(config: RunConfig) -> None:
+def hold_ports(config: RunConfig) -> dict[str, PortHold]:
+    """Hold each service's port until the service starts (supervise.py); FailedPrecondition naming
+    the service and the field when one is in use."""
+    holds: dict[str, PortHold] = {}
     for service in SERVICES:
         port = config.port_of(service)
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                raise FailedPrecondition(
-                    f"port {port} of the {service} service is in use (another libra up?); stop it or change "
-                    f"addresses.{service} in the config") from None
+        holds[service] = PortHold("0.0.0.0", port)
+        if not holds[service].held:
+            for hold in holds.values():
+                hold.release()
+            raise FailedPrecondition(f"addresses.{service}: port {port} of the {service} service is in use (another "
+                                     f"libra up?); stop it or change addresses.{service} in the config")
+    return holds
 
 
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1",
@@ -65,6 +73,8 @@ def write_resolved(config: RunConfig) -> pathlib.Path:
     import yaml
 
     path = config.run_path / "config.yaml"
+    path.touch(mode=0o600)
+    path.chmod(0o600)  # only its owner: redis.url may hold a password
     path.write_text("# written by `libra up`: the run config with all overrides applied\n"
                     + yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     return path
@@ -98,13 +108,19 @@ class StopSignals:
 class Children:
     """The service processes of one `libra up`."""
 
-    def __init__(self, config: RunConfig, config_path: str, redis_url: str, env: dict[str, str]):
+    def __init__(self, config: RunConfig, config_path: str, redis_url: str, env: dict[str, str],
+                 holds: dict[str, PortHold] | None = None):
         self.config, self.config_path, self.redis_url = config, config_path, redis_url
         self.logs = config.run_path / "logs"
         self.env = env
+        self.holds = holds or {}
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, service: str) -> None:
+        """Start (or start again) `service`, appending to its log; its port is let go just before."""
+        hold = self.holds.pop(service, None)
+        if hold is not None:
+            hold.release()
         self.logs.mkdir(parents=True, exist_ok=True)
         env = {**self.env, "LIBRA_REDIS_URL": self.redis_url, "LIBRA_RUN_ID": self.config.run_id,
                "LIBRA_RUN_DIR": str(self.config.run_path), "LIBRA_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1",
@@ -113,13 +129,6 @@ class Children:
             self.procs[service] = procs.start_group(
                 [sys.executable, "-m", "libra.cli", "serve", service, "--config", self.config_path],
                 signal.SIGKILL, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    def failed(self) -> tuple[str, int] | None:
-        for name, proc in self.procs.items():
-            code = proc.poll()
-            if code is not None and (code != 0 or name != "trainer"):
-                return name, code
-        return None
 
     def trainer_done(self) -> bool:
         proc = self.procs.get("trainer")
@@ -138,21 +147,35 @@ class Children:
         for name in reversed(list(self.procs)):
             budget = max(0.0, min(STOP_TIMEOUT_S, deadline - time.monotonic()))
             procs.stop_group(self.procs[name], budget, hurry)
+        for hold in self.holds.values():
+            hold.release()
 
 
-async def _watch(config: RunConfig, children: Children, printer: ProgressPrinter, signals: StopSignals,
-                 first_step: int) -> int:
-    """Follow the trainer's progress until it finishes, a service fails or a stop signal comes."""
+def supervise(children: Children, redis: PrivateRedis | None, printer: ProgressPrinter,
+              policy: RestartPolicy = RestartPolicy()) -> Supervisor:
+    """The supervisor of this start: every service, and the private Redis (same port, same files)."""
+    supervisor = Supervisor(policy, printer.error, printer.info, children.log_tail,
+                            finished=lambda name, code: name == "trainer" and code == 0)
+    for service in START_ORDER:
+        supervisor.add(service, lambda s=service: children.start(s), lambda s=service: children.procs.get(s),
+                       ("0.0.0.0", children.config.port_of(service)))
+    if redis is not None:
+        supervisor.add("redis", redis.restart, lambda: redis.process, ("127.0.0.1", redis.port))
+    return supervisor
+
+
+async def _watch(config: RunConfig, children: Children, supervisor: Supervisor, printer: ProgressPrinter,
+                 signals: StopSignals, first_step: int) -> int:
+    """Follow the trainer's progress until it finishes, a crash loop or a stop signal comes,
+    restarting what dies meanwhile (on this thread: children die with the thread that started them)."""
     watcher = asyncio.create_task(printer.follow(config, first_step))
     try:
         while True:
             if signals.first is not None:
                 return 128 + signals.first
-            failure = children.failed()
-            if failure is not None:
-                name, code = failure
-                printer.error(f"{name} exited with code {code}; last lines of {children.logs / (name + '.log')}:\n"
-                              f"{children.log_tail(name)}")
+            reason = supervisor.check()
+            if reason is not None:
+                printer.error(reason)
                 return 1
             if children.trainer_done():
                 await asyncio.sleep(0.5)  # let the last step records arrive
@@ -162,18 +185,18 @@ async def _watch(config: RunConfig, children: Children, printer: ProgressPrinter
         watcher.cancel()
 
 
-def _prepare_run_dir(config: RunConfig, printer: ProgressPrinter, fresh: bool, resume: bool) -> int:
-    """Resume, refuse or move aside (run_dir.py), rotate the logs; the first step this start trains."""
+def _prepare_run_dir(config: RunConfig, printer: ProgressPrinter, fresh: bool, state: run_dir.RunDirState,
+                     note: str | None) -> int:
+    """Move aside (run_dir.py: `state` and `note` as decided), rotate the logs; the first step this start trains."""
     run_path = config.run_path
-    state = run_dir.inspect(run_path)
-    note = run_dir.decide(state, config.run_id, config.trainer.steps, fresh, resume)
     if fresh:
         moved = run_dir.move_aside(run_path)
         if moved is not None:
             printer.info(f"--fresh: moved the earlier run directory aside to {moved}")
         if config.redis.url:
             cleared = run_dir.clear_redis_run(config.redis.url, config.run_id)
-            printer.info(f"--fresh: deleted {cleared} keys of run {config.run_id} from {config.redis.url}")
+            printer.info(f"--fresh: deleted {cleared} keys of run {config.run_id} from "
+                         f"{security.redacted(config.redis.url)}")
     run_path.mkdir(parents=True, exist_ok=True)
     if note:
         printer.info(note)
@@ -185,42 +208,60 @@ def _prepare_run_dir(config: RunConfig, printer: ProgressPrinter, fresh: bool, r
 
 def up(config: RunConfig, fresh: bool = False, resume: bool = False) -> int:
     printer = ProgressPrinter()
-    _check_ports(config)  # a live run on these ports: refuse before touching its directory
-    first_step = _prepare_run_dir(config, printer, fresh, resume)
+    state = run_dir.inspect(config.run_path)  # resume, refuse a finished run, or start over
+    note = run_dir.decide(state, config.run_id, config.trainer.steps, fresh, resume)
+    check_before_start(config, ports=False)  # model, data, other ports: as check-config (exit 2, the field named)
+    holds = hold_ports(config)  # a live run on these ports: refuse before touching its directory
+    try:
+        first_step = _prepare_run_dir(config, printer, fresh, state, note)
+    except BaseException:
+        for hold in holds.values():
+            hold.release()
+        raise
     with StopSignals() as signals:
-        return _run(config, printer, signals, first_step)
+        return _run(config, printer, signals, first_step, holds)
 
 
-def _run(config: RunConfig, printer: ProgressPrinter, signals: StopSignals, first_step: int) -> int:
+def _run(config: RunConfig, printer: ProgressPrinter, signals: StopSignals, first_step: int,
+         holds: dict[str, PortHold]) -> int:
     run_path = config.run_path
     token = uuid.uuid4().hex
     env = {**os.environ, MARKER: token}
-    redis, children, code = None, None, 1
+    redis, code = None, 1
+    children = Children(config, "", "", env, holds)  # every port released by its stop, whatever happens
     try:
         redis_url = config.redis.url
         if not redis_url:
-            redis = PrivateRedis(run_path / "redis", log_path=run_path / "logs" / "redis.log", env=env).start()
+            redis = PrivateRedis(run_path / "redis", log_path=run_path / "logs" / "redis.log", env=env,
+                                 persistent=True).start()
             redis_url = redis.url
         config = config.model_copy(update={"redis": config.redis.model_copy(update={"url": redis_url})})
-        printer.info(f"run {config.run_id} in {run_path} (redis {redis_url})")
-        children = Children(config, str(write_resolved(config)), redis_url, env)
+        config = security.prepare_run_token(config)  # RUN_DIR/token (0600, new each start), named in config.yaml
+        security.install(security.load(config))  # the progress printer's calls carry it
+        printer.info(f"run {config.run_id} in {run_path} (redis {security.redacted(redis_url)})")
+        children = Children(config, str(write_resolved(config)), redis_url, env, holds)
         for service in START_ORDER:
             if signals.first is not None:
                 break
             children.start(service)
         else:
             printer.info(f"started {', '.join(START_ORDER)}; logs in {children.logs}")
-            code = asyncio.run(_watch(config, children, printer, signals, first_step))
+            supervisor = supervise(children, redis, printer)
+            try:
+                code = asyncio.run(_watch(config, children, supervisor, printer, signals, first_step))
+            finally:
+                supervisor.release()
     finally:
         if signals.first is not None:
             code = 128 + signals.first
         _stop_all(children, redis, token, printer, signals)
     if code == 0:
         printer.finish(run_path)
+    report.write_at_end(run_path, printer.info)
     return code
 
 
-def _stop_all(children: Children | None, redis: PrivateRedis | None, token: str, printer: ProgressPrinter,
+def _stop_all(children: Children, redis: PrivateRedis | None, token: str, printer: ProgressPrinter,
               signals: StopSignals) -> None:
     started, before = time.monotonic(), len(signals.received)
     if signals.first is not None:
@@ -234,8 +275,7 @@ def _stop_all(children: Children | None, redis: PrivateRedis | None, token: str,
             printer.info("second signal: killing every process of the run now")
         return bool(hurried)
 
-    if children is not None:
-        children.stop(hurry)
+    children.stop(hurry)
     if redis is not None:
         redis.stop()
     killed = procs.sweep(MARKER, token)

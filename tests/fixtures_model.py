@@ -48,12 +48,14 @@ def _train_tokenizer(vocab_size: int):
 
 
 def make_random_llama(path: str | Path, seed: int = 0, hidden_size: int = 64,
-                      num_layers: int = 2, lm_head_scale: float = 1.0) -> Path:
+                      num_layers: int = 2, lm_head_scale: float = 1.0, tied: bool = False) -> Path:
     """Write a random Llama (safetensors, HF names) and its tokenizer to `path`; return the path.
 
     The same `seed` gives the same weights; `lm_head_scale` multiplies the output head, which
     sharpens or flattens the distribution without changing the architecture (for weight-update
-    tests). Untied embeddings, so `lm_head.weight` is its own tensor in the files.
+    tests). Untied embeddings by default, so `lm_head.weight` is its own tensor in the files;
+    `tied`: the output head is the input embedding (as the quickstart's tiny model), no lm_head
+    tensor in the files, and `lm_head_scale` scales the embedding.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -67,7 +69,7 @@ def make_random_llama(path: str | Path, seed: int = 0, hidden_size: int = 64,
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads,
-        max_position_embeddings=2048, tie_word_embeddings=False,
+        max_position_embeddings=2048, tie_word_embeddings=tied,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, dtype="float32", initializer_range=0.1,
     )

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # A single-node Slurm cluster on this machine, to try deploy/slurm/libra.sbatch without a cluster.
 #
-#   sudo bash deploy/slurm/local-cluster.sh start     # munge + slurmctld + slurmd (no systemd needed)
+#   bash deploy/slurm/local-cluster.sh start          # as root: munge + slurmctld + slurmd (no systemd needed)
 #   export SLURM_CONF=/tmp/libra-slurm/slurm.conf      # printed by start
 #   sbatch deploy/slurm/libra.sbatch
 #   bash deploy/slurm/local-cluster.sh status
-#   sudo bash deploy/slurm/local-cluster.sh stop      # cancels jobs, stops the daemons it started
+#   bash deploy/slurm/local-cluster.sh stop           # as root: cancels jobs, stops the daemons it started
 #
-# Needs root (slurmd runs jobs as their users; munged runs as `munge`) and Debian/Ubuntu packages
+# Several nodes (network namespaces, one slurmd each): scripts/slurm_netns_cluster.sh.
+# Needs root (run it with sudo if you are not: slurmd runs jobs as their users; munged runs as `munge`) and Debian/Ubuntu packages
 # slurm-wlm slurmctld slurmd slurm-client munge (installed with apt-get when missing).
 # Everything lives in LIBRA_SLURM_DIR (default /tmp/libra-slurm): config, state, spool, logs, pids.
 # Settings that matter where there are no cgroups and no systemd: ProctrackType=proctrack/pgid

@@ -104,8 +104,16 @@ class CompletedStream(StoreBase):
                           block_ms: int | None) -> tuple[list[CompletedEntry], str | None]:
         """Entries read after `from_id`, and the last id read (None when nothing was read)."""
         redis = await self._ready()
-        reply = await redis.xreadgroup(self.keys.completed_group, consumer, {self.keys.completed: from_id},
-                                       count=count, block=block_ms)
+        try:
+            reply = await redis.xreadgroup(self.keys.completed_group, consumer, {self.keys.completed: from_id},
+                                           count=count, block=block_ms)
+        except ResponseError as error:
+            if "NOGROUP" not in str(error):
+                raise
+            # Redis came back without the group (it lost its data): make it again, read from the start
+            self._group_ready = False
+            await self.ensure_consumer_group()
+            return [], None
         entries, trimmed, last_id = [], [], None
         for entry_id, fields in _stream_entries(reply):
             last_id = text(entry_id)

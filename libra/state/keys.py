@@ -185,3 +185,21 @@ class Keys:
     def scheduler_loads(self) -> str:
         """The scheduler's per-worker load table (a blob named `scheduler.loads`)."""
         return self.blob("scheduler.loads")
+
+    @property
+    def scheduler_live(self) -> str:
+        """Hash: trajectory id -> JSON of its routing state (placement, level, recent replies), for
+        every trajectory the scheduler routed and that has not finished."""
+        return self._key("scheduler", "live")
+
+    @property
+    def scheduler_learned(self) -> str:
+        """Stream with ids 0-N: what each finished trajectory taught (its state before the finish)
+        since the tree blob was saved; trimmed when the tree is saved."""
+        return self._key("scheduler", "learned")
+
+    @property
+    def scheduler_meta(self) -> str:
+        """Hash: `rotation` (the tie-breaking counter), `tree_learned` (the last learned entry the
+        saved tree includes)."""
+        return self._key("scheduler", "meta")

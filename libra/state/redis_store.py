@@ -12,14 +12,24 @@ of the key space is owned by the parts it is assembled from:
 
 Mutating RPCs get their once-per-request-id answer from the RPC boundary (`libra.boundary`, over
 `ReplyStore`); see docs/rpc.md.
+
+Redis outages: a store opened by `connect` retries every command on a lost connection, with
+backoff (50 ms growing to 2 s), for as long as Redis is away: a call made during an outage waits
+for Redis to come back instead of failing, so a restarted Redis (AOF: nothing acknowledged is
+lost) is a pause, not a crash. `reachable()` is the quick check the service runtime uses to show
+NOT_SERVING meanwhile; `after_outage()` re-checks the schema on the next call. Lua scripts are
+loaded again by redis-py when a restarted Redis no longer knows them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Callable
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -30,9 +40,23 @@ from libra.state.keys import check_run_id
 from libra.state.records import RecordStore
 from libra.state.replies import ReplyStore
 from libra.state.trajectories import TrajectoryStore
+from libra.state.scheduler import SchedulerStore
 from libra.state.versions import VersionStore
 
-class StateStore(TrajectoryStore, CompletedStream, VersionStore, RecordStore, ReplyStore):
+RETRY_BACKOFF = (0.05, 2.0)
+"""First and longest wait between retries of a command while Redis is away (seconds)."""
+PING_TIMEOUT_S = 2.0
+"""How long `ping` (used when connecting) waits for an answer before saying Redis is not reachable."""
+
+
+def retrying_client(url: str) -> aioredis.Redis:
+    """A client that retries every command on a lost connection, with backoff, without limit."""
+    first, longest = RETRY_BACKOFF
+    return aioredis.from_url(url, decode_responses=False, retry=Retry(ExponentialBackoff(cap=longest, base=first), -1),
+                             retry_on_error=[RedisConnectionError, RedisTimeoutError, OSError])
+
+
+class StateStore(TrajectoryStore, CompletedStream, VersionStore, RecordStore, ReplyStore, SchedulerStore):
     """All durable state of one run, over a `redis.asyncio.Redis` client (decode_responses=False)."""
 
     def __init__(self, redis: aioredis.Redis, run_id: str, *, clock: Callable[[], float] = time.time,
@@ -45,7 +69,7 @@ class StateStore(TrajectoryStore, CompletedStream, VersionStore, RecordStore, Re
     async def connect(cls, url: str, run_id: str, **options: Any) -> StateStore:
         """Open a client for `url`, check the run's schema version, and return the store."""
         check_run_id(run_id)
-        client = aioredis.from_url(url, decode_responses=False)
+        client = retrying_client(url)
         store = cls(client, run_id, **options)
         store._owns_client = True
         try:
@@ -55,13 +79,32 @@ class StateStore(TrajectoryStore, CompletedStream, VersionStore, RecordStore, Re
             raise
         return store
 
-    async def ping(self) -> None:
-        """Check that Redis answers and the run's schema version matches; Unavailable if not reachable."""
+    async def ping(self, timeout_s: float = PING_TIMEOUT_S) -> None:
+        """Check that Redis answers (within `timeout_s`) and the run's schema version matches;
+        Unavailable if not reachable."""
         try:
-            await self._redis.ping()
-            await self._ready()
+            await asyncio.wait_for(self._ping_and_check(), timeout_s)
+        except asyncio.TimeoutError as error:
+            raise Unavailable(f"Redis is not reachable for run {self.run_id!r}: no answer within {timeout_s}s") from error
         except (RedisConnectionError, RedisTimeoutError, OSError) as error:
             raise Unavailable(f"Redis is not reachable for run {self.run_id!r}: {error}") from error
+
+    async def _ping_and_check(self) -> None:
+        await self._redis.ping()
+        await self._ready()
+
+    async def reachable(self, timeout_s: float = 1.0) -> bool:
+        """Whether Redis answers a PING within `timeout_s` (never raises)."""
+        try:
+            return bool(await asyncio.wait_for(self._redis.ping(), timeout_s))
+        except Exception:  # noqa: BLE001 - any failure means "not now"
+            return False
+
+    def after_outage(self) -> None:
+        """Redis came back: check the run's schema again (it may have come back empty) and create
+        the completed stream's consumer group again if it is gone."""
+        self._schema_checked = False
+        self._group_ready = False
 
     async def close(self) -> None:
         """Close the client if `connect` opened it (a client passed in belongs to the caller)."""

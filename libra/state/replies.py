@@ -15,8 +15,9 @@ The boundary's sequence for one mutating call (`libra.replay.RedisReplies`):
 ```
 
 A claim is a lease: a call that dies (its process killed) stops renewing it, so it expires and a
-retry runs the request. `once` / `remember_result` / `recall_result` / `forget_request` are the
-plain markers (without a claim) that some service cores still use inside their own work.
+retry runs the request. `once` / `remember_result` / `recall_result` / `forget_request` are plain
+markers without a claim; no service uses them any more (a marker set before work that then fails
+would make the retry skip the work): every mutating RPC is once-per-request-id at the boundary.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ completing a trajectory implies (reading that stream is `completed.py`'s job).
 A trajectory in a final status (COMPLETED, FAILED, CONSUMED, REJECTED) is never overwritten by
 `put_trajectory` or `complete_trajectory`, so a replayed update or completion is a no-op and each
 trajectory enters the completed stream at most once. Only `mark_trajectories` changes a final
-status (the trainer marks REJECTED or CONSUMED).
+status (the trainer marks REJECTED or CONSUMED). A completed trajectory stores one policy version per
+response token (`versions`, the engine's own per-token report) and `oldest_version`, their minimum.
 """
 
 from __future__ import annotations
@@ -95,6 +96,17 @@ class GroupInfo:
         return self.finished_at is not None
 
 
+def check_response(traj: common_pb2.Trajectory) -> None:
+    """Every response token (after the prompt) has its loss-mask bit, behaviour log-prob and the policy
+    version that produced it: the trainer's staleness, importance weights and log-prob gap read them
+    per token. InvalidArgument naming the field that disagrees."""
+    response = len(traj.token_ids) - traj.prompt_length
+    for name in ("loss_mask", "logprobs", "versions"):
+        if len(getattr(traj, name)) != response:
+            raise InvalidArgument(f"trajectory {traj.trajectory_id!r}: {name} has {len(getattr(traj, name))} entries "
+                                  f"for {response} response tokens (token_ids after prompt_length); one per token")
+
+
 class TrajectoryStore(StoreBase):
     """Trajectories and groups (mixed into `StateStore`)."""
 
@@ -123,9 +135,13 @@ class TrajectoryStore(StoreBase):
         """Store a finished trajectory and append it to the completed stream, atomically.
 
         The status is FAILED if `traj.status` is FAILED, else COMPLETED. Returns the stream entry
-        id, or None if the trajectory was already final (a replay: nothing is written).
+        id, or None if the trajectory was already final (a replay: nothing is written). A COMPLETED
+        one must carry one loss-mask bit, behaviour log-prob and policy version per response token
+        (`check_response`).
         """
         status = "FAILED" if traj.status == Status.TRAJECTORY_STATUS_FAILED else "COMPLETED"
+        if status == "COMPLETED":
+            check_response(traj)
         gid = traj.group_id
         keys = [self.keys.trajectory(traj.trajectory_id), self.keys.group_trajectories(gid),
                 self.keys.group(gid), self.keys.inflight_groups, self.keys.completed]

@@ -5,7 +5,10 @@ Owns `version`, `weights` (where each version's weight set is on disk, if it is)
 
 The policy version moves by exactly one per published weight set: `publish_version` is a Lua
 compare-and-set, so two trainers (or a trainer and its restarted self) can never both publish
-version v, and a replay of the very same publication is a no-op. A version sent over the weights
+version v, and a replay of the very same publication is a no-op. Versions never go backwards: a
+trainer that knows of a later version than Redis does (its checkpoint, its weights on disk, after
+Redis lost data) raises the counter to it first (`raise_version`), so no version number, and no
+`weights/vN` name, is ever used twice. A version sent over the weights
 group is published before it is on disk (path empty); `record_path` adds its path once written.
 Which worker holds which version is not kept here: the gateway reports it (UpdateWeights replies,
 ListWorkers), and every token carries the version that produced it.
@@ -32,6 +35,17 @@ if wanted ~= current + 1 then return {-1, current} end
 redis.call('SET', KEYS[1], wanted)
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
 return {1, wanted}
+"""
+
+# KEYS: version counter   ARGV: floor. The counter becomes max(counter, floor); returns it.
+RAISE_VERSION = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+local floor = tonumber(ARGV[1])
+if floor > current then
+  redis.call('SET', KEYS[1], floor)
+  return floor
+end
+return current
 """
 
 # KEYS: weights hash   ARGV: version, record JSON read, record JSON to write (compare-and-set).
@@ -83,6 +97,13 @@ class VersionStore(StoreBase):
         """The latest published policy version; 0 before the first publication."""
         redis = await self._ready()
         return int(await redis.get(self.keys.policy_version) or 0)
+
+    async def raise_version(self, floor: int) -> int:
+        """Make the version counter at least `floor` (a version known to exist elsewhere: a
+        checkpoint, a weights directory); never lowers it. Returns the counter."""
+        if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
+            raise InvalidArgument(f"version floor must be an int >= 0; got {floor!r}")
+        return int(await self._eval(RAISE_VERSION, [self.keys.policy_version], [floor]))
 
     async def publish_version(self, version: int, path: str) -> bool:
         """Publish weights at `path` as `version`, which must be current + 1; `path` "": the weights

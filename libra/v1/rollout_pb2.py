@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from libra.v1 import common_pb2 as libra_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16libra/v1/rollout.proto\x12\x08libra.v1\x1a\x15libra/v1/common.proto\"X\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12\x13\n\x0bmin_version\x18\x04 \x01(\x04\"b\n\x14SubmitPromptsRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12%\n\x06groups\x18\x02 \x03(\x0b\x32\x15.libra.v1.PromptGroup\"g\n\x15SubmitPromptsResponse\x12\x17\n\x0f\x61\x63\x63\x65pted_groups\x18\x01 \x01(\r\x12\x18\n\x10\x64uplicate_groups\x18\x02 \x01(\r\x12\x1b\n\x13queued_trajectories\x18\x03 \x01(\r\"=\n\x14GetTrajectoryRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\",\n\x0bGroupMember\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\n\n\x02tp\x18\x02 \x01(\r\"c\n\x11WeightsGeneration\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x12\n\nformed_for\x18\x02 \x01(\x04\x12&\n\x07members\x18\x03 \x03(\x0b\x32\x15.libra.v1.GroupMember\"\x98\x01\n\x14UpdateWeightsRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04path\x18\x03 \x01(\t\x12*\n\x05group\x18\x05 \x01(\x0b\x32\x1b.libra.v1.WeightsGenerationJ\x04\x08\x04\x10\x05R\nover_group\"[\n\tWorkerAck\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\x8b\x01\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12!\n\x04\x61\x63ks\x18\x02 \x03(\x0b\x32\x13.libra.v1.WorkerAck\x12&\n\x07serving\x18\x03 \x03(\x0b\x32\x15.libra.v1.GroupMember\x12\x16\n\x0egroup_unusable\x18\x04 \x01(\t\"$\n\x12ListWorkersRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"<\n\x13ListWorkersResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.libra.v1.WorkerInfo\"e\n\x12\x44rainWorkerRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"a\n\x13StartWorkersRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12%\n\x07\x62uckets\x18\x02 \x03(\x0b\x32\x14.libra.v1.BucketSpec\"%\n\x13RolloutStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa7\x01\n\x0cRolloutStats\x12\x0e\n\x06queued\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x11\n\tcompleted\x18\x03 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x04\x12\r\n\x05turns\x18\x05 \x01(\x04\x12\x15\n\rretried_turns\x18\x06 \x01(\x04\x12\x13\n\x0bmean_reward\x18\x07 \x01(\x01\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x04\x32\x8d\x04\n\x07Rollout\x12P\n\rSubmitPrompts\x12\x1e.libra.v1.SubmitPromptsRequest\x1a\x1f.libra.v1.SubmitPromptsResponse\x12\x45\n\rGetTrajectory\x12\x1e.libra.v1.GetTrajectoryRequest\x1a\x14.libra.v1.Trajectory\x12P\n\rUpdateWeights\x12\x1e.libra.v1.UpdateWeightsRequest\x1a\x1f.libra.v1.UpdateWeightsResponse\x12J\n\x0bListWorkers\x12\x1c.libra.v1.ListWorkersRequest\x1a\x1d.libra.v1.ListWorkersResponse\x12:\n\x0b\x44rainWorker\x12\x1c.libra.v1.DrainWorkerRequest\x1a\r.libra.v1.Ack\x12L\n\x0cStartWorkers\x12\x1d.libra.v1.StartWorkersRequest\x1a\x1d.libra.v1.ListWorkersResponse\x12\x41\n\x08GetStats\x12\x1d.libra.v1.RolloutStatsRequest\x1a\x16.libra.v1.RolloutStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16libra/v1/rollout.proto\x12\x08libra.v1\x1a\x15libra/v1/common.proto\"X\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x0f\n\x07samples\x18\x03 \x01(\r\x12\x13\n\x0bmin_version\x18\x04 \x01(\x04\"b\n\x14SubmitPromptsRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12%\n\x06groups\x18\x02 \x03(\x0b\x32\x15.libra.v1.PromptGroup\"g\n\x15SubmitPromptsResponse\x12\x17\n\x0f\x61\x63\x63\x65pted_groups\x18\x01 \x01(\r\x12\x18\n\x10\x64uplicate_groups\x18\x02 \x01(\r\x12\x1b\n\x13queued_trajectories\x18\x03 \x01(\r\"=\n\x14GetTrajectoryRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rtrajectory_id\x18\x02 \x01(\t\",\n\x0bGroupMember\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\n\n\x02tp\x18\x02 \x01(\r\"c\n\x11WeightsGeneration\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x12\n\nformed_for\x18\x02 \x01(\x04\x12&\n\x07members\x18\x03 \x03(\x0b\x32\x15.libra.v1.GroupMember\"\xab\x01\n\x14UpdateWeightsRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04path\x18\x03 \x01(\t\x12*\n\x05group\x18\x05 \x01(\x0b\x32\x1b.libra.v1.WeightsGeneration\x12\x11\n\tcolocated\x18\x06 \x01(\tJ\x04\x08\x04\x10\x05R\nover_group\"[\n\tWorkerAck\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"\x8b\x01\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12!\n\x04\x61\x63ks\x18\x02 \x03(\x0b\x32\x13.libra.v1.WorkerAck\x12&\n\x07serving\x18\x03 \x03(\x0b\x32\x15.libra.v1.GroupMember\x12\x16\n\x0egroup_unusable\x18\x04 \x01(\t\"$\n\x12ListWorkersRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"<\n\x13ListWorkersResponse\x12%\n\x07workers\x18\x01 \x03(\x0b\x32\x14.libra.v1.WorkerInfo\"e\n\x12\x44rainWorkerRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"a\n\x13StartWorkersRequest\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x15.libra.v1.RequestMeta\x12%\n\x07\x62uckets\x18\x02 \x03(\x0b\x32\x14.libra.v1.BucketSpec\"%\n\x13RolloutStatsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xa7\x01\n\x0cRolloutStats\x12\x0e\n\x06queued\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x11\n\tcompleted\x18\x03 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x04\x12\r\n\x05turns\x18\x05 \x01(\x04\x12\x15\n\rretried_turns\x18\x06 \x01(\x04\x12\x13\n\x0bmean_reward\x18\x07 \x01(\x01\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x04\x32\x8d\x04\n\x07Rollout\x12P\n\rSubmitPrompts\x12\x1e.libra.v1.SubmitPromptsRequest\x1a\x1f.libra.v1.SubmitPromptsResponse\x12\x45\n\rGetTrajectory\x12\x1e.libra.v1.GetTrajectoryRequest\x1a\x14.libra.v1.Trajectory\x12P\n\rUpdateWeights\x12\x1e.libra.v1.UpdateWeightsRequest\x1a\x1f.libra.v1.UpdateWeightsResponse\x12J\n\x0bListWorkers\x12\x1c.libra.v1.ListWorkersRequest\x1a\x1d.libra.v1.ListWorkersResponse\x12:\n\x0b\x44rainWorker\x12\x1c.libra.v1.DrainWorkerRequest\x1a\r.libra.v1.Ack\x12L\n\x0cStartWorkers\x12\x1d.libra.v1.StartWorkersRequest\x1a\x1d.libra.v1.ListWorkersResponse\x12\x41\n\x08GetStats\x12\x1d.libra.v1.RolloutStatsRequest\x1a\x16.libra.v1.RolloutStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,23 +45,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WEIGHTSGENERATION']._serialized_start=463
   _globals['_WEIGHTSGENERATION']._serialized_end=562
   _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=565
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=717
-  _globals['_WORKERACK']._serialized_start=719
-  _globals['_WORKERACK']._serialized_end=810
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=813
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=952
-  _globals['_LISTWORKERSREQUEST']._serialized_start=954
-  _globals['_LISTWORKERSREQUEST']._serialized_end=990
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=992
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1052
-  _globals['_DRAINWORKERREQUEST']._serialized_start=1054
-  _globals['_DRAINWORKERREQUEST']._serialized_end=1155
-  _globals['_STARTWORKERSREQUEST']._serialized_start=1157
-  _globals['_STARTWORKERSREQUEST']._serialized_end=1254
-  _globals['_ROLLOUTSTATSREQUEST']._serialized_start=1256
-  _globals['_ROLLOUTSTATSREQUEST']._serialized_end=1293
-  _globals['_ROLLOUTSTATS']._serialized_start=1296
-  _globals['_ROLLOUTSTATS']._serialized_end=1463
-  _globals['_ROLLOUT']._serialized_start=1466
-  _globals['_ROLLOUT']._serialized_end=1991
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=736
+  _globals['_WORKERACK']._serialized_start=738
+  _globals['_WORKERACK']._serialized_end=829
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=832
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=971
+  _globals['_LISTWORKERSREQUEST']._serialized_start=973
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1009
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1011
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1071
+  _globals['_DRAINWORKERREQUEST']._serialized_start=1073
+  _globals['_DRAINWORKERREQUEST']._serialized_end=1174
+  _globals['_STARTWORKERSREQUEST']._serialized_start=1176
+  _globals['_STARTWORKERSREQUEST']._serialized_end=1273
+  _globals['_ROLLOUTSTATSREQUEST']._serialized_start=1275
+  _globals['_ROLLOUTSTATSREQUEST']._serialized_end=1312
+  _globals['_ROLLOUTSTATS']._serialized_start=1315
+  _globals['_ROLLOUTSTATS']._serialized_end=1482
+  _globals['_ROLLOUT']._serialized_start=1485
+  _globals['_ROLLOUT']._serialized_end=2010
 # @@protoc_insertion_point(module_scope)

@@ -64,16 +64,18 @@ class WeightsGeneration(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., formed_for: _Optional[int] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("meta", "version", "path", "group")
+    __slots__ = ("meta", "version", "path", "group", "colocated")
     META_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_FIELD_NUMBER: _ClassVar[int]
     meta: _common_pb2.RequestMeta
     version: int
     path: str
     group: WeightsGeneration
-    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., version: _Optional[int] = ..., path: _Optional[str] = ..., group: _Optional[_Union[WeightsGeneration, _Mapping]] = ...) -> None: ...
+    colocated: str
+    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., version: _Optional[int] = ..., path: _Optional[str] = ..., group: _Optional[_Union[WeightsGeneration, _Mapping]] = ..., colocated: _Optional[str] = ...) -> None: ...
 
 class WorkerAck(_message.Message):
     __slots__ = ("worker_id", "version", "seconds", "ok", "error")

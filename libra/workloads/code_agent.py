@@ -32,7 +32,8 @@ from pydantic import Field
 from libra.configbase import Section
 from libra.workloads.base import Episode, FinalAnswer, Prompt, Segment, ToolCall, ToolResult, ToolStatus
 from libra.workloads.prompts import PromptFile
-from libra.workloads.sandbox import SandboxLimits, SandboxRun, SandboxStatus, python_argv, run_in_sandbox
+from libra.workloads.sandbox import (SandboxLimits, SandboxRun, SandboxStatus, check_isolation, python_argv,
+                                     run_in_sandbox)
 from libra.workloads.turns import Answer, Call, Result, TaggedWorkload, TurnGrammar
 
 TOOL = "run_python"
@@ -89,6 +90,9 @@ class CodeAgentConfig(Section):
     memory_mb: int = Field(512, ge=64, le=65536, description="address-space limit of one sandboxed run (MiB)")
     per_test_s: int = Field(2, ge=1, le=60, description="time limit of one hidden test inside the test run")
     output_chars: int = Field(400, ge=16, le=100_000, description="stdout/stderr shown to the model are cut to this")
+    allow_unisolated_sandbox: bool = Field(
+        False, description="where the sandbox has no namespaces (not root, or no unshare), run the code anyway "
+                           "with rlimits only, as an unprivileged user; false: refuse to start")
 
 
 class _TaskFile(PromptFile):
@@ -136,6 +140,7 @@ class CodeAgentWorkload(TaggedWorkload):
         self.config = config
         self.tasks = _TaskFile(config.data, "code_agent", config.limit)
         self.limits = SandboxLimits(wall_s=config.wall_s, cpu_s=config.cpu_s, memory_mb=config.memory_mb)
+        check_isolation(config.allow_unisolated_sandbox)  # refuse to start rather than run code unisolated
 
     @property
     def num_prompts(self) -> int:
@@ -156,7 +161,8 @@ class CodeAgentWorkload(TaggedWorkload):
             return ToolResult(call.tool, ToolStatus.FAILURE, f"unknown tool {call.tool!r}")
         limits = SandboxLimits(wall_s=min(self.limits.wall_s, timeout_s), cpu_s=self.limits.cpu_s,
                                memory_mb=self.limits.memory_mb)
-        run = await run_in_sandbox(python_argv("main.py"), files={"main.py": call.arguments}, limits=limits)
+        run = await run_in_sandbox(python_argv("main.py"), files={"main.py": call.arguments}, limits=limits,
+                                   allow_unisolated=self.config.allow_unisolated_sandbox)
         status = {SandboxStatus.OK: ToolStatus.SUCCESS, SandboxStatus.ERROR: ToolStatus.FAILURE,
                   SandboxStatus.TIMEOUT: ToolStatus.TIMEOUT}[run.status]
         shown = self.grammar.defang(_show(run, self.config.output_chars))  # must not close our markup
@@ -182,7 +188,8 @@ class CodeAgentWorkload(TaggedWorkload):
                                cpu_s=self.limits.cpu_s + self.config.per_test_s * len(tests),
                                memory_mb=self.limits.memory_mb, output_bytes=64 * 1024)
         run = await run_in_sandbox(python_argv("harness.py"), limits=limits, env={"LIBRA_NONCE": nonce},
-                                   files={"harness.py": harness, "solution.py": code, "tests.json": json.dumps(tests)})
+                                   files={"harness.py": harness, "solution.py": code, "tests.json": json.dumps(tests)},
+                                   allow_unisolated=self.config.allow_unisolated_sandbox)
         outcomes = ["no result"] * len(tests)
         for line in run.stdout.splitlines():
             parts = line.split(" ", 3)

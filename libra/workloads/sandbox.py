@@ -23,9 +23,13 @@ Two isolation levels; `SandboxRun.isolation` says which one a run had:
     traverse (e.g. /root holding a pyenv Python) is replaced, in the namespace only, by an empty
     tmpfs showing just the interpreter's subdirectory.
 
-``guard`` (not root, or no ``unshare``): rlimits in a new session, a scratch directory deleted
-afterwards, and a ``sitecustomize`` that makes ``socket`` unusable for Python programs. Weaker: a
-program can still write where the user can, and RLIMIT_NPROC counts all the user's processes.
+``guard`` (not root, or no ``unshare``): refused (`SandboxUnavailable`) unless the caller allows
+an unisolated run (`allow_unisolated=True`, from the workload's `allow_unisolated_sandbox`). Then:
+rlimits in a new session, an empty network namespace where the kernel allows one, root dropped to
+an unused uid (never root), a scratch directory deleted afterwards, and a ``sitecustomize`` that
+makes ``socket`` unusable for Python programs (sandbox_guard.py). Weaker: the program sees the
+host's files and processes and can write to world-writable directories; as a non-root user,
+RLIMIT_NPROC counts all of the user's processes.
 
 This module knows nothing about workloads, tokens or Redis.
 """
@@ -49,6 +53,9 @@ import time
 from typing import Sequence
 
 from libra import log as liblog
+from libra import procs
+from libra.workloads.sandbox_guard import (HINT, UNSHARE_NET, SandboxUnavailable, check_unisolated, give_to,
+                                           network_namespace_available, preexec)
 
 _log = liblog.get("libra.sandbox")
 UIDS_PER_PROCESS = 256
@@ -57,6 +64,7 @@ UID_FIRST = 100_000
 process (cycling through UIDS_PER_PROCESS), so RLIMIT_NPROC counts only that run's processes."""
 UID_BASE = UID_FIRST + (os.getpid() % 4096) * UIDS_PER_PROCESS
 _uids = itertools.count()
+_warned: list[bool] = []  # the unisolated mode was logged once
 
 
 class SandboxStatus(str, enum.Enum):
@@ -249,12 +257,28 @@ def _decode(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+def check_isolation(allow_unisolated: bool, program: str = sys.executable) -> str:
+    """The isolation a run of `program` gets here, "namespaces" or "guard"; raises SandboxUnavailable
+    when it is "guard" and that is not allowed, or could not start `program`. Workloads call it at
+    start (for this interpreter), so a run that would be refused never gets that far."""
+    if isolation_available():
+        return "namespaces"
+    if not allow_unisolated:
+        why = "not root" if os.geteuid() != 0 else "`unshare` of mount, pid and network namespaces fails"
+        raise SandboxUnavailable(f"the sandbox has no namespace isolation here ({why}); {HINT}")
+    check_unisolated(program)
+    return "guard"
+
+
 async def run_in_sandbox(argv: Sequence[str], source: str | os.PathLike[str] | None = None,
                          files: dict[str, str] | None = None, limits: SandboxLimits = SandboxLimits(),
-                         env: dict[str, str] | None = None) -> SandboxRun:
-    """Run `argv` (argv[0] an absolute path) in a copy of `source` plus `files` (relative path → text)."""
+                         env: dict[str, str] | None = None, allow_unisolated: bool = False) -> SandboxRun:
+    """Run `argv` (argv[0] an absolute path) in a copy of `source` plus `files` (relative path → text).
+
+    Without namespaces the run is refused (SandboxUnavailable) unless `allow_unisolated`."""
     if not argv or not os.path.isabs(argv[0]):
         raise ValueError(f"argv[0] must be an absolute path of a program, got {list(argv)[:1]}")
+    isolation = check_isolation(allow_unisolated, argv[0])
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="libra-sandbox-"))
     try:
         stage = scratch / "stage"
@@ -267,7 +291,7 @@ async def run_in_sandbox(argv: Sequence[str], source: str | os.PathLike[str] | N
                 raise ValueError(f"file {relative!r} would be written outside the sandbox directory")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
-        if isolation_available():
+        if isolation == "namespaces":
             return await _run_namespaced(list(argv), scratch, stage, limits, env)
         return await _run_guarded(list(argv), scratch, stage, limits, env)
     finally:
@@ -281,8 +305,10 @@ async def _run_namespaced(argv: list[str], scratch: pathlib.Path, stage: pathlib
               "uid": _next_uid(), "disk_mb": limits.disk_mb, "reveal": _reveal_list(scratch),
               "keep": _under_tmp(),
               "rlimits": _rlimits(limits), "argv": argv, "env": _env(env)}
-    command = ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
-               sys.executable, "-I", "-c", _LAUNCHER, json.dumps(params)]
+    # SIGKILL when the rollout process dies: `--kill-child` then takes the whole namespace down.
+    command = procs.with_parent_death_signal(
+        ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
+         sys.executable, "-I", "-c", _LAUNCHER, json.dumps(params)], signal.SIGKILL)
     result = await _supervise(command, None, limits, "namespaces")
     status_path = scratch / "status.json"
     try:
@@ -303,19 +329,26 @@ async def _run_guarded(argv: list[str], scratch: pathlib.Path, stage: pathlib.Pa
     guard.mkdir()
     (guard / "sitecustomize.py").write_text(_GUARD_SITECUSTOMIZE)
     rlimits = _rlimits(limits)
-    if os.geteuid() != 0:  # RLIMIT_NPROC counts every process of the user: allow the ones running
+    uid = None
+    if os.geteuid() == 0:  # never root: an unused uid (RLIMIT_NPROC then counts this run only)
+        uid = _next_uid()
+        give_to(scratch, uid)
+    else:  # RLIMIT_NPROC counts every process of the user: allow the ones running
         running = sum(1 for entry in os.listdir("/proc") if entry.isdigit())
         rlimits["RLIMIT_NPROC"] = [n + running for n in rlimits["RLIMIT_NPROC"]]
-
-    def limit() -> None:
-        import resource
-        for name, (soft, hard) in rlimits.items():
-            resource.setrlimit(getattr(resource, name), (soft, hard))
-
-    result = await _supervise(argv, dict(cwd=str(stage), preexec_fn=limit,
-                                         env=_env({**(env or {}), "PYTHONPATH": str(guard), "TMPDIR": str(stage)})),
-                              limits, "guard")
-    return result
+    root = uid is not None
+    network = network_namespace_available(root)
+    if not _warned:
+        _warned.append(True)
+        _log.warning("sandboxed code runs without namespaces (workload.allow_unisolated_sandbox)",
+                     uid=uid if root else os.geteuid(),
+                     network="empty namespace" if network else "open (Python sockets blocked only)")
+    if network and not root:
+        argv = [*UNSHARE_NET, *argv]
+    set_up = preexec(rlimits, uid, network and root)
+    return await _supervise(argv, dict(cwd=str(stage), preexec_fn=set_up,
+                                       env=_env({**(env or {}), "PYTHONPATH": str(guard), "TMPDIR": str(stage)})),
+                            limits, "guard")
 
 
 async def _supervise(command: list[str], options: dict | None, limits: SandboxLimits, isolation: str) -> SandboxRun:
@@ -371,9 +404,10 @@ def _kill_group(pid: int) -> None:
 
 
 async def run_python(code: str, limits: SandboxLimits = SandboxLimits(), files: dict[str, str] | None = None,
-                     source: str | os.PathLike[str] | None = None) -> SandboxRun:
+                     source: str | os.PathLike[str] | None = None, allow_unisolated: bool = False) -> SandboxRun:
     """Run Python source `code` as ``main.py`` in the sandbox (with `files` beside it)."""
     return await run_in_sandbox(python_argv("main.py"), source=source, files={**(files or {}), "main.py": code},
+                                allow_unisolated=allow_unisolated,
                                 limits=limits)
 
 

@@ -43,7 +43,7 @@ from pydantic import Field, model_validator
 from libra.configbase import Section
 from libra.errors import ConfigError, InvalidArgument
 from libra.workloads.base import Episode, FinalAnswer, Prompt, Segment, ToolCall, ToolResult, ToolStatus
-from libra.workloads.sandbox import SandboxLimits, SandboxStatus, python_argv, run_in_sandbox
+from libra.workloads.sandbox import SandboxLimits, SandboxStatus, check_isolation, python_argv, run_in_sandbox
 from libra.workloads.turns import Answer, Call, Result, TaggedWorkload, TurnGrammar
 
 TOOLS = ("view_file", "search", "edit", "run_tests")
@@ -69,6 +69,9 @@ class SweConfig(Section):
     test_cpu_s: int = Field(20, ge=1, le=3600, description="CPU-time limit of one test run")
     memory_mb: int = Field(1024, ge=128, le=65536, description="address-space limit of one test run (MiB)")
     output_chars: int = Field(600, ge=32, le=100_000, description="tool output shown to the model is cut to this")
+    allow_unisolated_sandbox: bool = Field(
+        False, description="where the sandbox has no namespaces (not root, or no unshare), run the code anyway "
+                           "with rlimits only, as an unprivileged user; false: refuse to start")
 
     @model_validator(mode="after")
     def _tasks_exist(self) -> "SweConfig":
@@ -236,6 +239,7 @@ class SweWorkload(TaggedWorkload):
         self.tasks = load_tasks(config.tasks, config.limit)
         self.limits = SandboxLimits(wall_s=config.test_wall_s, cpu_s=config.test_cpu_s, memory_mb=config.memory_mb,
                                     output_bytes=32_768)
+        check_isolation(config.allow_unisolated_sandbox)  # refuse to start rather than run tests unisolated
 
     @property
     def num_prompts(self) -> int:
@@ -276,7 +280,8 @@ class SweWorkload(TaggedWorkload):
 
     async def run_tests(self, task: dict[str, Any], root: pathlib.Path, tests: list[str],
                         limits: SandboxLimits | None = None) -> tuple[dict[str, str], Any]:
-        run = await run_in_sandbox(self._test_argv(task, tests), source=root, limits=limits or self.limits)
+        run = await run_in_sandbox(self._test_argv(task, tests), source=root, limits=limits or self.limits,
+                                   allow_unisolated=self.config.allow_unisolated_sandbox)
         return parse_test_report(run.stdout), run
 
     async def run_tests_tool(self, task: dict[str, Any], checkout: Checkout, arguments: dict,
@@ -286,7 +291,8 @@ class SweWorkload(TaggedWorkload):
             return ToolResult("run_tests", ToolStatus.FAILURE, "tests must be a list of test ids")
         limits = SandboxLimits(wall_s=min(self.limits.wall_s, timeout_s), cpu_s=self.limits.cpu_s,
                                memory_mb=self.limits.memory_mb, output_bytes=self.limits.output_bytes)
-        run = await run_in_sandbox(self._test_argv(task, tests), source=checkout.root, limits=limits)
+        run = await run_in_sandbox(self._test_argv(task, tests), source=checkout.root, limits=limits,
+                                   allow_unisolated=self.config.allow_unisolated_sandbox)
         report = parse_test_report(run.stdout)
         if run.status is SandboxStatus.TIMEOUT:
             return ToolResult("run_tests", ToolStatus.TIMEOUT, f"test run stopped: {run.reason}", detail=run.reason)

@@ -8,7 +8,9 @@ The coordinator's replica tasks decide *what* to do (core.py) and call a `Replic
       │                                                                       effect at a step boundary)
       ├──DrainWorker / StartWorkers──▶ rollout gateway   (drain: deregister from the scheduler,
       │                                                   let in-flight turns finish, stop)
-      └──HybridProcesses: `python -m libra.services.trainer.elastic.hybrid …` (own session, log file)
+      └──HybridProcesses: `python -m libra.services.trainer.elastic.hybrid …` (own session, log file;
+                          SIGTERM when the coordinator dies: a restarted coordinator finds the
+                          process gone and rolls the replica back)
 ```
 
 Every trainer call carries a request id derived from (replica, generation, verb), so a call
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from libra import log as liblog
+from libra import procs
 from libra.errors import Unavailable
 from libra.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
@@ -98,7 +101,9 @@ class ReplicaDriver(abc.ABC):
 
 
 class HybridProcesses:
-    """Hybrid processes of this host, started in their own session so a coordinator restart keeps them."""
+    """Hybrid processes of this host, each in its own session, that die with the coordinator
+    process (libra/procs.py: parent-death signal), so none outlives it holding a GPU or a port.
+    A coordinator stopped and started again in the same process keeps them."""
 
     def __init__(self, argv: tuple[str, ...], values: dict[str, str], log_dir: pathlib.Path):
         self.argv, self.values, self.log_dir = argv, values, log_dir
@@ -111,8 +116,8 @@ class HybridProcesses:
         argv = [arg.format(**values) for arg in self.argv]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{replica_id}.log", "ab") as log_file:
-            child = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+            child = procs.start_group(argv, signal.SIGTERM, stdout=log_file, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL)
         self.children[child.pid] = child
         _log.info("hybrid process started", replica=replica_id, pid=child.pid, argv=argv)
         return child.pid
@@ -192,7 +197,9 @@ class GrpcReplicaDriver(ReplicaDriver):
         return trainer_view(manifest)
 
     async def launch(self, replica_id: str, generation: int) -> int:
-        return await asyncio.to_thread(self.processes.launch, replica_id, generation)
+        # on the event loop's thread, not a worker thread: the parent-death signal follows the thread
+        # that started the child (libra/procs.py), and the loop's lives as long as the coordinator
+        return self.processes.launch(replica_id, generation)
 
     def alive(self, replica_id: str, pid: int) -> bool | None:
         return self.processes.alive(pid)

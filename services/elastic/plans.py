@@ -9,6 +9,12 @@
                  every action's state is saved in the progress blob as it changes (GetPlanProgress)
 ```
 
+Generations advance by the planner's sequence: the planner stores plan g (g = the stored one + 1)
+and then applies it, so an ApplyPlan names the stored generation (and must then be the stored plan
+itself), or goes at most GENERATION_STEP past the newest one known (plans sent by hand, racing
+plans); one that jumps further is refused (FAILED_PRECONDITION), so no request can push the
+generation out of the planner's reach (e.g. to 2^64 - 1, which would lock out every later plan).
+
 Growing training therefore drains and stops rollout workers before any replica joins, and
 shrinking it releases replicas before any rollout worker starts: correct with no spare GPUs. A
 release or drain that fails cancels phase 1 (its GPUs may still be busy). The progress blob
@@ -23,7 +29,7 @@ import time
 from typing import Callable
 
 from libra import log as liblog
-from libra.errors import Conflict, LibraError, NotFound
+from libra.errors import Conflict, FailedPrecondition, LibraError, NotFound
 from libra.plans import Plan, from_proto
 from libra.services.elastic import core
 from libra.services.elastic.config import ElasticConfig
@@ -36,6 +42,24 @@ S = pb.MemberState
 PROGRESS_BLOB = "elastic.plan_progress"
 FINAL = ("applied", "failed", "superseded")
 STOPPED_EARLY = "its replica task stopped early (another writer, or see the coordinator log)"
+GENERATION_STEP = 16
+"""How far past the newest known plan (stored or in force) an ApplyPlan's generation may go."""
+
+
+def _check_sequence(message: common_pb2.Plan, stored: common_pb2.Plan | None, current: pb.PlanProgress | None) -> None:
+    """The planner's sequence (see the module docstring); `stored`: the plan in Redis, `current`: the
+    progress of the plan in force."""
+    if stored is not None and stored.generation == message.generation:
+        if stored.SerializeToString(deterministic=True) != message.SerializeToString(deterministic=True):
+            raise FailedPrecondition(f"plan generation {message.generation} is stored with other content (the "
+                                     f"planner's plan); apply the stored plan, or a new one as generation "
+                                     f"{message.generation + 1}")
+        return
+    newest = max(stored.generation if stored is not None else 0, current.generation if current is not None else 0)
+    if message.generation > newest + GENERATION_STEP:
+        raise FailedPrecondition(f"plan generation {message.generation} skips ahead of the planner's sequence: the "
+                                 f"newest plan is generation {newest}, a new one may be at most "
+                                 f"{newest + GENERATION_STEP}")
 
 
 class PlanRunner:
@@ -96,6 +120,7 @@ class PlanRunner:
             if previous_plan is not None and previous_plan.generation > message.generation:
                 raise Conflict(f"plan generation {message.generation} is older than the stored plan "
                                f"(generation {previous_plan.generation}); a newer plan won")
+            _check_sequence(message, previous_plan, current)
             if previous_plan is None or previous_plan.generation < message.generation:
                 await self.store.put_plan(message)  # the planner usually stored it already (then: as is)
             plan = from_proto(message)

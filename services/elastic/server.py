@@ -21,7 +21,7 @@ coordinator gives every member a full timeout.
 
 Every member is a Redis record with a generation (compare-and-set on every transition); the
 membership epoch changes whenever the set of members or a role changes. A request id makes each
-mutation idempotent: a replay returns the first answer.
+mutation idempotent: the RPC boundary (libra.boundary) answers a replay with the first reply.
 """
 
 from __future__ import annotations
@@ -155,10 +155,6 @@ class ElasticService(Service):
         if self.store is not None:
             await self.store.close()
 
-    async def _replayed(self, scope: str, request_id: str, message_type):
-        blob = await self.store.recall_result(scope, request_id)
-        return message_type.FromString(blob) if blob is not None else None
-
     async def _members(self) -> list[pb.Member]:
         return [self._decode(r) for r in await self.store.list_members()]
 
@@ -174,9 +170,7 @@ class ElasticService(Service):
             member.member_id, updated.SerializeToString(), member.generation, ROLE_NAMES.get(member.role, ""))
         return updated
 
-    async def register_member(self, request_id: str, member: pb.Member) -> pb.Member:
-        if (replay := await self._replayed("elastic.register", request_id, pb.Member)) is not None:
-            return replay
+    async def register_member(self, member: pb.Member) -> pb.Member:
         state = core.initial_state(member.role)
         fresh = pb.Member()
         fresh.CopyFrom(member)
@@ -186,7 +180,6 @@ class ElasticService(Service):
         expected = existing.generation if existing else 0
         fresh.generation = await self.store.put_member(member.member_id, fresh.SerializeToString(), expected,
                                                        ROLE_NAMES[member.role])
-        await self.store.remember_result("elastic.register", request_id, fresh.SerializeToString())
         _log.info("member registered", member=member.member_id, role=ROLE_NAMES[member.role], bucket=member.bucket,
                   generation=fresh.generation)
         return fresh
@@ -209,9 +202,7 @@ class ElasticService(Service):
             member.last_heartbeat = max(member.last_heartbeat, self._alive_at.get(member.member_id, 0.0))
         return members, await self.store.membership_epoch()
 
-    async def transition(self, request_id: str, member_id: str, target: int, expected: int, detail: str) -> pb.Member:
-        if (replay := await self._replayed("elastic.transition", request_id, pb.Member)) is not None:
-            return replay
+    async def transition(self, member_id: str, target: int, expected: int, detail: str) -> pb.Member:
         record = await self.store.get_member(member_id)
         if record is None:
             raise NotFound(f"unknown member {member_id!r}")
@@ -219,16 +210,12 @@ class ElasticService(Service):
         if expected and expected != member.generation:
             raise Conflict(f"member {member_id} is at generation {member.generation}, not {expected}")
         updated = await self._write(member, target, detail)
-        await self.store.remember_result("elastic.transition", request_id, updated.SerializeToString())
         _log.info("member transition", member=member_id, state=pb.MemberState.Name(target),
                   generation=updated.generation)
         return updated
 
-    async def apply_plan(self, request_id: str, plan) -> pb.PlanProgress:
-        if (replay := await self._replayed("elastic.apply", request_id, pb.PlanProgress)) is not None:
-            return replay
+    async def apply_plan(self, plan) -> pb.PlanProgress:
         progress = await self.plans.apply(plan)
-        await self.store.remember_result("elastic.apply", request_id, progress.SerializeToString())
         return progress
 
     async def plan_progress(self, generation: int) -> pb.PlanProgress:

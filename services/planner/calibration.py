@@ -10,10 +10,18 @@ first). An EWMA of the slowdown divides the configured efficiency:
 
 Four estimators, one per efficiency they correct:
 
-    prefill  (turns whose predicted time is mostly prefill)   -> RolloutEfficiency.prefill_mfu
-    decode   (the other turns)                                -> RolloutEfficiency.decode_bw
-    rollout  (a step's rollout seconds vs the fleet makespan) -> both, only while no turn was seen
-    train    (a step's training seconds vs cost_train)        -> TrainEfficiency.mfu
+    prefill   (turns whose predicted time is mostly prefill)   -> RolloutEfficiency.prefill_mfu
+    decode    (the other turns)                                -> RolloutEfficiency.decode_bw
+    pipeline  (batches' measured rollout spans vs the spans     -> both, on top of prefill/decode
+               the cluster simulator plays for the same
+               batches under the plan in force)
+    train     (a step's training seconds vs cost_train)        -> TrainEfficiency.mfu
+
+`pipeline` calibrates the simulator the replanner ranks plans with (`sim/rank.py`): a batch's
+rollout span (its first trajectory released to its last finished) is what the asynchronous
+pipeline really took, tool calls, queueing and the previous batch's tail included. Its sample is
+the absolute slowdown that would make the simulated spans match: measured / simulated x the
+pipeline slowdown in force when the simulation ran.
 
 Change-point rule (`Ewma.update`): once `min_samples` samples are in, a sample further than
 `reset_sigmas` standard deviations from the mean (the deviation has a floor of `relative_floor`
@@ -140,7 +148,7 @@ class Calibration:
     rejected: Counter = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
-        self.estimators = {name: Ewma(self.settings) for name in ("prefill", "decode", "rollout", "train")}
+        self.estimators = {name: Ewma(self.settings) for name in ("prefill", "decode", "pipeline", "train")}
         self.turns = Comparison(alpha=self.settings.alpha)
         self.steps = Comparison(alpha=self.settings.alpha)
         self._instances: dict[int, cost_rollout.Instance] = {}
@@ -148,9 +156,9 @@ class Calibration:
     # -- efficiencies ----------------------------------------------------------------------
     def rollout_efficiency(self) -> RolloutEfficiency:
         e = self.estimators
-        turns_seen = e["prefill"].samples or e["decode"].samples
-        prefill = e["prefill"].value() if turns_seen else e["rollout"].value()
-        decode = e["decode"].value() if turns_seen else e["rollout"].value()
+        pipeline = self.pipeline_slowdown()
+        prefill = e["prefill"].value() * pipeline
+        decode = e["decode"].value() * pipeline
         b = self.base_rollout
         return b.model_copy(update={"prefill_mfu": _scaled(b.prefill_mfu, prefill),
                                     "decode_bw": _scaled(b.decode_bw, decode)})
@@ -197,20 +205,17 @@ class Calibration:
         fixed = scale * (est.seconds - est.compute_s / (1.0 - est.bubble))
         return self._sample("train", seconds - fixed, scaled_part, "step")
 
-    def observe_rollout(self, fleet: Sequence[tuple[int, int]], lengths: Sequence[tuple[int, int]],
-                        seconds: float) -> str | None:
-        """One step's measured rollout seconds on a TP multiset `fleet` ((tp, instances), ...)."""
-        reason = _bad_numbers(seconds=seconds) or ("a step with no sequences" if not lengths else None)
+    def pipeline_slowdown(self) -> float:
+        """The simulator's rollout slowdown in force (1: the cost model's speeds as they are)."""
+        return self.estimators["pipeline"].value()
+
+    def observe_pipeline(self, measured_s: float, simulated_s: float, slowdown_in_force: float) -> str | None:
+        """Batches' measured rollout seconds against what the simulator played for the same batches
+        under the plan in force, with `slowdown_in_force` applied then."""
+        reason = _bad_numbers(seconds=measured_s) or _bad_numbers(seconds=simulated_s)
         if reason:
             return self._reject("step", reason)
-        instances = [self._instance(tp) for tp, n in fleet for _ in range(n)]
-        if not instances or any(i is None for i in instances):
-            return self._reject("step", "the rollout fleet cannot be costed")
-        try:
-            predicted = cost_rollout.rollout_time(lengths, instances)
-        except Infeasible as error:
-            return self._reject("step", f"rollout cannot be costed: {error}")
-        return self._sample("rollout", seconds, predicted, "step")
+        return self._sample("pipeline", measured_s * slowdown_in_force, simulated_s, "step")
 
     def record_step(self, predicted_s: float, measured_s: float) -> None:
         """Predicted (calibrated, before this step) vs measured step time, for the report."""

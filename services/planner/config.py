@@ -36,6 +36,17 @@ class ReplanSettings(Section):
                                                                      "trainer groups_per_step x group_size; the "
                                                                      "bare Replanner the largest multiple of the "
                                                                      "group size in the trace window)")
+    rank: Literal["simulate", "closed_form"] = Field(
+        "simulate", description="simulate: rank the search's shortlist by playing the recent window through the "
+                                "cluster simulator (the asynchronous pipeline, the move itself included); "
+                                "closed_form: one synchronous step of the cost model")
+    shortlist: int = Field(4, ge=1, le=32, description="candidates (distinct splits) simulated per decision")
+    confirm: int = Field(2, ge=1, le=100, description="rank simulate: a move is applied only when the same plan "
+                                                       "wins this many evaluations in a row (replays of a short "
+                                                       "window are noisy; 1: at once)")
+    sim_window_steps: int = Field(5, ge=2, le=64, description="recent steps replayed per candidate: 1 + a "
+                                                             "whole number of pipeline periods (staleness + 1 "
+                                                             "steps) is used, rounding down")
     drain_s: float = Field(30.0, ge=0, le=86_400, description="seconds to drain a GPU that changes role")
     process_start_s: float = Field(60.0, ge=0, le=86_400, description="seconds to start a new worker or trainer")
     load_gbps: float = Field(5.0, gt=0, le=10_000, description="GB/s per GPU when loading weights or state")
@@ -48,6 +59,9 @@ class ReplanSettings(Section):
             raise ValueError(f"time_ratio_high must be 0 (off) or > 1, got {self.time_ratio_high}")
         if self.pressure_steps > self.window_steps:
             raise ValueError(f"pressure_steps ({self.pressure_steps}) must be <= window_steps ({self.window_steps})")
+        if self.sim_window_steps > self.window_steps:
+            raise ValueError(f"sim_window_steps ({self.sim_window_steps}) must be <= window_steps "
+                             f"({self.window_steps})")
         return self
 
 
@@ -81,6 +95,22 @@ class ClusterSettings(Section):
                        description="configs/models/NAME.yaml (the cost model's view of the policy)")
     gpus: int = Field(16, ge=2, le=1_000_000, description="GPUs shared by training and rollout")
     tick_s: float = Field(5.0, gt=0, le=3600, description="seconds between reads of the runtime history")
+    tp_choices: tuple[int, ...] = Field((1, 2, 4, 8), min_length=1, description="TP degrees the search may use "
+                                                                                "(both sides)")
+    min_train_gpus: int = Field(1, ge=1, le=1_000_000, description="fewest GPUs the search gives training")
+    min_rollout_gpus: int = Field(1, ge=1, le=1_000_000, description="fewest GPUs the search gives rollout")
+    whole_nodes: Literal["auto", "on", "off"] = Field(
+        "auto", description="on: each side whole nodes; off: sides may share a node; auto: on for >= 2 whole "
+                            "nodes while it costs <= 5% of the predicted step (services/planner/placement.py)")
+
+    @model_validator(mode="after")
+    def _sides(self) -> "ClusterSettings":
+        if self.min_train_gpus + self.min_rollout_gpus > self.gpus:
+            raise ValueError(f"min_train_gpus ({self.min_train_gpus}) + min_rollout_gpus ({self.min_rollout_gpus}) "
+                             f"exceed gpus ({self.gpus})")
+        if any(not 1 <= tp <= 64 for tp in self.tp_choices):
+            raise ValueError(f"tp_choices must be in 1..64, got {list(self.tp_choices)}")
+        return self
 
 
 class PlannerConfig(Section):

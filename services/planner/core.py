@@ -117,7 +117,7 @@ def decision_proto(decision: ReplanDecision, current: common_pb2.Plan | None, ch
     """A Replanner decision as the record stored in Redis and shown by Explain."""
     candidates = [planner_pb2.Candidate(plan=to_plan(c, decision.trace, now) if decision.trace else None,
                                         predicted_train_seconds=c.train_s, predicted_rollout_seconds=c.rollout_s,
-                                        feasible=True, note=c.describe())
+                                        feasible=True, note=c.describe() + _replayed(decision, c))
                   for c in decision.candidates]
     return planner_pb2.PlanDecision(
         decision_id=decision_id, timestamp=now, chosen=chosen, candidates=candidates, applied=decision.applied,
@@ -129,6 +129,14 @@ def decision_proto(decision: ReplanDecision, current: common_pb2.Plan | None, ch
         trace_sequences=len(decision.trace))
 
 
+def _replayed(decision: ReplanDecision, candidate) -> str:
+    """What the simulated replay gave a candidate, when it played it."""
+    played = decision.simulated.get((candidate.layout, candidate.rollout))
+    if played is None:
+        return ""
+    return f"; replayed: {played[0]:.1f}s per step, move cost {played[1]:.0f}s"
+
+
 def _finite(value: float) -> float:
     return value if math.isfinite(value) else 0.0
 
@@ -138,7 +146,7 @@ def calibration_report(snapshot: dict, read: dict, now: float) -> planner_pb2.Ca
     report = planner_pb2.CalibrationReport(turns_read=read.get("turn", 0), steps_read=read.get("step", 0),
                                            updated_at=now)
     estimators = snapshot.get("estimators", {})
-    names = {"prefill": "prefill_mfu", "decode": "decode_bw", "train": "train_mfu", "rollout": "rollout_step"}
+    names = {"prefill": "prefill_mfu", "decode": "decode_bw", "train": "train_mfu", "pipeline": "rollout_pipeline"}
     for estimator, name in names.items():
         e = estimators.get(estimator, {})
         eff = snapshot.get("efficiency", {}).get(name, {})
@@ -172,7 +180,7 @@ def render_explain(reply: planner_pb2.ExplainResponse) -> str:
     for d in reply.decisions:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(d.timestamp))
         verdict = "APPLIED" if d.applied else "not applied"
-        lines.append(f"  #{d.decision_id} {when} trigger={d.trigger or '-'} {verdict}: {d.reason}")
+        lines.append(f"  #{d.decision_id} {when} trigger={d.trigger or '-'} {verdict}: {_without_verdict(d.reason)}")
         if d.HasField("current"):
             predicted = f"  predicted {d.predicted_current_seconds:.2f}s" if d.predicted_current_seconds else ""
             lines.append(f"      current: {describe(_plan_of(d.current))}{predicted}")
@@ -189,9 +197,10 @@ def render_explain(reply: planner_pb2.ExplainResponse) -> str:
     if c.efficiencies:
         lines.append(f"calibration ({c.turns_read} turns, {c.steps_read} steps read):")
         for e in c.efficiencies:
-            if e.name == "rollout_step":  # no efficiency of its own: stands in for both until turns arrive
+            if e.name == "rollout_pipeline":  # no efficiency of its own: divides both rollout ones
                 lines.append(f"  {e.name:<13} slowdown {e.slowdown:.3f} ± {e.std:.3f} ({e.samples} samples, "
-                             f"{e.resets} resets; used only while no turn was measured)")
+                             f"{e.resets} resets; measured batch rollout spans / simulated ones, on top of "
+                             f"prefill and decode)")
                 continue
             lines.append(f"  {e.name:<13} base {e.base:.3f} -> {e.calibrated:.3f}  (slowdown {e.slowdown:.3f} "
                          f"± {e.std:.3f}, {e.samples} samples, {e.resets} resets)")
@@ -201,6 +210,14 @@ def render_explain(reply: planner_pb2.ExplainResponse) -> str:
         for reason, count in sorted(c.rejected.items()):
             lines.append(f"  ignored: {reason} x{count}")
     return "\n".join(lines)
+
+
+def _without_verdict(reason: str) -> str:
+    """A reason without the verdict Explain prints before it ('not applied: not applied: ...' once)."""
+    for prefix in ("not applied: ", "applied: "):
+        if reason.startswith(prefix):
+            return reason[len(prefix):]
+    return reason
 
 
 def _plan_of(message: common_pb2.Plan) -> Plan:

@@ -30,6 +30,15 @@ class Infeasible(InvalidArgument):
     """A candidate cannot run at all (out of memory, a request that fits nowhere, bad sharding)."""
 
 
+class OverMemory(Infeasible):
+    """A side's layout needs more GiB per GPU than the GPU allows: the binding resource, in numbers."""
+
+    def __init__(self, side: str, layout: str, needed_gib: float, available_gib: float, detail: str):
+        self.side, self.layout = side, layout
+        self.needed_gib, self.available_gib = needed_gib, available_gib
+        super().__init__(f"{side} {layout} needs {needed_gib:.1f} GiB per GPU; {detail}")
+
+
 class RolloutEfficiency(Section):
     """Calibrated fractions of the datasheet peaks that inference reaches."""
 
@@ -104,10 +113,14 @@ def instance(model: ModelSpec, gpu: GpuSpec, tp: int, eff: RolloutEfficiency) ->
         raise Infeasible(f"tp {tp} exceeds the {gpu.gpus_per_node} GPUs of one node")
     weights = model.weight_bytes / tp
     kv_per_token = 2.0 * model.layers * kv_heads_per_gpu(model, tp) * model.head_dim * model.kv_bytes_per_value
-    free = gpu.memory_bytes * eff.memory_fraction - eff.reserve_gib * 1024 ** 3 - weights
+    usable = gpu.memory_bytes * eff.memory_fraction - eff.reserve_gib * 1024 ** 3
+    free = usable - weights
     if free <= 0:
-        raise Infeasible(f"{model.name} at tp {tp} needs {weights / 2**30:.1f} GiB of weights per GPU; "
-                         f"{gpu.name} leaves no room for a KV cache")
+        raise OverMemory("rollout", f"tp{tp}", weights / 2**30, usable / 2**30,
+                         f"{gpu.name} allows {usable / 2**30:.1f} GiB per GPU for weights and KV cache "
+                         f"({gpu.memory_gib:g} GiB x memory_fraction {eff.memory_fraction:g} - reserve "
+                         f"{eff.reserve_gib:g} GiB), which leaves no room for a KV cache after "
+                         f"{model.name}'s weights")
     return Instance(tp, weights, kv_per_token, int(free // kv_per_token), model, gpu, eff)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pydantic import Field
 
 from libra.configbase import Section
-from libra.services.planner.cost_rollout import Infeasible
+from libra.services.planner.cost_rollout import Infeasible, OverMemory
 from libra.services.planner.hardware import GIB, GpuSpec, ModelSpec
 
 
@@ -95,8 +95,10 @@ def step_time(model: ModelSpec, gpu: GpuSpec, layout: Layout, batch_sequences: i
     memory = memory_bytes(model, layout, seq_len, eff)
     budget = gpu.memory_bytes * eff.memory_fraction
     if memory > budget:
-        raise Infeasible(f"training tp{layout.tp} pp{layout.pp} dp{layout.dp} mb{layout.micro_batch} needs "
-                         f"{memory / GIB:.1f} GiB per GPU; {gpu.name} allows {budget / GIB:.1f}")
+        raise OverMemory("training", f"tp{layout.tp} pp{layout.pp} dp{layout.dp} mb{layout.micro_batch}",
+                         memory / GIB, budget / GIB,
+                         f"{gpu.name} allows {budget / GIB:.1f} ({gpu.memory_gib:g} GiB x memory_fraction "
+                         f"{eff.memory_fraction:g}) for {model.name} with {seq_len}-token sequences")
     m = per_replica
     passes = 6.0 + (2.0 if eff.logprob_recompute else 0.0)
     compute = (passes * model.active_params * batch_sequences * seq_len

@@ -23,9 +23,12 @@ last evaluation that searched). A gated decision is returned with its reason; `r
 when it repeats the previous gated decision (same trigger, same gate), so a persistent signal does
 not flood the decision log.
 
-Acceptance and the transition cost are priced in transition.py: apply iff the predicted gain
-over `horizon_steps`, less the cost of moving, is positive and at least `min_gain_ratio` of the
-predicted time (both in its module docstring).
+What a move is worth is judged in evaluate.py: by default by playing the recent window of the
+trace through the cluster simulator (a `Ranker`, injected: `sim/rank.py`) for the plan in force,
+for the search's shortlist and for the move itself (`rank: simulate`), or by the closed-form cost
+model of one synchronous step (`rank: closed_form`, or no ranker). Either way a plan is applied
+only when the gain over `horizon_steps`, less the cost of moving, is positive and at least
+`min_gain_ratio` of the time the plan in force would take (transition.py).
 """
 
 from __future__ import annotations
@@ -39,32 +42,14 @@ from libra.errors import ConfigError
 from libra.services.planner.calibration import Calibration, predicted_times
 from libra.services.planner.config import ReplanSettings
 from libra.services.planner.cost_rollout import Infeasible
-from libra.services.planner.cost_train import Layout
+from libra.services.planner.evaluate import Ranker, Verdict, by_closed_form, by_simulation
 from libra.services.planner.hardware import GpuSpec, ModelSpec
+from libra.services.planner.observation import StepObservation, candidate_from_plan, check_step
 from libra.services.planner.search import Candidate, SearchConfig, search
-from libra.services.planner.transition import accept, same_plan, transition_cost_s
+from libra.services.planner.transition import same_plan, transition_cost_s
 
 TRIGGERS = ("interval", "queue", "active", "rejected", "ratio")
-
-
-@dataclass(frozen=True)
-class StepObservation:
-    """One finished training step's runtime facts.
-
-    `lengths` are the (prompt, output) tokens of rollouts finished since the previous step;
-    `sequences` the rollouts trained on (0: len(lengths)); seconds are wall time of the step, the
-    rollout side (time to produce its batch) and the training side.
-    """
-
-    step: int
-    time_s: float
-    rollout_s: float
-    train_s: float
-    queue_depth: float = 0.0
-    active_rollouts: float = 0.0
-    rejected_rollouts: int = 0
-    lengths: Sequence[tuple[int, int]] = ()
-    sequences: int = 0
+__all__ = ["ReplanDecision", "Replanner", "StepObservation", "candidate_from_plan", "TRIGGERS"]
 
 
 @dataclass
@@ -77,18 +62,20 @@ class ReplanDecision:
     candidates: list[Candidate] = field(default_factory=list)
     predicted_current_s: float = math.nan
     predicted_new_s: float = math.nan
-    transition_cost_s: float = 0.0
+    transition_cost_s: float = 0.0  # what the move costs the run (simulated, or closed-form)
+    downtime_s: float = 0.0  # how long the sides that change are down (transition.transition_cost_s)
     gain_s: float = 0.0
     inputs: dict = field(default_factory=dict)
     record: bool = True  # False: a repeat of the previous gated decision (not worth storing again)
     trace: list[tuple[int, int]] = field(default_factory=list)  # the lengths searched
+    simulated: dict = field(default_factory=dict)  # (layout, fleet) -> (seconds per step, move cost) replayed
 
 
 class Replanner:
     """Decides when to replan and whether to apply; holds the plan it believes is in force."""
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, gpus: int, settings: ReplanSettings,
-                 search_config: SearchConfig, current: Candidate | None = None):
+                 search_config: SearchConfig, current: Candidate | None = None, ranker: Ranker | None = None):
         if gpus < 2:
             raise ConfigError(f"gpus must be >= 2 (one to train, one to roll out), got {gpus}")
         self.model, self.gpu, self.settings = model, gpu, settings
@@ -96,6 +83,9 @@ class Replanner:
         self.calibration = Calibration(model, gpu, search_config.rollout, search_config.train,
                                        settings.calibration)
         self._current = current
+        self.ranker = ranker if settings.rank == "simulate" else None
+        self._applied_at_step = 0  # steps_observed when the plan in force was applied
+        self._winner: tuple[object, int] = (None, 0)  # the plan the simulated judge chose last, and how often in a row
         self.window: deque[StepObservation] = deque(maxlen=settings.window_steps)
         self.lengths: deque[tuple[int, int]] = deque(maxlen=settings.trace_window)
         self.steps_observed = 0
@@ -113,7 +103,7 @@ class Replanner:
     # -- inputs ----------------------------------------------------------------------------
     def observe_step(self, obs: StepObservation) -> str | None:
         """Take one step's facts; returns why they were rejected (nothing changes then), or None."""
-        reason = _check_step(obs)
+        reason = check_step(obs)
         if reason:
             self.rejected["step: " + reason.split(" (")[0]] += 1
             return reason
@@ -121,7 +111,6 @@ class Replanner:
             predicted = self.predict(self._current, list(obs.lengths))
             self.calibration.record_step(predicted[2], obs.time_s)
             self.calibration.observe_train(self._current.layout, list(obs.lengths), obs.train_s)
-            self.calibration.observe_rollout(self._current.rollout, list(obs.lengths), obs.rollout_s)
         self.window.append(obs)
         self.lengths.extend((int(p), int(o)) for p, o in obs.lengths)
         self.steps_observed += 1
@@ -151,7 +140,8 @@ class Replanner:
                 "lengths": [list(pair) for pair in self.lengths], "steps_observed": self.steps_observed,
                 "rejected": dict(self.rejected), "origin_s": self._origin_s,
                 "last_evaluated_s": self._last_evaluated_s, "last_searched_s": self._last_searched_s,
-                "last_applied_s": self._last_applied_s, "calibration": self.calibration.state()}
+                "last_applied_s": self._last_applied_s, "applied_at_step": self._applied_at_step,
+                "calibration": self.calibration.state()}
 
     def restore(self, state: dict) -> None:
         """Continue from `state()` of an earlier instance. Nothing is observed again: restored window
@@ -167,6 +157,7 @@ class Replanner:
         self._last_evaluated_s = state.get("last_evaluated_s")
         self._last_searched_s = state.get("last_searched_s")
         self._last_applied_s = state.get("last_applied_s")
+        self._applied_at_step = int(state.get("applied_at_step", 0))
         self.calibration.restore(state.get("calibration", {}))
 
     # -- the decision ----------------------------------------------------------------------
@@ -192,6 +183,7 @@ class Replanner:
         if decision.applied:
             self._current = decision.chosen
             self._last_applied_s = now_s
+            self._applied_at_step = self.steps_observed
         return decision
 
     def rejected_inputs(self) -> dict[str, int]:
@@ -267,8 +259,10 @@ class Replanner:
             base.reason = (f"not evaluated: the trace window holds {len(self.lengths)} rollouts, fewer than one "
                            f"batch of {self.settings.batch_sequences or self.search_config.group_size}")
             return base
-        config = self.search_config.model_copy(update={"rollout": self.calibration.rollout_efficiency(),
-                                                       "train": self.calibration.train_efficiency()})
+        config = self.search_config.model_copy(update={
+            "rollout": self.calibration.rollout_efficiency(), "train": self.calibration.train_efficiency(),
+            **({"distinct_splits": True, "fleets_per_split": 2, "top_k": self.settings.shortlist + 1}
+               if self.ranker else {})})
         try:
             result = search(self.model, self.gpu, trace, config)
         except Infeasible as error:
@@ -282,50 +276,55 @@ class Replanner:
         current = self.predict(self._current, trace)
         base.current = Candidate(self._current.layout, self._current.rollout, current[0], current[1])
         base.predicted_current_s = current[2]
+        if not math.isfinite(current[2]):
+            base.applied, base.gain_s = True, math.inf
+            base.transition_cost_s = base.downtime_s = transition_cost_s(self._current, best, self.model,
+                                                                         self.settings)
+            base.reason = f"the plan in force cannot run the recent trace; moving to {best.describe()}"
+            return base
+        if self.ranker is not None:
+            return self._judged(base, self._confirmed(self._simulated(result.alternatives)))
         if same_plan(self._current, best):
             base.reason = f"not applied: the plan in force is already the best ({best.step_s:.2f}s per step)"
             return base
         cost = transition_cost_s(self._current, best, self.model, self.settings)
-        base.transition_cost_s = cost
-        if not math.isfinite(current[2]):
-            base.applied = True
-            base.reason = f"the plan in force cannot run the recent trace; moving to {best.describe()}"
-            base.gain_s = math.inf
-            return base
-        base.applied, base.gain_s, base.reason = accept(current[2], best.step_s, cost, self.settings)
+        return self._judged(base, by_closed_form(current[2], best, cost, self.settings))
+
+    def _simulated(self, alternatives: Sequence[Candidate]) -> Verdict:
+        shortlist = [c for c in alternatives if not same_plan(c, self._current)][:self.settings.shortlist]
+        observations = list(self.window)
+        first = self.steps_observed - len(observations) + 1  # the step number of observations[0]
+        calibrate_from = max(0, self._applied_at_step + 3 - first)  # steps wholly run on the plan in force
+        return by_simulation(self.ranker, observations, self._current, shortlist, self.calibration, self.settings,
+                             calibrate_from, lambda old, new: transition_cost_s(old, new, self.model, self.settings))
+
+    def _confirmed(self, verdict: Verdict) -> Verdict:
+        """A simulated move waits until the same plan has won `confirm` evaluations in a row."""
+        if not verdict.applied or verdict.chosen is None:
+            self._winner = (None, 0)
+            return verdict
+        key = (verdict.chosen.layout, tuple(sorted(verdict.chosen.rollout)))
+        wins = self._winner[1] + 1 if self._winner[0] == key else 1
+        self._winner = (key, wins)
+        if wins < self.settings.confirm and math.isfinite(verdict.current_s):
+            verdict.applied = False
+            verdict.reason = (f"not applied yet: {wins} of {self.settings.confirm} evaluations in a row chose it "
+                              f"({verdict.reason.removeprefix('applied: ')})")
+        else:
+            self._winner = (None, 0)
+        return verdict
+
+    def _judged(self, base: ReplanDecision, verdict: Verdict) -> ReplanDecision:
+        base.applied, base.reason, base.gain_s = verdict.applied, verdict.reason, verdict.gain_s
+        base.transition_cost_s = verdict.cost_s
+        base.simulated = {(c.layout, c.rollout): (per_step, cost) for c, per_step, cost in verdict.ranked or []}
+        if verdict.chosen is not None:
+            base.chosen, base.predicted_new_s = verdict.chosen, verdict.new_s
+            base.downtime_s = transition_cost_s(self._current, verdict.chosen, self.model, self.settings)
+        if math.isfinite(verdict.current_s):
+            base.predicted_current_s = verdict.current_s
         return base
 
 
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
-
-
-def _check_step(obs: StepObservation) -> str | None:
-    for name in ("time_s", "rollout_s", "train_s", "queue_depth", "active_rollouts", "rejected_rollouts"):
-        value = getattr(obs, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return f"{name} is not a finite number ({value!r})"
-        if value < 0:
-            return f"{name} is negative ({value!r})"
-    if max(obs.time_s, obs.rollout_s, obs.train_s) > 7 * 86_400:
-        return f"step seconds are absurd (over one week: {obs.time_s}, {obs.rollout_s}, {obs.train_s})"
-    if obs.sequences < 0:
-        return f"sequences is negative ({obs.sequences})"
-    for index, (p, o) in enumerate(obs.lengths):
-        if not (0 <= p <= 10_000_000 and 1 <= o <= 10_000_000):
-            return f"lengths out of range (lengths[{index}] = ({p}, {o}))"
-    return None
-
-
-def candidate_from_plan(plan) -> Candidate | None:
-    """The plan in force (`libra.v1.Plan` or `libra.plans.Plan`) as a search candidate; None for a
-    plan the cost model cannot describe (no training GPUs: CPU training)."""
-    t = plan.training
-    if not t.gpus:
-        return None
-    counts: Counter = Counter()
-    for bucket in plan.buckets:
-        if bucket.replicas:
-            counts[int(bucket.tp or 1)] += int(bucket.replicas)
-    layout = Layout(int(t.tp or 1), int(t.pp or 1), int(t.dp or 1), int(t.micro_batch or 1))
-    return Candidate(layout, tuple(sorted(counts.items())), math.nan, math.nan)

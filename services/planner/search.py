@@ -2,8 +2,10 @@
 rollout so that the step time max(T_train, T_rollout) is smallest.
 
 Owns candidate enumeration, the filters (memory, batch divisibility, whole GRPO groups per DP
-replica, min GPUs per side, node boundaries) and pruning. Costs come from `cost_train` and
-`cost_rollout`; this module must not know about Redis, RPCs or the clock.
+replica, min GPUs per side, node placement: `placement.py`) and pruning. Costs come from
+`cost_train` and `cost_rollout`; this module must not know about Redis, RPCs or the clock. When
+nothing passes, the error names every reason with its count, and the binding resource in numbers
+(the least GiB per GPU any layout of a side needed against what the GPU allows).
 
     training layouts, sorted by T_train ──▶ stop once T_train >= k-th best objective (bound)
         └─ rollout GPUs R = total - train ──▶ best TP multiset for R (cached per R)
@@ -15,15 +17,16 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Literal, Sequence
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from libra.configbase import Section
-from libra.services.planner import cost_rollout, cost_train
-from libra.services.planner.cost_rollout import Infeasible, RolloutEfficiency
+from libra.services.planner import cost_rollout, cost_train, placement
+from libra.services.planner.cost_rollout import Infeasible, OverMemory, RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
 from libra.services.planner.hardware import GpuSpec, ModelSpec
+from libra.services.planner.rejections import Rejections
 
 Multiset = tuple[tuple[int, int], ...]  # ((tp, instances), ...) sorted by tp
 
@@ -38,13 +41,41 @@ class SearchConfig(Section):
     tp_choices: tuple[int, ...] = Field((1, 2, 4, 8), min_length=1, description="TP degrees to try (both sides)")
     pp_choices: tuple[int, ...] = Field((1, 2, 4, 8), min_length=1, description="training PP degrees to try")
     micro_batches: tuple[int, ...] = Field((1, 2, 4, 8), min_length=1, description="sequences per micro-batch")
-    whole_nodes: bool = Field(True, description="when total >= one node, each side gets whole nodes")
+    whole_nodes: Literal["auto", "on", "off"] = Field(
+        "auto", description="on: each side gets whole nodes; off: TP groups packed into nodes, sides may share "
+                            "one; auto: on for clusters of >= 2 whole nodes while it costs <= whole_node_slack")
+    whole_node_slack: float = Field(0.05, ge=0, le=10, description="auto: whole nodes are kept while their best "
+                                                                   "plan is at most this share slower than the "
+                                                                   "best packed plan")
     top_k: int = Field(5, ge=1, le=100, description="alternatives reported next to the best plan")
+    distinct_splits: bool = Field(False, description="the top_k hold one layout per (training GPUs, rollout "
+                                                     "fleet): the replanner's shortlist to simulate")
+    fleets_per_split: int = Field(1, ge=1, le=8, description="with distinct_splits: rollout fleets (TP mixes) "
+                                                             "considered per split, best first")
     exact_multiset_limit: int = Field(512, ge=1, le=1_000_000,
                                       description="enumerate every TP multiset when there are at most this many")
     mix_steps: int = Field(8, ge=1, le=64, description="grid steps for two-degree mixes beyond that limit")
     rollout: RolloutEfficiency = Field(default_factory=RolloutEfficiency, description="rollout efficiencies")
     train: TrainEfficiency = Field(default_factory=TrainEfficiency, description="training efficiencies")
+
+    @field_validator("whole_nodes", mode="before")
+    @classmethod
+    def _whole_nodes_bool(cls, value):
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @field_validator("tp_choices", "pp_choices", "micro_batches")
+    @classmethod
+    def _positive(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(not 1 <= v <= 4096 for v in value):
+            raise ValueError(f"every degree must be in 1..4096, got {list(value)}")
+        return tuple(sorted(set(value)))
+
+    @model_validator(mode="after")
+    def _sides_fit(self) -> "SearchConfig":
+        if self.min_train_gpus + self.min_rollout_gpus > self.total_gpus:
+            raise ValueError(f"min_train_gpus ({self.min_train_gpus}) + min_rollout_gpus ({self.min_rollout_gpus}) "
+                             f"exceed total_gpus ({self.total_gpus})")
+        return self
 
 
 @dataclass(frozen=True)
@@ -67,7 +98,8 @@ class Candidate:
         mix += f" = {self.rollout_gpus} GPUs"
         side = "training-bound" if self.train_s >= self.rollout_s else "rollout-bound"
         l = self.layout
-        return (f"train tp{l.tp} pp{l.pp} dp{l.dp} mb{l.micro_batch} ({l.gpus} GPUs, {self.train_s:.1f}s) | "
+        gpus = f"{l.gpus} GPU{'s' if l.gpus != 1 else ''}"
+        return (f"train tp{l.tp} pp{l.pp} dp{l.dp} mb{l.micro_batch} ({gpus}, {self.train_s:.1f}s) | "
                 f"rollout {mix} ({self.rollout_s:.1f}s) | step {self.step_s:.1f}s, {side}")
 
 
@@ -79,6 +111,7 @@ class SearchResult:
     evaluated: int = 0  # training layouts whose rollout side was costed
     pruned: int = 0  # training layouts skipped because T_train alone exceeded the bound
     batch_sequences: int = 0
+    placement: str = ""  # whole-node placement used, and why (auto's choice)
 
     @property
     def sequences_per_s(self) -> float:
@@ -123,47 +156,42 @@ def multisets(gpus: int, tps: Sequence[int], config: SearchConfig) -> list[Multi
 
 
 def _train_layouts(model: ModelSpec, gpu: GpuSpec, batch: int, seq_len: int, config: SearchConfig,
-                   rejected: Counter) -> list[tuple[float, Layout]]:
+                   whole: bool, rejected: Rejections) -> list[tuple[float, Layout]]:
     """Every training layout that passes the filters, with its step time."""
-    node = gpu.gpus_per_node if config.whole_nodes and config.total_gpus >= gpu.gpus_per_node else 1
     out = []
     for tp in config.tp_choices:
         for pp in config.pp_choices:
             for dp in range(1, config.total_gpus // (tp * pp) + 1):
                 gpus = tp * pp * dp
-                reason = _layout_filter(gpus, dp, batch, node, config)
+                reason = _layout_filter(gpus, dp, batch, gpu.gpus_per_node, whole, config)
                 for mb in config.micro_batches:
                     if reason or batch % (dp * mb):
-                        rejected[reason or "batch not divisible by dp x micro_batch"] += 1
+                        rejected.add(reason or "batch not divisible by dp x micro_batch")
                         continue
                     try:
                         est = cost_train.step_time(model, gpu, Layout(tp, pp, dp, mb), batch, seq_len, config.train)
+                    except OverMemory as error:
+                        rejected.over_memory(error)
+                        continue
                     except Infeasible as error:
-                        rejected["training " + _reason_of(error)] += 1
+                        rejected.add("training: " + str(error))
                         continue
                     out.append((est.seconds, Layout(tp, pp, dp, mb)))
     out.sort(key=lambda item: item[0])
     return out
 
 
-def _reason_of(error: Exception) -> str:
-    text = str(error)
-    if "GiB per GPU" in text:
-        return "over memory"
-    if "node" in text:
-        return "tp crosses a node"
-    return text.split(" (")[0][:60]
-
-
-def _layout_filter(gpus: int, dp: int, batch: int, node: int, config: SearchConfig) -> str:
+def _layout_filter(gpus: int, dp: int, batch: int, per_node: int, whole: bool, config: SearchConfig) -> str:
     if gpus < config.min_train_gpus:
-        return "fewer than min_train_gpus"
+        return f"fewer than min_train_gpus={config.min_train_gpus} for training"
     if config.total_gpus - gpus < config.min_rollout_gpus:
-        return "fewer than min_rollout_gpus left for rollout"
-    if gpus % node or (config.total_gpus - gpus) % node:
-        return "not whole nodes"
+        return f"fewer than min_rollout_gpus={config.min_rollout_gpus} left for rollout"
+    if whole:
+        rule = placement.whole_node_rule(gpus, config.total_gpus, per_node)
+        if rule:
+            return rule
     if batch % dp or (batch // dp) % config.group_size:
-        return "DP replica would split a GRPO group"
+        return f"a DP replica would split a GRPO group of {config.group_size} in a batch of {batch}"
     return ""
 
 
@@ -175,81 +203,133 @@ class _RolloutTable:
 
     Fewer GPUs never beat more (idle GPUs are allowed in exact mode; approximately so on the grid),
     so once R GPUs cannot beat a cutoff, no count <= R is costed again: `failed_up_to` remembers R.
+    Where TP groups may straddle a node (`placement.Packing.needed`), the fleet must also pack next
+    to the training groups: the table is then keyed by the training TP degree too, without the
+    `failed_up_to` shortcut.
     """
 
-    def __init__(self, trace, instances: dict[int, cost_rollout.Instance], config: SearchConfig):
+    def __init__(self, trace, instances: dict[int, cost_rollout.Instance], config: SearchConfig,
+                 packing: placement.Packing, rejected: Rejections):
         self.trace, self.instances, self.config = trace, instances, config
-        self.cache: dict[int, tuple[float, Multiset]] = {}
+        self.packing, self.rejected = packing, rejected
+        self.cache: dict[tuple[int, int], tuple[float, Multiset]] = {}
         self.failed_up_to = 0
 
-    def best(self, gpus: int, cutoff: float) -> tuple[float, Multiset]:
-        if gpus <= self.failed_up_to:
-            return math.inf, ()
-        if gpus not in self.cache:
-            self.cache[gpus] = self._search(gpus, cutoff)
-            if self.cache[gpus][0] == math.inf:
+    def best(self, gpus: int, cutoff: float, layout: Layout) -> list[tuple[float, Multiset]]:
+        """The `fleets` fastest multisets (fastest first; [(inf, ())] when none beats the cutoff)."""
+        key = (gpus, layout.tp if self.packing.needed else 0)
+        if not self.packing.needed and gpus <= self.failed_up_to:
+            return [(math.inf, ())]
+        if key not in self.cache:
+            self.cache[key] = self._search(gpus, cutoff, layout)
+            if self.cache[key][0][0] == math.inf and not self.packing.needed:
                 self.failed_up_to = max(self.failed_up_to, gpus)
-        return self.cache[gpus]
+        return self.cache[key]
 
-    def _search(self, gpus: int, cutoff: float) -> tuple[float, Multiset]:
-        best: tuple[float, Multiset] = (math.inf, ())
+    def _search(self, gpus: int, cutoff: float, layout: Layout) -> list[tuple[float, Multiset]]:
+        keep = self.config.fleets_per_split if self.config.distinct_splits else 1
+        best: list[tuple[float, Multiset]] = []
         for mix in multisets(gpus, list(self.instances), self.config):
-            fleet = [self.instances[tp] for tp, n in mix for _ in range(n)]
-            try:
-                seconds = cost_rollout.rollout_time(self.trace, fleet, cutoff=min(cutoff, best[0]))
-            except Infeasible:
+            if not self.packing.fits(layout.tp, layout.pp * layout.dp, mix):
+                self.rejected.add(f"TP groups would straddle a node of {self.packing.nodes[0]} GPUs")
                 continue
-            if seconds < best[0]:
-                best = (seconds, mix)
-        return best
+            fleet = [self.instances[tp] for tp, n in mix for _ in range(n)]
+            bar = best[-1][0] if len(best) >= keep else math.inf
+            try:
+                seconds = cost_rollout.rollout_time(self.trace, fleet, cutoff=min(cutoff, bar))
+            except Infeasible as error:
+                self.rejected.add(f"rollout: {error}")
+                continue
+            if seconds < bar:
+                best = sorted(best + [(seconds, mix)])[:keep]
+        return best or [(math.inf, ())]
 
 
 def search(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]], config: SearchConfig) -> SearchResult:
     """Best allocation of `config.total_gpus` for one GRPO step whose rollouts are `trace`.
 
     The batch is the trace (one sequence per request); the training sequence length is the mean
-    prompt + output. Raises `Infeasible` when no candidate passes every filter.
+    prompt + output. `whole_nodes` as in `placement`; the result's `placement` says which was used
+    and why. Raises `Infeasible` when no candidate passes every filter.
     """
     if not trace:
         raise Infeasible("an empty trace gives nothing to plan for")
+    per_node = gpu.gpus_per_node
+    if config.whole_nodes != "auto":
+        result = _search(model, gpu, trace, config, config.whole_nodes == "on")
+        result.placement = f"whole nodes {config.whole_nodes} (asked)"
+        return result
+    consider, why = placement.auto_whole_nodes(config.total_gpus, per_node)
+    packed = _search(model, gpu, trace, config, whole=False)
+    if not consider:
+        packed.placement = f"whole nodes off (auto: {why})"
+        return packed
+    try:
+        whole = _search(model, gpu, trace, config, whole=True)
+    except Infeasible as error:
+        packed.placement = f"whole nodes off (auto: no whole-node split is feasible: {error})"
+        return packed
+    ratio = whole.best.step_s / packed.best.step_s - 1.0
+    numbers = (f"best whole-node plan {whole.best.step_s:.2f}s vs packed {packed.best.step_s:.2f}s per step, "
+               f"{ratio:+.1%}; whole_node_slack {config.whole_node_slack:.0%}")
+    if ratio <= config.whole_node_slack:
+        whole.placement = f"whole nodes on (auto: {placement.describe_cluster(config.total_gpus, per_node)}; {numbers})"
+        return whole
+    packed.placement = f"whole nodes off (auto: they would cost too much: {numbers})"
+    return packed
+
+
+def _search(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]], config: SearchConfig,
+            whole: bool) -> SearchResult:
     batch = len(trace)
     seq_len = max(1, round(sum(p + o for p, o in trace) / batch))
-    result_rejected: Counter = Counter()
-    layouts = _train_layouts(model, gpu, batch, seq_len, config, result_rejected)
-    table = _RolloutTable(trace, _rollout_instances(model, gpu, config, result_rejected), config)
+    rejected = Rejections()
+    layouts = _train_layouts(model, gpu, batch, seq_len, config, whole, rejected)
+    packing = placement.Packing(config.total_gpus, gpu.gpus_per_node, config.tp_choices)
+    table = _RolloutTable(trace, _rollout_instances(model, gpu, config, rejected), config, packing, rejected)
     top: list[Candidate] = []
     evaluated = 0
     for index, (train_s, layout) in enumerate(layouts):
         bound = top[-1].step_s if len(top) >= config.top_k else math.inf
         if train_s >= bound:
-            return _result(top, result_rejected, evaluated, len(layouts) - index, batch)
+            return _result(top, rejected, evaluated, len(layouts) - index, batch, config, gpu, whole)
         evaluated += 1
-        rollout_s, mix = table.best(config.total_gpus - layout.gpus, bound)
-        if max(train_s, rollout_s) < bound:
+        for rollout_s, mix in table.best(config.total_gpus - layout.gpus, bound, layout):
+            bound = top[-1].step_s if len(top) >= config.top_k else math.inf
+            if max(train_s, rollout_s) >= bound:
+                break
+            if config.distinct_splits:  # layouts are costed fastest first: a split already in keeps its layout
+                if any(c.layout.gpus == layout.gpus and c.rollout == mix for c in top):
+                    continue
             top.append(Candidate(layout, mix, train_s, rollout_s))
             top.sort(key=lambda c: (c.step_s, c.layout.gpus))
             del top[config.top_k:]
-    return _result(top, result_rejected, evaluated, 0, batch)
+    return _result(top, rejected, evaluated, 0, batch, config, gpu, whole)
 
 
 def _rollout_instances(model: ModelSpec, gpu: GpuSpec, config: SearchConfig,
-                       rejected: Counter) -> dict[int, cost_rollout.Instance]:
+                       rejected: Rejections) -> dict[int, cost_rollout.Instance]:
     out = {}
     for tp in config.tp_choices:
         if gpu.gpus_per_node % tp:
-            rejected[f"rollout tp{tp} would straddle nodes"] += 1
+            rejected.add(f"rollout tp{tp} would straddle nodes of {gpu.gpus_per_node} GPUs")
             continue
         try:
             out[tp] = cost_rollout.instance(model, gpu, tp, config.rollout)
+        except OverMemory as error:
+            rejected.over_memory(error)
         except Infeasible as error:
-            rejected[f"rollout tp{tp}: {_reason_of(error)}"] += 1
+            rejected.add(f"rollout tp{tp}: {error}")
     if not out:
-        raise Infeasible(f"no rollout TP degree in {config.tp_choices} can hold {model.name} on {gpu.name}")
+        raise Infeasible(f"no rollout TP degree in {list(config.tp_choices)} can hold {model.name} on {gpu.name}. "
+                         f"{rejected.explain(gpu)}")
     return out
 
 
-def _result(top: list[Candidate], rejected: Counter, evaluated: int, pruned: int, batch: int) -> SearchResult:
+def _result(top: list[Candidate], rejected: Rejections, evaluated: int, pruned: int, batch: int,
+            config: SearchConfig, gpu: GpuSpec, whole: bool) -> SearchResult:
     if not top:
-        reasons = ", ".join(f"{r} ({n})" for r, n in rejected.most_common(4)) or "no layouts"
-        raise Infeasible(f"no feasible allocation; rejected: {reasons}")
-    return SearchResult(top[0], list(top), rejected, evaluated, pruned, batch)
+        where = placement.describe_cluster(config.total_gpus, gpu.gpus_per_node)
+        raise Infeasible(f"no feasible allocation of {where} for a batch of {batch} sequences "
+                         f"(whole nodes {'on' if whole else 'off'}). {rejected.explain(gpu)}")
+    return SearchResult(top[0], list(top), rejected.reasons, evaluated, pruned, batch)

@@ -12,6 +12,10 @@ In `mode: online` a background loop also calibrates and replans:
 The cursor and the Replanner's state are written together, so a restarted planner continues
 where the last one stopped and never counts a history record twice. A plan whose ApplyPlan did
 not get through stays `pending_apply` in that blob and is sent again on the next tick.
+
+The plan in force is also kept in memory: a Redis that comes back without it (no persistence)
+gets it again (`redis_back`), and GetPlan answers it meanwhile; GetPlan says "no plan yet" only
+before the planner first stored one (and the planner is not SERVING then).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from libra.runtime import Service, serve as run_service
 from libra.service_base import connect_store
 from libra.services.planner import core
 from libra.services.planner.servicer import PlannerServicer
+from libra.services.planner.telemetry import planner_probe
 from libra.v1 import common_pb2, elastic_pb2, elastic_pb2_grpc, planner_pb2, planner_pb2_grpc
 
 _log = liblog.get("libra.planner")
@@ -55,6 +60,7 @@ class PlannerService(Service):
         self.replanner = None
         self.feeder = core.HistoryFeeder()
         self.online: dict = {}  # the planner.online blob: cursor, counters, pending_apply, replanner state
+        self.plan: common_pb2.Plan | None = None  # the plan in force, as last read or written
         self.clock = time.time
         self._tick_lock = asyncio.Lock()
 
@@ -69,10 +75,12 @@ class PlannerService(Service):
         existing = await self.store.get_plan()
         if existing is None:
             plan = core.static_plan(self.config.planner, time.time())
-            await self.store.put_plan(to_proto(plan))
+            self.plan = to_proto(plan)
+            await self.store.put_plan(self.plan)
             await self._record_decision(plan, applied=True, reason=plan.reason)
             _log.info("plan", plan=core.describe(plan))
         else:
+            self.plan = existing
             _log.info("plan resumed from redis", plan=core.describe(from_proto(existing)))
         if self.config.planner.mode == "online":
             await self._start_online()
@@ -82,20 +90,30 @@ class PlannerService(Service):
             timestamp=time.time(), chosen=to_proto(plan), applied=applied, reason=reason, trigger="config",
             candidates=[planner_pb2.Candidate(plan=to_proto(plan), feasible=True, note="configured")])
         await self.store.append_plan_decision(decision.SerializeToString())
+        planner_probe(self.config).decision(decision)
 
     # -- online mode -------------------------------------------------------------------------
     async def _start_online(self) -> None:
         from libra.services.planner.hardware import gpu_named, model_named
         from libra.services.planner.replan import Replanner, candidate_from_plan
         from libra.services.planner.search import SearchConfig
+        from libra.services.planner.sim.cluster import SimConfig
+        from libra.services.planner.sim.rank import SimRanker
 
-        cluster, trainer = self.config.planner.cluster, self.config.trainer
+        cluster, trainer, scheduler = self.config.planner.cluster, self.config.trainer, self.config.scheduler
         settings = self.config.planner.replan
         if not settings.batch_sequences:
             settings = settings.model_copy(update={"batch_sequences": trainer.groups_per_step * trainer.group_size})
-        search_config = SearchConfig(total_gpus=cluster.gpus, group_size=trainer.group_size)
-        self.replanner = Replanner(model_named(cluster.model), gpu_named(cluster.hardware), cluster.gpus,
-                                   settings, search_config, candidate_from_plan(await self.store.get_plan()))
+        search_config = SearchConfig(total_gpus=cluster.gpus, group_size=trainer.group_size,
+                                     tp_choices=cluster.tp_choices, min_train_gpus=cluster.min_train_gpus,
+                                     min_rollout_gpus=cluster.min_rollout_gpus, whole_nodes=cluster.whole_nodes)
+        model, gpu = model_named(cluster.model), gpu_named(cluster.hardware)
+        # the replay runs the loop as this run does: its staleness bound and its routing policy
+        sim = SimConfig(staleness=min(trainer.max_staleness, 64), policy=scheduler.policy.type,
+                        per_worker_cap_tokens=scheduler.per_worker_cap_tokens)
+        ranker = SimRanker(model, gpu, search_config, sim, settings.sim_window_steps)
+        self.replanner = Replanner(model, gpu, cluster.gpus, settings, search_config,
+                                   candidate_from_plan(await self.store.get_plan()), ranker)
         blob = await self.store.load_blob(ONLINE_BLOB)
         self.online = json.loads(blob) if blob else {"cursor": {"turn": "", "step": ""},
                                                       "read": {"turn": 0, "step": 0}, "decisions": 0}
@@ -116,8 +134,14 @@ class PlannerService(Service):
         async with self._tick_lock:  # the loop and a test (or a future RPC) never interleave ticks
             return await self._tick()
 
+    async def redis_back(self) -> None:
+        """Redis came back: if it lost the plan in force, store it again (the same generation)."""
+        if self.plan is not None and await self.store.get_plan() is None:
+            await self.store.put_plan(self.plan)
+            _log.warning("redis had lost the plan in force; stored it again", generation=self.plan.generation)
+
     async def _tick(self) -> planner_pb2.PlanDecision | None:
-        plan = await self.store.get_plan()
+        plan = await self.store.get_plan() or self.plan
         records = {}
         for kind in ("turn", "step"):
             rows = await self.store.read_history_after(kind, self.online["cursor"][kind], HISTORY_BATCH)
@@ -150,6 +174,7 @@ class PlannerService(Service):
             chosen = core.replan_plan(decision, (plan.generation if plan else 0) + 1, now)
             try:
                 await self.store.put_plan(chosen)
+                self.plan = chosen
             except Conflict as error:  # another writer took the generation: the decision stands, not applied
                 decision.applied = False
                 decision.reason = f"not applied: {error}; was: {decision.reason}"
@@ -159,6 +184,7 @@ class PlannerService(Service):
         self.online["decisions"] = self.online.get("decisions", 0) + 1
         record = core.decision_proto(decision, plan, chosen, now, self.online["decisions"])
         await self.store.append_plan_decision(record.SerializeToString())
+        planner_probe(self.config).decision(record)
         _log.info("replan decision", trigger=decision.trigger, applied=decision.applied, reason=decision.reason)
         if decision.applied:
             self.online["pending_apply"] = chosen.generation
@@ -200,6 +226,7 @@ class PlannerService(Service):
 
     def _export_metrics(self) -> None:
         snapshot = self.replanner.calibration.snapshot()
+        planner_probe(self.config).tick(snapshot)
         PREDICTED.set(snapshot["step_time"]["predicted_s"])
         MEASURED.set(snapshot["step_time"]["measured_s"])
         for name, values in snapshot["efficiency"].items():
@@ -221,31 +248,28 @@ class PlannerService(Service):
 
     async def current_plan(self) -> Plan:
         message = await self.store.get_plan()
+        if message is None and self.plan is not None:  # Redis lost it: put it back, answer meanwhile
+            await self.redis_back()
+            message = self.plan
         if message is None:
             raise FailedPrecondition("no plan yet: the planner is still starting")
+        self.plan = message  # another writer (the coordinator's ApplyPlan) may have stored a newer one
         return from_proto(message)
 
     async def preflight(self, request) -> planner_pb2.PlanDecision:
-        """Search allocations for the given cluster, model and trace; the decision is logged, not applied."""
-        import asyncio
+        """Search allocations for the given cluster, model and trace (bounded in size and time:
+        preflight.bounded_preflight); the decision is logged, not applied."""
+        from libra.services.planner.preflight import bounded_preflight
 
-        from libra.services.planner.hardware import GpuSpec, ModelSpec
-        from libra.services.planner.preflight import preflight, spec_from_yaml
-
-        gpu = spec_from_yaml(GpuSpec, request.cluster_yaml, "cluster_yaml")
-        model = spec_from_yaml(ModelSpec, request.model_yaml, "model_yaml")
-        trace = [(s.prompt_tokens, s.output_tokens) for s in request.trace]
-        decision = await asyncio.to_thread(preflight, model, gpu, trace, request.gpus, request.top_k or 5)
-        decision.reason = "preflight (not applied): " + decision.reason
+        decision = await bounded_preflight(request, self.config.security.limits)
         await self.store.append_plan_decision(decision.SerializeToString())
         return decision
 
-    async def observe(self, request_id: str, records) -> bool:
+    async def observe(self, records) -> bool:
+        """Append history records (a repeated request id is the RPC boundary's replay, not a second append)."""
         for record in records:
             if record.kind not in ("turn", "step"):
                 raise InvalidArgument(f"records[].kind must be 'turn' or 'step', got {record.kind!r}")
-        if not await self.store.once("planner.observe", request_id):
-            return False
         for record in records:
             await self.store.append_history(record.kind, record)
         return True

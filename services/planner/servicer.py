@@ -9,6 +9,10 @@ from libra.plans import to_proto
 from libra.v1 import common_pb2, planner_pb2_grpc
 
 
+MAX_RECORDS = 10_000
+"""History records one ObserveHistory may carry (the history streams are capped anyway)."""
+
+
 class PlannerServicer(planner_pb2_grpc.PlannerServicer):
     def __init__(self, service):
         self.service = service
@@ -23,7 +27,9 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
 
     @rpc(mutating=True)
     async def ObserveHistory(self, request, context):
-        applied = await self.service.observe(request.meta.request_id, list(request.records))
+        if len(request.records) > MAX_RECORDS:
+            raise InvalidArgument(f"records: at most {MAX_RECORDS} per request, got {len(request.records)}")
+        applied = await self.service.observe(list(request.records))
         return common_pb2.Ack(applied=applied, detail=f"{len(request.records)} records")
 
     @rpc()

@@ -10,6 +10,11 @@ Token ids are kept end to end: generated ids are appended as the engine returned
 results are tokenized once, as their own segment, and masked out of the loss. Never decode and
 re-tokenize the context. The runner knows nothing about Redis; the caller stores the result.
 
+Each generated id carries the policy version the engine reports for it (a weight update in the
+middle of a turn splits the turn: engines/client.py); tool tokens carry the version of the turn's
+last id. No engine version may be older than the one the worker had acknowledged when the turn was
+routed: a worker that says so mislabels its weights, and the turn is retried elsewhere.
+
 The workload is driven through one `Episode` per trajectory (`workload.episode(prompt_id,
 sample_index, seed, budget)`), which sets each turn's token budget and is closed in any case.
 A tool call that overruns `tool_timeout_s` (plus a grace second for the tool's own clean-up) is
@@ -48,12 +53,13 @@ class Router(Protocol):
 class TurnOutcome:
     token_ids: list[int]
     logprobs: list[float]
-    version: int
+    version: int  # the version of the turn's last id (the newest weights that produced any of it)
     worker_id: str
     bucket: str
     finish_reason: str
     seconds: float
     retries: int
+    versions: list[int] = field(default_factory=list)  # the policy version of each id
 
 
 @dataclass
@@ -70,11 +76,14 @@ class Playback:
     retries: int = 0
     generated: int = 0
 
-    def append(self, ids: list[int], trained: bool, logprobs: list[float] | None, version: int) -> None:
+    def append(self, ids: list[int], trained: bool, logprobs: list[float] | None, version: int | list[int]) -> None:
+        """Append a segment; `version`: one per id (generated ids), or one for all (tool, harness tokens)."""
+        versions = [version] * len(ids) if isinstance(version, int) else list(version)
+        assert len(versions) == len(ids), "one policy version per token"
         self.ids.extend(ids)
         self.mask.extend([1 if trained else 0] * len(ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
-        self.versions.extend([version] * len(ids))
+        self.versions.extend(versions)
 
 
 def turn_seed(seed: int, trajectory_id: str, turn: int) -> int:
@@ -86,6 +95,18 @@ def turn_seed(seed: int, trajectory_id: str, turn: int) -> int:
 def episode_seed(seed: int, trajectory_id: str) -> int:
     """Deterministic per trajectory: a trajectory id names its group (hence its prompt) and sample."""
     return turn_seed(seed, trajectory_id, -1)
+
+
+def token_versions(generation: Any, acknowledged: int) -> list[int]:
+    """The policy version of each id of `generation` as its engine reported it, checked: one per id,
+    none older than `acknowledged` (the version the worker held when the turn was routed)."""
+    versions = list(generation.versions)
+    if len(versions) != len(generation.token_ids) or not versions:
+        raise Unavailable(f"the worker reported {len(versions)} policy versions for {len(generation.token_ids)} ids")
+    if min(versions) < acknowledged:
+        raise Unavailable(f"the worker stamped ids with v{min(versions)} after acknowledging v{acknowledged}: "
+                          f"its weights are mislabelled")
+    return versions
 
 
 TOOL_GRACE_S = 1.0
@@ -141,11 +162,12 @@ class AgentRunner:
         for attempt in range(self.config.turn_retries + 1):
             decision = await self.router.route(trajectory.trajectory_id, trajectory.prompt_id, turn, len(state.ids),
                                                budget, exclude)
-            version = self.version_of(decision.worker_id)
             started = time.monotonic()
-            try:
+            try:  # a worker this gateway does not know (any more) is Unavailable too: retried elsewhere
+                acknowledged = self.version_of(decision.worker_id)
                 generation = await self.generate(decision, state.ids, budget,
                                                  turn_seed(self.seed, trajectory.trajectory_id, turn))
+                versions = token_versions(generation, acknowledged)
             except Unavailable:
                 await self.router.turn_done(trajectory.trajectory_id, decision.worker_id, 0,
                                             time.monotonic() - started, True)
@@ -155,9 +177,10 @@ class AgentRunner:
             seconds = time.monotonic() - started
             await self.router.turn_done(trajectory.trajectory_id, decision.worker_id, len(generation.token_ids),
                                         seconds, False)
-            outcome = TurnOutcome(list(generation.token_ids), list(generation.logprobs), version, decision.worker_id,
-                                  decision.bucket, generation.finish_reason, seconds, attempt)
-            state.append(outcome.token_ids, True, outcome.logprobs, version)
+            outcome = TurnOutcome(list(generation.token_ids), list(generation.logprobs), versions[-1],
+                                  decision.worker_id, decision.bucket, generation.finish_reason, seconds, attempt,
+                                  versions)
+            state.append(outcome.token_ids, True, outcome.logprobs, versions)
             state.turns += 1
             state.generated += len(outcome.token_ids)
             if self.on_turn is not None:

@@ -27,6 +27,51 @@ EngineConfig = tagged_union("rollout.worker.engine", VllmEngine, HfEngine, defau
 """`rollout.worker.engine`: vllm (default) or hf; `engine: hf` is short for `{type: hf}`."""
 
 
+class LocalLaunch(Section):
+    """Workers are children of the rollout gateway, on its host (libra up, one node)."""
+
+    type: Literal["local"] = Field("local", description="local: the gateway starts its workers on its own host")
+
+
+class LaunchNode(Section):
+    """A node the rollout workers may run on (rollout.worker.launch: srun)."""
+
+    name: str = Field(..., min_length=1, max_length=255, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                      description="the node's Slurm name (srun --nodelist)")
+    address: str = Field("", max_length=255, pattern=r"^[A-Za-z0-9_.:\[\]-]*$",
+                         description="where the gateway reaches the workers there, and where they listen "
+                                     "(empty: the name)")
+    slots: int = Field(..., ge=1, le=4096, description="TP ranks the node holds at once (its free GPUs; on "
+                                                       "CPU nodes, the worker ranks it may run)")
+
+
+class SrunLaunch(Section):
+    """Every worker is a Slurm step of its own (srun), on one of `nodes` (first fit, services/rollout/
+    placement.py), inside the job the gateway runs in: how deploy/slurm/libra.sbatch spreads the
+    workers of each bucket over the job's nodes, each step with its GPUs (Slurm binds them)."""
+
+    type: Literal["srun"] = Field("srun", description="srun: one Slurm step per worker, on the job's rollout nodes")
+    nodes: tuple[LaunchNode, ...] = Field(..., min_length=1, max_length=4096, description="the rollout nodes")
+    gpus_per_rank: int = Field(1, ge=0, le=64, description="GPUs per TP rank (srun --gres=gpu:TP×this, an "
+                               "exclusive step); 0: CPU workers, which share the node's CPUs (srun --overlap)")
+    cpus_per_rank: int = Field(1, ge=1, le=4096, description="CPUs per TP rank of a GPU worker (srun "
+                                                             "--cpus-per-task=TP×this)")
+    job_id: str = Field("", pattern=r"^[0-9]*$", description="the Slurm job the steps join (empty: $SLURM_JOB_ID)")
+    srun_args: tuple[str, ...] = Field((), description="extra srun arguments of every worker step")
+
+    @field_validator("nodes")
+    @classmethod
+    def _distinct(cls, value: tuple[LaunchNode, ...]) -> tuple[LaunchNode, ...]:
+        names = [n.name for n in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"rollout.worker.launch.nodes names a node twice: {names}")
+        return value
+
+
+LaunchConfig = tagged_union("rollout.worker.launch", LocalLaunch, SrunLaunch, default="local")
+"""`rollout.worker.launch`: local (default) or srun; where the workers' processes run."""
+
+
 # Keys of rollout.worker that moved into a union variant or the top-level `weights:` section.
 MOVED = {"device": "rollout.worker.engine: {type: hf, device: ...}",
          "kv_cache_gib": "rollout.worker.engine: {type: vllm, kv_cache_gib: ...}",
@@ -51,6 +96,9 @@ class WorkerConfig(Section):
         "processed_logprobs",
         description="log-probs the engine reports: processed = of the distribution sampled from "
                     "(after temperature/top-p), raw = of the model's unscaled logits")
+    launch: LaunchConfig = Field(default_factory=LocalLaunch,
+                                 description="where workers run: local (children of the gateway) or srun (a Slurm "
+                                             "step each, on the job's rollout nodes)")
     startup_timeout_s: float = Field(300.0, gt=0, le=7200, description="time a worker may take to become ready")
     extra_args: tuple[str, ...] = Field((), description="extra command-line arguments for the engine server")
 

@@ -16,12 +16,14 @@ same way over a prompt string (which must extend the record's text) or token ids
 the record's ids). Sampling uses the rollout config's temperature/top-p, so the behaviour log-probs
 are the ones the trainer expects; a request asking for others is refused (400).
 
-Errors are JSON ``{"error": {"message", "type"}}``: 400 a malformed body or a history that does not
-extend the record, 404 an unknown (or already finished) trajectory, 503 no worker could serve the
-turn. While the endpoint is on, the built-in runner plays nothing: every queued trajectory waits for
-a claim. A claimed trajectory not finished within `claim_timeout_s` is recorded FAILED (its group
-is then dropped by the trainer, like any failed group). What a harness has sent is held in memory:
-after a rollout restart, unfinished trajectories are queued again and must be claimed afresh.
+Every request carries the run's token as an OpenAI API key (``Authorization: Bearer TOKEN``;
+RUN_DIR/token under `libra up`), else 401. Errors are JSON ``{"error": {"message", "type"}}``: 400
+a malformed body or a history that does not extend the record, 404 an unknown (or already
+finished) trajectory, 503 no worker could serve the turn. While the endpoint is on, the built-in
+runner plays nothing: every queued trajectory waits for a claim. A claimed trajectory not finished
+within `claim_timeout_s` is recorded FAILED (its group is then dropped by the trainer, like any
+failed group). What a harness has sent is held in memory: after a rollout restart, unfinished
+trajectories are queued again and must be claimed afresh.
 
 This module owns the endpoint's lifecycle and the external trajectories (claim, turns, finish);
 what a request body must hold and the error body are openai_protocol.py's. Model turns go through
@@ -42,6 +44,8 @@ from aiohttp import web
 
 from libra import log as liblog
 from libra.errors import InvalidArgument, LibraError, NotFound, Unavailable
+from libra.security import installed
+from libra.security.http import bearer_middleware
 from libra.services.rollout.agent import TOOL_STATUS_PB, AgentRunner, Playback
 from libra.services.rollout.openai_protocol import (HEADER, HttpError, bad_request, check_messages, error_response,
                                                     new_messages, new_prompt, read_json, requested_max_tokens)
@@ -85,7 +89,9 @@ class OpenAIGateway:
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> "OpenAIGateway":
-        app = web.Application(client_max_size=8 * 1024 * 1024, middlewares=[self._errors])
+        security = installed()  # the run's token is this endpoint's API key (none: tests in one process)
+        guard = [bearer_middleware(security.token)] if security is not None and security.token else []
+        app = web.Application(client_max_size=8 * 1024 * 1024, middlewares=[*guard, self._errors])
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)

@@ -35,7 +35,8 @@ RETRY_FOR_S = 60.0
 """A unary call's deadline, and how long a broken session keeps reconnecting before giving up."""
 RESEND_BATCH = 1000  # messages per stream write when a reconnect resends what was not acknowledged
 SESSION_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                     grpc.StatusCode.CANCELLED)  # a scheduler shutting down cancels its streams
+                     grpc.StatusCode.CANCELLED,  # a scheduler shutting down cancels its streams
+                     grpc.StatusCode.INTERNAL)  # "Internal error from Core": a stream cut by a killed scheduler
 ERRORS = {"INVALID_ARGUMENT": InvalidArgument, "NOT_FOUND": NotFound, "FAILED_PRECONDITION": FailedPrecondition,
           "UNAVAILABLE": Unavailable, "DEADLINE_EXCEEDED": Unavailable}
 _log = liblog.get("libra.rollout.router")
@@ -168,6 +169,8 @@ class SchedulerSession:
                 error = None
             except grpc.aio.AioRpcError as rpc_error:
                 error = rpc_error
+            except asyncio.InvalidStateError:  # the new stream ended before the resend: the scheduler is down
+                error = None
             finally:
                 self._call = None
                 call.cancel()
@@ -194,8 +197,8 @@ class SchedulerSession:
                 if future is not None and not future.done():
                     future.set_exception(error)
                 elif answer.error.code != "NOT_FOUND":
-                    # NOT_FOUND on a report: a restarted scheduler never saw that trajectory; it lost
-                    # only a load estimate (its worker registry is in Redis), so that one is expected.
+                    # NOT_FOUND on a report: sent again after a scheduler restart for a trajectory that
+                    # had finished meanwhile (its finish was applied and saved): expected, nothing lost.
                     REPORT_ERRORS.labels(answer.error.code).inc()
                     _log.warning("scheduler rejected a report", code=answer.error.code, reason=answer.error.message)
             elif future is not None and not future.done():

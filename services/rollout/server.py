@@ -7,8 +7,12 @@
                  (in place, no drain) ─▶ acks and the serving roster in the reply; a worker that
                  missed it leaves routing, one that caught up comes back
  restart: every QUEUED/RUNNING trajectory of an unfinished group is queued again (none lost,
-          none counted twice: a stream entry is written once, when a trajectory completes)
+          none counted twice: a stream entry is written once, when a trajectory completes); what
+          the dead gateway's workers still held (ports) was stopped first (libra.runtime: adopt)
 ```
+A worker the scheduler names that this gateway does not run (an earlier gateway's) is taken out
+of routing, and the turn is retried on another worker. Until the workers serve, SubmitPrompts,
+UpdateWeights and StartWorkers answer UNAVAILABLE (retry): a restarting gateway is a pause.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ import asyncio
 import collections
 import time
 
+import grpc
 from prometheus_client import Counter, Gauge
 
 from libra import log as liblog
 from libra.config import RunConfig
-from libra.errors import FailedPrecondition, InvalidArgument, LibraError
+from libra.errors import FailedPrecondition, InvalidArgument, LibraError, Unavailable
 from libra.plans import Bucket, Plan, from_proto
 from libra.rpc import channel, retry_until, wait_for_peers
 from libra.runtime import Service, serve as run_service
@@ -30,6 +35,7 @@ from libra.services.rollout.agent import AgentRunner, TurnOutcome
 from libra.services.rollout.membership import Membership
 from libra.services.rollout.router import SchedulerRouter
 from libra.services.rollout.servicer import RolloutServicer
+from libra.services.rollout.telemetry import rollout_probe
 from libra.services.rollout.weight_delivery import Delivered, WeightDelivery
 from libra.services.rollout.workers import WorkerPool
 from libra.weights.roster import GroupRecord
@@ -65,6 +71,8 @@ class RolloutService(Service):
         self.membership: Membership | None = None
         self._channels: list = []
         self.gateway = None  # the OpenAI-compatible endpoint, when rollout.openai_endpoint.enabled
+        self._unknown_workers: set[str] = set()  # named by the scheduler, not ours: deregistered once
+        self._background: set[asyncio.Task] = set()
 
     def service_names(self) -> list[str]:
         return [rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].full_name]
@@ -92,7 +100,7 @@ class RolloutService(Service):
         if self.cfg.record_trace:
             self.trace = TraceWriter(self.config.run_path / "trace.jsonl")
         self.membership = Membership(self.pool, router, self._channel("elastic"), self.run_id)
-        self.runner = AgentRunner(workload, tokenizer, router, self._generate, self.pool.version_of, self.cfg,
+        self.runner = AgentRunner(workload, tokenizer, router, self._generate, self._version_of, self.cfg,
                                   stop_token_ids(tokenizer, workload) + [tokenizer.eos_token_id], self.config.seed)
         self.runner.on_turn = self._record_turn
         await self._start_plan(plan, path, version)
@@ -124,15 +132,16 @@ class RolloutService(Service):
         return workers
 
     async def _recover(self) -> None:
-        """Queue every unfinished trajectory of every unfinished group again."""
+        """Queue every unfinished trajectory of every unfinished group again; those the dead gateway
+        was playing start over, so the scheduler is told to forget their routing state first."""
         recovered = 0
         for group_id in await self.store.inflight_group_ids():
             info = await self.store.group_info(group_id)
-            recovered += await self._queue_group(group_id, info.prompt_id, info.samples)
+            recovered += await self._queue_group(group_id, info.prompt_id, info.samples, recovering=True)
         if recovered:
             _log.info("recovered unfinished trajectories", trajectories=recovered)
 
-    async def _queue_group(self, group_id: str, prompt_id: str, samples: int) -> int:
+    async def _queue_group(self, group_id: str, prompt_id: str, samples: int, recovering: bool = False) -> int:
         ids = [f"{group_id}-s{i}" for i in range(samples)]
         existing = {t.trajectory_id: t for t in await self.store.get_trajectories(ids, missing_ok=True) if t}
         queued = 0
@@ -140,6 +149,8 @@ class RolloutService(Service):
             traj = existing.get(tid)
             if traj is not None and traj.status not in (T.TRAJECTORY_STATUS_QUEUED, T.TRAJECTORY_STATUS_RUNNING):
                 continue
+            if recovering and traj is not None and traj.status == T.TRAJECTORY_STATUS_RUNNING:
+                await self.runner.router.finished(tid, prompt_id, 0, T.TRAJECTORY_STATUS_QUEUED)  # forget, no learning
             if traj is None:
                 traj = T.Trajectory(trajectory_id=tid, prompt_id=prompt_id, group_id=group_id, sample_index=index,
                                     status=T.TRAJECTORY_STATUS_QUEUED)
@@ -150,9 +161,35 @@ class RolloutService(Service):
                 queued += 1
         return queued
 
-    async def submit(self, groups: list[rollout_pb2.PromptGroup]) -> tuple[int, int, int]:
+    def _version_of(self, worker_id: str) -> int:
+        """The version a worker serves; a worker that is not ours (an earlier gateway's, still known to
+        the scheduler) is Unavailable, so the turn goes elsewhere, and it is deregistered (once)."""
+        try:
+            return self.pool.version_of(worker_id)
+        except Unavailable:
+            if worker_id not in self._unknown_workers:
+                self._unknown_workers.add(worker_id)
+                task = asyncio.get_running_loop().create_task(self._deregister_unknown(worker_id))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            raise
+
+    async def _deregister_unknown(self, worker_id: str) -> None:
+        try:
+            await self.runner.router.deregister(worker_id)
+            _log.warning("the scheduler routed to a worker this gateway does not run; deregistered it",
+                         worker=worker_id)
+        except LibraError as error:  # already gone: nothing to do; anything else: the next turn tries again
+            if "NOT_FOUND" not in str(error):
+                self._unknown_workers.discard(worker_id)
+            _log.warning("could not deregister an unknown worker", worker=worker_id, error=str(error))
+
+    def _starting(self) -> None:
         if self.runner is None:
-            raise FailedPrecondition("rollout is still starting its workers")
+            raise Unavailable("rollout is still starting its workers; retry shortly")
+
+    async def submit(self, groups: list[rollout_pb2.PromptGroup]) -> tuple[int, int, int]:
+        self._starting()
         accepted = duplicates = queued = 0
         num_prompts = self.runner.workload.num_prompts
         for group in groups:
@@ -180,6 +217,7 @@ class RolloutService(Service):
         TURNS.labels(outcome.bucket).inc()
         RETRIES.inc(outcome.retries)
         TOKENS.inc(len(outcome.token_ids))
+        rollout_probe(self.config).turn(outcome.bucket, outcome.seconds)
         QUEUED.set(self.queue.qsize())
         PLAYING.set(self.playing)
         await self.store.append_history("turn", T.HistoryRecord(
@@ -251,7 +289,11 @@ class RolloutService(Service):
         while True:
             await asyncio.sleep(2.0)
             await self.pool.check_health()
-            await self._sync_membership()
+            rollout_probe(self.config).sample(self.stats(), self.pool.workers.values())
+            try:
+                await self._sync_membership()
+            except (LibraError, grpc.aio.AioRpcError) as error:  # a peer restarting: the next round again
+                _log.warning("membership update failed; retrying in 2 s", error=str(error))
 
     async def _sync_membership(self) -> None:
         """Take workers that failed (dead, or missed a version) out of routing; put back those that caught up."""
@@ -260,10 +302,13 @@ class RolloutService(Service):
         for worker in self.weights.take_recovered():
             await self.membership.join(worker)
 
-    async def update_weights(self, version: int, path: str, group: GroupRecord | None = None) -> Delivered:
-        """Bring the workers to `version` (WeightDelivery: from `path`, or over the weights-group
-        generation `group`); every target's ack and the serving workers afterwards."""
-        delivered = await self.weights.deliver(version, path, group)
+    async def update_weights(self, version: int, path: str, group: GroupRecord | None = None,
+                             colocated: str = "") -> Delivered:
+        """Bring the workers to `version` (WeightDelivery: from `path`, over the weights-group
+        generation `group`, or from the trainer's buffer that `colocated` describes); every target's
+        ack and the serving workers afterwards."""
+        self._starting()
+        delivered = await self.weights.deliver(version, path, group, colocated)
         await self._sync_membership()
         _log.info("weights updated", version=version, ok=sum(a.ok for a in delivered.acks),
                   workers=len(delivered.acks))
@@ -275,8 +320,7 @@ class RolloutService(Service):
         await self.pool.drain(worker_id, timeout_s)
 
     async def start_workers(self, buckets: list[T.BucketSpec]) -> list:
-        if self.runner is None:
-            raise FailedPrecondition("rollout is still starting")
+        self._starting()
         latest = await self.store.latest_on_disk()  # new workers report it until the next version reaches them
         if latest is None:
             raise FailedPrecondition("no policy version is on disk yet; start workers once the trainer published one")

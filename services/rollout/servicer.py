@@ -5,6 +5,7 @@ from __future__ import annotations
 from libra.errors import InvalidArgument
 from libra.boundary import rpc
 from libra.service_base import require
+from libra.services.rollout import bounds
 from libra.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from libra.weights.roster import GroupRecord
 
@@ -15,12 +16,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @rpc(mutating=True)
     async def SubmitPrompts(self, request, context):
-        require(request.groups, "groups", "submit at least one prompt group")
-        for group in request.groups:
-            require(group.group_id, "groups[].group_id")
-            require(group.prompt_id, "groups[].prompt_id")
-            if group.samples < 1:
-                raise InvalidArgument(f"groups[{group.group_id}].samples must be >= 1")
+        bounds.check_groups(request.groups)
         accepted, duplicates, queued = await self.service.submit(list(request.groups))
         return rollout_pb2.SubmitPromptsResponse(accepted_groups=accepted, duplicate_groups=duplicates,
                                                  queued_trajectories=queued)
@@ -33,11 +29,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def UpdateWeights(self, request, context):
         require(request.version, "version", "policy versions start at 1")
         group = GroupRecord.from_proto(request.group) if request.HasField("group") else None
-        if group is None:
-            require(request.path, "path", "a version sent without a weights-group generation is loaded from disk")
-        elif not group.generation or not group.roster:
+        if group is None and not request.colocated:
+            require(request.path, "path", "a version sent without a weights-group generation or a colocated "
+                                          "descriptor is loaded from disk")
+        elif group is not None and (not group.generation or not group.roster):
             raise InvalidArgument("group must name its generation (>= 1) and at least one member")
-        done = await self.service.update_weights(request.version, request.path, group)
+        done = await self.service.update_weights(request.version, request.path, group, request.colocated)
         return rollout_pb2.UpdateWeightsResponse(version=request.version, acks=done.acks,
                                                  serving=done.serving.to_proto(), group_unusable=done.group_unusable)
 
@@ -47,12 +44,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @rpc(mutating=True)
     async def DrainWorker(self, request, context):
-        await self.service.drain_worker(require(request.worker_id, "worker_id"), request.timeout_seconds or 60.0)
+        timeout_s = bounds.drain_timeout(request.timeout_seconds)
+        await self.service.drain_worker(require(request.worker_id, "worker_id"), timeout_s)
         return common_pb2.Ack(applied=True, detail=f"{request.worker_id} stopped")
 
     @rpc(mutating=True)
     async def StartWorkers(self, request, context):
-        require(request.buckets, "buckets")
+        running = sum(1 for w in self.service.pool.workers.values() if w.state != common_pb2.WORKER_STATE_STOPPED)
+        bounds.check_start(request.buckets, running, self.service.config.security.limits.max_workers)
         workers = await self.service.start_workers(list(request.buckets))
         return rollout_pb2.ListWorkersResponse(workers=[w.to_proto() for w in workers])
 

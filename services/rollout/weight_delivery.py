@@ -11,6 +11,9 @@
    no path (v not on disk yet): a worker the group does not reach answers not ok ("behind") and
    keeps serving what it holds; the trainer then sends v again: over a new generation when G was
    unusable, else written to disk, with its path
+ colocated descriptor D set (weights: colocated): every target takes v from the trainer's export
+   buffer on its GPU ─ refused? ─▶ loads v from disk ─ no path? ─▶ "behind" (weights unchanged) ─
+   failed mid-way? ─▶ UNHEALTHY
  targets: the serving workers, and the live ones that missed an earlier version; a worker that
  already holds v is left alone (the trainer's second call reaches only those still behind)
  reply: every target's ack, the serving workers (the next generation's roster), group_unusable
@@ -40,7 +43,7 @@ from libra.weights.roster import Delivery, GroupRecord, Roster, delivery
 _log = liblog.get("libra.rollout")
 WEIGHT_RETRIES = 1  # a disk load that fails in transport is retried this many times, then the worker missed it
 SERVING, UNHEALTHY = common_pb2.WORKER_STATE_SERVING, common_pb2.WORKER_STATE_UNHEALTHY
-ROUTES = ("group", "disk", "held", "behind", "missed")
+ROUTES = ("group", "colocated", "disk", "held", "behind", "missed")
 
 
 @dataclass
@@ -78,15 +81,23 @@ class WeightDelivery:
         recovered, self.recovered = self.recovered, []
         return recovered
 
-    async def deliver(self, version: int, path: str, group: GroupRecord | None) -> Delivered:
+    async def deliver(self, version: int, path: str, group: GroupRecord | None, colocated: str = "") -> Delivered:
         """Bring every target to `version`: over `group` (the trainer sends it meanwhile) when set,
-        else from `path`. `path` empty: the version is not on disk (group only)."""
+        from the trainer's export buffer that `colocated` describes when set, else from `path`.
+        `path` empty: the version is not on disk (group or colocated only)."""
         if path:
             self._check_path(version, path)
-        elif group is None:
-            raise InvalidArgument(f"version {version} has neither a path nor a weights-group generation")
+        elif group is None and not colocated:
+            raise InvalidArgument(f"version {version} has neither a path, a weights-group generation nor a "
+                                  "colocated descriptor")
         self.unusable = ""
-        acks = await (self.from_disk(version, path) if group is None else self.over_group(version, path, group))
+        if colocated:
+            acks = self._report(version, None, await asyncio.gather(
+                *(self._take_colocated(w, version, path, colocated) for w in self.targets())))
+        elif group is None:
+            acks = await self.from_disk(version, path)
+        else:
+            acks = await self.over_group(version, path, group)
         return Delivered(acks, self.serving_roster(), self.unusable)
 
     def _check_path(self, version: int, path: str) -> None:
@@ -129,8 +140,8 @@ class WeightDelivery:
         for ack, route in routes:
             by_route[route].append(ack.worker_id)
         _log.info("version delivered", version=version, generation=generation, over_group=by_route["group"],
-                  from_disk=by_route["disk"], held=by_route["held"], behind=by_route["behind"],
-                  missed=by_route["missed"])
+                  colocated=by_route["colocated"], from_disk=by_route["disk"], held=by_route["held"],
+                  behind=by_route["behind"], missed=by_route["missed"])
         return [ack for ack, _ in routes]
 
     # ---- the group --------------------------------------------------------------------------
@@ -165,8 +176,7 @@ class WeightDelivery:
     async def _receive(self, worker: PoolWorker, version: int, path: str) -> tuple[Any, str]:
         started = time.monotonic()
         try:
-            results = await collective_rpc(worker.client, "libra_receive_weights", [version],
-                                           timeout=self.weights.sync_timeout_s + 600)
+            results = await worker.client.receive_weights(version, self.weights.sync_timeout_s + 600)
             _confirm(results, version)
         except Exception as error:  # noqa: BLE001 - per worker: retried from disk, else unhealthy
             if not worker.process.alive or not path:  # its weights may be half-received: out of routing
@@ -175,6 +185,25 @@ class WeightDelivery:
                          worker=worker.worker_id, version=version, error=str(error))
             return await self._load(worker, version, path, started)
         return self._holds(worker, version, started), "group"
+
+    async def _take_colocated(self, worker: PoolWorker, version: int, path: str, descriptor: str) -> tuple[Any, str]:
+        """The worker takes `version` from the trainer's buffer on its GPU; from disk if it refuses."""
+        started = time.monotonic()
+        if worker.version == version and not worker.missed:
+            return self._ack(worker, True, 0.0), "held"
+        try:
+            results = await worker.client.receive_colocated(descriptor, version, self.weights.sync_timeout_s)
+        except Exception as error:  # noqa: BLE001 - per worker: it may have stopped mid-way, out of routing
+            if not worker.process.alive or not path:
+                return self._missed(worker, version, error), "missed"
+            return await self._load(worker, version, path, started)
+        try:
+            _confirm(results, version)
+        except Unavailable as error:  # refused before any weight moved (a misfit, a handle that did not open)
+            _log.warning("worker refused the colocated version; it loads it from disk", worker=worker.worker_id,
+                         version=version, error=str(error), on_disk=bool(path))
+            return await self._load(worker, version, path, started)  # no path: "behind", weights unchanged
+        return self._holds(worker, version, started), "colocated"
 
     # ---- disk and bookkeeping -----------------------------------------------------------------
     async def _load(self, worker: PoolWorker, version: int, path: str,

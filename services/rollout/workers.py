@@ -5,7 +5,8 @@
  UpdateWeights(v) ─▶ weight_delivery.py (disk, or the weights group) ─▶ ack in the reply ─▶ version_of(worker) = v
  monitor: a dead or unhealthy worker is deregistered; its turns are retried elsewhere by the runner
 ```
-The engine comes from rollout.worker.engine: vllm (TP from the plan's bucket) or hf (TP 1 only).
+The engine comes from rollout.worker.engine: vllm (TP from the plan's bucket) or hf (TP 1 only);
+where each worker runs, from rollout.worker.launch: local, or a Slurm step on a rollout node (launch.py).
 A worker never serves older weights than `version_of` says: a worker that cannot load a version
 is marked unhealthy (and deregistered), never left serving the previous one as if it were new.
 """
@@ -23,6 +24,7 @@ from libra.errors import NotFound, Unavailable
 from libra.plans import Plan
 from libra.redis_server import free_port
 from libra.services.rollout.config import WorkerConfig
+from libra.services.rollout.launch import build_launcher
 from libra.v1 import common_pb2
 
 _log = liblog.get("libra.rollout")
@@ -92,6 +94,7 @@ class WorkerPool:
         self.log_dir = log_dir
         self.workers: dict[str, PoolWorker] = {}
         self._next_index = 0
+        self.launcher = build_launcher(config.launch)  # where workers run: here, or Slurm steps (launch.py)
 
     async def start(self, plan: Plan, model_dir: str, version: int) -> list[PoolWorker]:
         """Launch the plan's workers on `model_dir` (policy `version`) and wait until all serve."""
@@ -104,14 +107,16 @@ class WorkerPool:
                 index = self._next_index
                 self._next_index += 1
                 port = self.config.base_port + index if self.config.base_port else free_port()
-                process = launcher(self.config, model_dir, index=index, log_dir=self.log_dir,
-                                            port=port, tp=bucket.tp, policy_version=version)
+                worker_id = f"{bucket.name}-{index}"
+                process = self.launcher.create(launcher, self.config, worker_id, model_dir=model_dir, index=index,
+                                               log_dir=self.log_dir, port=port, tp=bucket.tp, policy_version=version)
                 process.start()
-                worker = PoolWorker(f"{bucket.name}-{index}", bucket.name, bucket.tp, process,
+                worker = PoolWorker(worker_id, bucket.name, bucket.tp, process,
                                     EngineClient(process.base_url), version=version)
                 self.workers[worker.worker_id] = worker
                 started.append(worker)
-        _log.info("starting workers", workers=[w.worker_id for w in started], model=model_dir)
+        _log.info("starting workers", workers=[w.worker_id for w in started], at=[w.process.base_url for w in started],
+                  model=model_dir)
         await asyncio.gather(*(w.process.wait_ready(self.config.startup_timeout_s) for w in started))
         for worker in started:
             worker.state = common_pb2.WORKER_STATE_SERVING
@@ -124,7 +129,12 @@ class WorkerPool:
         return worker
 
     def version_of(self, worker_id: str) -> int:
-        return self.get(worker_id).version
+        """The version worker `worker_id` serves; Unavailable for a worker this gateway does not run
+        (the scheduler named one of an earlier gateway): the runner retries the turn elsewhere."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise Unavailable(f"worker {worker_id!r} is not one of this gateway's workers")
+        return worker.version
 
     def serving(self) -> list[PoolWorker]:
         return [w for w in self.workers.values() if w.state == common_pb2.WORKER_STATE_SERVING]
@@ -150,6 +160,8 @@ class WorkerPool:
             if not worker.process.alive or not await worker.client.health():
                 worker.state = common_pb2.WORKER_STATE_UNHEALTHY
                 _log.error("worker unhealthy", worker=worker.worker_id, alive=worker.process.alive)
+                if not worker.process.alive:  # its node's slots are free again (srun launch)
+                    self.launcher.release(worker.worker_id)
         return self.take_failed()
 
     def take_failed(self) -> list[PoolWorker]:
@@ -171,6 +183,7 @@ class WorkerPool:
             except asyncio.TimeoutError:
                 _log.warning("drain timed out; in-flight turns will be retried elsewhere", worker=worker_id)
         await asyncio.to_thread(worker.process.stop)
+        self.launcher.release(worker_id)
         worker.state = common_pb2.WORKER_STATE_STOPPED
 
     async def stop_all(self) -> None:
@@ -178,6 +191,7 @@ class WorkerPool:
                              return_exceptions=True)
         for worker in self.workers.values():
             await worker.client.close()
+            self.launcher.release(worker.worker_id)
             worker.state = common_pb2.WORKER_STATE_STOPPED
 
 

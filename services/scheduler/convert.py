@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import urllib.parse
+
+from libra.errors import InvalidArgument
 from libra.routing.policy import Decision, Turn, Worker
 from libra.v1 import common_pb2, scheduler_pb2
 
 TOOL_STATUS = {common_pb2.TOOL_STATUS_SUCCESS: "success", common_pb2.TOOL_STATUS_FAILURE: "failure",
                common_pb2.TOOL_STATUS_TIMEOUT: "timeout"}
+
+
+def check_worker(info: common_pb2.WorkerInfo) -> None:
+    """What a RegisterWorker must say: ids of 1-256 characters, an http(s)://HOST:PORT address, TP
+    in 0..64 (0: 1). Who may register is the token's to decide (every RPC carries it)."""
+    for field in ("worker_id", "bucket"):
+        value = getattr(info, field)
+        if not value or len(value) > 256 or any(c.isspace() for c in value):
+            raise InvalidArgument(f"worker.{field} is required: 1-256 characters without whitespace")
+    url = urllib.parse.urlsplit(info.address) if len(info.address) <= 2048 else None
+    try:
+        port = url.port if url is not None else None
+    except ValueError:  # a port that is not a number in 0..65535
+        port = None
+    if url is None or url.scheme not in ("http", "https") or not url.hostname or not port:
+        raise InvalidArgument(f"worker.address must be the worker's base URL, http(s)://HOST:PORT; "
+                              f"got {info.address[:80]!r}")
+    if info.tp > 64:
+        raise InvalidArgument(f"worker.tp must be in 1..64 (0: 1), got {info.tp}")
 
 
 def worker_from_proto(info: common_pb2.WorkerInfo) -> Worker:

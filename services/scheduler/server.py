@@ -1,14 +1,18 @@
 """The scheduler service: per-turn routing with replay-safe reports and metrics per bucket.
 
-Routing state is in memory for speed (a Route must add well under a millisecond); the worker
-registry is saved to Redis so a restarted scheduler routes at once, and in-flight loads are
-rebuilt from the reports that follow.
+Routing state is in memory for speed; every applied batch of routing messages is saved to Redis
+(services/scheduler/live.py: one MULTI per batch) before its answers and acknowledgements go out,
+and the worker registry when it changes, so a restarted scheduler routes every live trajectory as
+if it had never stopped: same placements, levels and loads, and the prefix tree with every finish
+it had learned from (the tree blob every TREE_SAVE_S, plus the finishes since, replayed).
 
 Replays (a request id seen before, on the Session stream or a unary RPC) are answered by the RPC
-boundary from `replies`, a window of the last REPLAY_WINDOW requests kept in memory: the state it
-protects is in memory too, and a restarted scheduler must apply the reports a reconnecting
-gateway sends again, since they rebuild its loads. Scopes are per RPC, so a Route and a report
-that share a request id are two requests.
+boundary from `replies`, a window of the last REPLAY_WINDOW requests kept in memory. Memory alone
+would not be exact across a restart: a message applied and saved but not yet acknowledged is sent
+again by the reconnecting gateway, and must be answered, not applied twice. So each live
+trajectory's saved record carries the replies to its latest requests, and a restarted scheduler
+puts them back into the window. Scopes are per RPC, so a Route and a report that share a request
+id are two requests.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from libra.routing.registry import make_policy
 from libra.runtime import Service, serve as run_service
 from libra.service_base import connect_store
 from libra.services.scheduler import convert
+from libra.services.scheduler.live import LiveState, export_trajectory
 from libra.services.scheduler.servicer import SchedulerServicer
+from libra.services.scheduler.telemetry import scheduler_probe
 from libra.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 _log = liblog.get("libra.scheduler")
@@ -34,7 +40,6 @@ ROUTED = Counter("libra_scheduler_routed_total", "turns routed", ["bucket", "rea
 OUTSTANDING = Gauge("libra_scheduler_outstanding_tokens", "outstanding tokens", ["bucket"])
 REPLAY_WINDOW = 200_000
 """Requests whose first reply the scheduler keeps for replays (in memory, like its routing state)."""
-TREE_BLOB = "scheduler.tree"
 TREE_SAVE_S = 5.0
 
 
@@ -49,7 +54,8 @@ class SchedulerService(Service):
         self.policy = make_policy(cfg, buckets)
         self.store = None
         self.replies = MemoryReplies(REPLAY_WINDOW)  # the boundary's replay window (module doc)
-        self.finished = 0  # trajectories learned from; the tree is saved when this changes
+        self.live = LiveState(self.policy, learns=getattr(self.policy, "forest", None) is not None)
+        self._saving = asyncio.Lock()  # saves in the order their changes were taken
 
     def service_names(self) -> list[str]:
         return [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name]
@@ -62,31 +68,67 @@ class SchedulerService(Service):
         blob = await self.store.load_blob("scheduler.workers")
         for item in json.loads(blob) if blob else []:
             self.policy.register(Worker(**item))
-        forest = getattr(self.policy, "forest", None)
-        tree = await self.store.load_blob(TREE_BLOB) if forest is not None else None
-        if tree:
+        saved = await self.store.load_routing()
+        if saved.tree and getattr(self.policy, "forest", None) is not None:
             from libra.routing.prefix_tree import PrefixForest
 
-            self.policy.forest = PrefixForest.from_bytes(tree)
-            _log.info("prefix tree restored from redis", bytes=len(tree))
+            self.policy.forest = PrefixForest.from_bytes(saved.tree)
+        replies = self.live.restore(saved.tree_learned, saved.learned, saved.live)
+        for scope, request_id, reply in replies:
+            self.replies.keep(scope, request_id, reply)
+        self.policy.state.rotation = saved.rotation
+        if saved.tree or saved.live:
+            _log.info("routing state restored from redis", tree_bytes=len(saved.tree or b""),
+                      finishes_replayed=len(saved.learned), live_trajectories=len(saved.live))
 
     async def run(self) -> None:
-        """Persist what C-MLFQ learned every few seconds (a restart keeps the tree)."""
-        saved = 0
+        """Persist what C-MLFQ learned every few seconds (the finishes since are kept one by one)."""
+        saved = self.live.learned_count
         while True:
             await asyncio.sleep(TREE_SAVE_S)
             saved = await self._save_tree(saved)
 
     async def _save_tree(self, saved: int) -> int:
-        finished = self.finished
-        if getattr(self.policy, "forest", None) is None or finished == saved:
+        learned = self.live.learned_count
+        if getattr(self.policy, "forest", None) is None or learned == saved:
             return saved
-        await self.store.save_blob(TREE_BLOB, self.policy.forest.to_bytes())
-        return finished
+        payload = self.policy.forest.to_bytes()  # with `learned`, one consistent snapshot (no await between)
+        async with self._saving:  # the finishes it includes are written first
+            await self._persist_taken()
+            await self.store.save_tree(payload, learned)
+        return learned
+
+    def replied(self, trajectory_id: str, scope: str, request_id: str, reply) -> None:
+        """Keep the reply to a routing request with its trajectory's record (module doc)."""
+        self.live.replied(trajectory_id, scope, request_id, reply)
+
+    async def persist(self) -> None:
+        """Save what the messages applied so far changed (before they are answered or acknowledged)."""
+        if self.store is None:
+            return
+        async with self._saving:
+            await self._persist_taken()
+
+    async def _persist_taken(self) -> None:
+        taken = self.live.take()
+        if taken is not None:
+            changed, finished, learned = taken
+            await self.store.save_routing(changed, finished, learned, self.policy.state.rotation)
 
     async def drain(self) -> None:
+        await self.persist()
         await self._save_tree(-1)
         _log.info("scheduler ready", policy=self.policy.name, workers=len(self.policy.state.workers))
+
+    async def redis_back(self) -> None:
+        """Redis came back: if it lost the scheduler's records (no persistence), write them again."""
+        if self.policy.state.workers and await self.store.load_blob("scheduler.workers") is None:
+            _log.warning("redis lost the scheduler's state; writing it again",
+                         workers=len(self.policy.state.workers), live=len(self.policy.state.placements))
+            await self._save_workers()
+            self.live.mark_all()
+            await self.persist()
+            await self._save_tree(-1)
 
     async def close(self) -> None:
         if self.store is not None:
@@ -94,7 +136,9 @@ class SchedulerService(Service):
 
     def route(self, turn: Turn) -> Decision:
         decision = self.policy.route(turn)
+        self.live.touch(turn.trajectory_id)
         ROUTED.labels(decision.bucket, decision.reason).inc()
+        scheduler_probe(self.config).routed(turn, decision, self.stats)
         if decision.reason.startswith("move:"):  # rare, and what people look for: log every move
             _log.info("move", trajectory_id=turn.trajectory_id, turn=turn.turn, bucket=decision.bucket,
                       reason=decision.reason, worker=decision.worker_id)
@@ -103,16 +147,28 @@ class SchedulerService(Service):
 
     def turn_done(self, trajectory_id: str, worker_id: str, output_tokens: int = 0) -> None:
         self.policy.turn_done(trajectory_id, worker_id, output_tokens)
+        self.live.touch(trajectory_id)
         self._update_gauges()
 
     def tool_returned(self, trajectory_id: str, tool: str, status: str, payload: int) -> None:
         self.policy.tool_returned(trajectory_id, tool, status, payload)
+        self.live.touch(trajectory_id)
         self._update_gauges()
 
     def finish(self, trajectory_id: str, prompt_id: str, output_tokens: int) -> None:
+        before = export_trajectory(self.policy, trajectory_id)
         self.policy.finish(trajectory_id, prompt_id, output_tokens)
-        self.finished += 1
+        self.live.finished(trajectory_id, prompt_id, output_tokens, before)
         self._update_gauges()
+
+    def forget(self, trajectory_id: str) -> bool:
+        """Drop a trajectory without learning from it: a restarted gateway plays it again from its
+        first turn. False when it was not routed (nothing to drop)."""
+        if trajectory_id not in self.policy.state.placements:
+            return False
+        self.live.forget(trajectory_id)
+        self._update_gauges()
+        return True
 
     async def register_worker(self, worker: Worker) -> None:
         self.policy.register(worker)

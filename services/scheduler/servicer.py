@@ -4,7 +4,9 @@ Every request kind has one handler (`_route`, `_turn`, `_tool_return`, `_finish`
 and applies it; the unary RPCs and the gateway's `Session` stream both reach them through the RPC
 boundary (`libra.boundary`) under the same RPC name, so the two paths cannot disagree about what
 a valid request is, and a request id is applied once whichever path carried it (the scheduler's
-replies are kept in memory: `SchedulerService.replies`).
+replies are kept in memory: `SchedulerService.replies`). What a request changed is saved to Redis
+(`SchedulerService.persist`) before its answer, or the acknowledgement of its seq, goes out; the
+reply is saved with its trajectory's record, for a replay after a restart (services/scheduler/live.py).
 """
 
 from __future__ import annotations
@@ -50,28 +52,42 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return common_pb2.Ack(applied=True)
 
     def _finish(self, request) -> common_pb2.Ack:
+        if request.status == common_pb2.TRAJECTORY_STATUS_QUEUED:  # to be played again from its start
+            forgotten = self.service.forget(request.trajectory_id)
+            return common_pb2.Ack(applied=forgotten, detail="" if forgotten else "not routed: nothing to forget")
         self.service.finish(request.trajectory_id, request.prompt_id, request.output_tokens)
         return common_pb2.Ack(applied=True)
 
     # --- unary RPCs (tools, grpcurl) ------------------------------------------------------------
     @rpc(mutating=True)
     async def Route(self, request, context):
-        return self._route(request)
+        return await self._saved("Route", request, self._route)
 
     @rpc(mutating=True)
     async def ReportTurn(self, request, context):
-        return self._turn(request)
+        return await self._saved("ReportTurn", request, self._turn)
 
     @rpc(mutating=True)
     async def ReportToolReturn(self, request, context):
-        return self._tool_return(request)
+        return await self._saved("ReportToolReturn", request, self._tool_return)
 
     @rpc(mutating=True)
     async def ReportFinish(self, request, context):
-        return self._finish(request)
+        return await self._saved("ReportFinish", request, self._finish)
+
+    async def _saved(self, name: str, request, handler):
+        """A unary routing RPC (the boundary has checked it): apply, keep the reply, save, answer."""
+        reply = handler(request)
+        self._keep_reply(name, request, reply)
+        await self.service.persist()
+        return reply
+
+    def _keep_reply(self, name: str, request, reply) -> None:
+        self.service.replied(request.trajectory_id, f"Scheduler.{name}", request.meta.request_id, reply)
 
     @rpc(mutating=True)
     async def RegisterWorker(self, request, context):
+        convert.check_worker(request.worker)
         await self.service.register_worker(convert.worker_from_proto(request.worker))
         return common_pb2.Ack(applied=True)
 
@@ -114,9 +130,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 answers = []
                 for message in batch.messages:
                     answer = await self._apply(message)
-                    processed = message.seq
                     if answer is not None:
                         answers.append(answer)
+                await self.service.persist()  # saved before anything of this batch is answered or acked
+                if batch.messages:
+                    processed = batch.messages[-1].seq
                 if answers:
                     await write(answers)
                 elif processed > acked and (acker is None or acker.done()):
@@ -134,12 +152,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             if kind == "route":
                 decision = await apply(self, "Route", message.route, lambda: self._route(message.route))
+                self._keep_reply("Route", message.route, decision)
                 return scheduler_pb2.SchedulerMessage(seq=message.seq, route=decision)
             if kind not in self._reports:
                 raise InvalidArgument("GatewayMessage.body is empty: set route, turn, tool_return or finish")
             name, handler = self._reports[kind]
             report = getattr(message, kind)
-            await apply(self, name, report, lambda: handler(report))
+            self._keep_reply(name, report, await apply(self, name, report, lambda: handler(report)))
             return None
         except Exception as error:  # noqa: BLE001 - answered on the stream, the session goes on
             code = status_code(error)

@@ -1,18 +1,33 @@
-"""The training-backend interface, the batch it consumes, and the padding that feeds a model.
+"""The training-backend interface, the batch it consumes, and the tensors that feed a model.
 
 Owns: `TrainBackend` (what every backend — plain torch, Megatron-Core — must do),
 `TrainSequence`/`TrainBatch` (one trajectory as the trainer sees it: token ids end to end, never
-re-tokenised), `pack`, which turns sequences into right-padded tensors on the *target grid*, and
-the two ways a backend writes files atomically (`write_weights_dir`, `atomic_torch_save`).
+re-tokenised), how a batch is cut into micro-batches (`TrainBatch.plan`: a sequence count, or a
+token budget filled first-fit-decreasing), `pack`, which turns one micro-batch into tensors on the
+*target grid* (right-padded rows, or every sequence concatenated into one row), and the two ways a
+backend writes files atomically (`write_weights_dir`, `atomic_torch_save`).
 Must not know: Redis, gRPC, rollout workers, which backend is in use. Torch is imported lazily
 so the control plane can import the dataclasses without it.
 
 Target grid. A sequence of L tokens has L−1 next-token targets; the log-prob of token t comes
-from the logits at t−1. Packed per-token tensors have shape (B, T−1) where column j is token j+1:
+from the logits at t−1. Per-token tensors have shape (B, T−1) where column j is token j+1:
 
     tokens      p0  p1  p2  r0  r1  r2  <pad>       prompt_length = 3, response = r0 r1 r2
     target j        0   1   2   3   4   5
     response         .   .   ✓   ✓   ✓   .          loss_mask / behaviour / advantage live at ✓
+
+Concatenated (packed) micro-batches are one row of every sequence back to back, no padding; the
+same grid holds: the column that would score a sequence's first token from the previous
+sequence's last is never a response column, and positions restart at 0 in each sequence
+(`cu_seqlens` marks where each begins, for attention that stays inside its sequence):
+
+    tokens      a0  a1  a2  b0  b1  b2  b3          cu_seqlens = (0, 3, 7)
+    target j        0   1   2   3   4   5           column 2 (a2 → b0) crosses sequences: never ✓
+    positions    0   1   2   0   1   2   3
+
+Every per-token value lands in the same grid cell as when padded, the loss is the same sum over
+the same tokens divided by the same count, so packing changes no arithmetic — only where the
+padding's compute went.
 """
 
 from __future__ import annotations
@@ -78,47 +93,94 @@ class TrainBatch:
 
     def micro_batches(self, size: int) -> list[list[TrainSequence]]:
         """Consecutive chunks of at most `size` sequences, in order (deterministic)."""
+        return [[self.sequences[i] for i in indices] for indices in self.plan(size)]
+
+    def plan(self, size: int, tokens: int = 0) -> list[list[int]]:
+        """The micro-batches of this batch as lists of sequence indices (deterministic).
+
+        `tokens` 0: consecutive chunks of at most `size` sequences, in order (each is right-padded).
+        `tokens` > 0: the token budget of a packed micro-batch: sequences, longest first, each into
+        the first micro-batch with room for it (first-fit decreasing), a new one when none has; a
+        sequence longer than the budget is a micro-batch of its own.
+        """
         if size < 1:
             raise ValueError(f"micro batch size must be >= 1, got {size}")
-        return [self.sequences[i : i + size] for i in range(0, len(self.sequences), size)]
+        if tokens < 0:
+            raise ValueError(f"micro batch token budget must be >= 0, got {tokens}")
+        if not tokens:
+            return [list(range(i, min(i + size, len(self.sequences)))) for i in range(0, len(self.sequences), size)]
+        lengths = [len(s.token_ids) for s in self.sequences]
+        bins: list[list[int]] = []
+        room: list[int] = []
+        for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+            for slot, free in enumerate(room):
+                if lengths[index] <= free:
+                    bins[slot].append(index)
+                    room[slot] -= lengths[index]
+                    break
+            else:
+                bins.append([index])
+                room.append(tokens - lengths[index])
+        return bins
 
 
 @dataclass(frozen=True)
 class PackedBatch:
-    """Right-padded tensors of a list of sequences; per-token fields are on the target grid (B, T−1)."""
+    """One micro-batch as tensors; per-token fields are on the target grid (B, T−1). Right-padded
+    rows (`cu_seqlens` None), or every sequence concatenated into one row (B = 1, no padding)."""
 
     input_ids: Tensor  # (B, T) long, padded with pad_id
-    attention_mask: Tensor  # (B, T) long, 1 on real tokens
+    attention_mask: Tensor | None  # (B, T) long, 1 on real tokens; None when concatenated
     response_mask: Tensor  # (B, T-1) bool, True on targets after the prompt
     loss_mask: Tensor  # (B, T-1) float, 1 on targets that are trained on
     behaviour_logprobs: Tensor  # (B, T-1) float
     advantages: Tensor  # (B, T-1) float, each sequence's advantage on its response targets
     response_lengths: list[int]
+    position_ids: Tensor | None = None  # (1, T) long, restarting at 0 in each sequence; None when padded
+    cu_seqlens: tuple[int, ...] | None = None  # where each sequence starts in the row, and T; None when padded
+
+    @property
+    def max_seqlen(self) -> int:
+        """The longest sequence's length (the row width when padded)."""
+        if self.cu_seqlens is None:
+            return int(self.input_ids.shape[1])
+        return max(b - a for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]))
 
 
-def pack(sequences: list[TrainSequence], pad_id: int = 0) -> PackedBatch:
-    """Right-pad `sequences` into a `PackedBatch` (float32 per-token values)."""
+def pack(sequences: list[TrainSequence], pad_id: int = 0, concatenate: bool = False) -> PackedBatch:
+    """`sequences` as a `PackedBatch` (float32 per-token values): one right-padded row each, or with
+    `concatenate` all of them back to back in one row (positions restarting, `cu_seqlens` set)."""
     import torch
 
     if not sequences:
         raise ValueError("pack: no sequences")
-    batch, width = len(sequences), max(len(s.token_ids) for s in sequences)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, width), dtype=torch.long)
-    response_mask = torch.zeros((batch, width - 1), dtype=torch.bool)
-    loss_mask = torch.zeros((batch, width - 1))
-    behaviour = torch.zeros((batch, width - 1))
-    advantages = torch.zeros((batch, width - 1))
-    for row, seq in enumerate(sequences):
-        length, start = len(seq.token_ids), seq.prompt_length - 1
-        input_ids[row, :length] = torch.tensor(seq.token_ids, dtype=torch.long)
-        attention_mask[row, :length] = 1
-        response_mask[row, start : length - 1] = True
-        loss_mask[row, start : length - 1] = torch.tensor(seq.loss_mask, dtype=torch.float32)
-        behaviour[row, start : length - 1] = torch.tensor(seq.behaviour_logprobs, dtype=torch.float32)
-        advantages[row, start : length - 1] = seq.advantage
-    return PackedBatch(input_ids, attention_mask, response_mask, loss_mask, behaviour, advantages,
-                       [s.response_length for s in sequences])
+    lengths = [len(s.token_ids) for s in sequences]
+    if concatenate:
+        rows, width = 1, sum(lengths)
+        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    else:
+        rows, width = len(sequences), max(lengths)
+        offsets = [row * width for row in range(len(sequences))]  # flat positions of each row's start
+    input_ids = torch.full((rows * width,), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((rows, width), dtype=torch.bool)  # column j: target j on the grid
+    loss_mask, behaviour, advantages = (torch.zeros((rows, width)) for _ in range(3))
+    grid = [t.view(-1) for t in (response_mask, loss_mask, behaviour, advantages)]
+    for seq, length, offset in zip(sequences, lengths, offsets):
+        start, end = offset + seq.prompt_length - 1, offset + length - 1
+        input_ids[offset : offset + length] = torch.tensor(seq.token_ids, dtype=torch.long)
+        grid[0][start:end] = True
+        grid[1][start:end] = torch.tensor(seq.loss_mask, dtype=torch.float32)
+        grid[2][start:end] = torch.tensor(seq.behaviour_logprobs, dtype=torch.float32)
+        grid[3][start:end] = seq.advantage
+    input_ids = input_ids.view(rows, width)
+    per_token = [t[:, : width - 1] for t in (response_mask, loss_mask, behaviour, advantages)]
+    response_lengths = [s.response_length for s in sequences]
+    if not concatenate:
+        attention_mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+        return PackedBatch(input_ids, attention_mask, *per_token, response_lengths)
+    positions = torch.cat([torch.arange(length) for length in lengths])[None, :]
+    bounds = tuple(offsets) + (width,)
+    return PackedBatch(input_ids, None, *per_token, response_lengths, position_ids=positions, cu_seqlens=bounds)
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
@@ -130,8 +192,9 @@ def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
 
 
 def unpack(per_token: Tensor, packed: PackedBatch) -> list[Tensor]:
-    """Per-sequence response slices of a (B, T−1) target-grid tensor, in order."""
-    return [row[mask] for row, mask in zip(per_token, packed.response_mask)]
+    """Per-sequence response slices of a (B, T−1) target-grid tensor, in order (either layout:
+    the grid's response cells, read row by row, are the sequences' responses one after another)."""
+    return list(per_token[packed.response_mask.to(per_token.device)].split(packed.response_lengths))
 
 
 class TrainBackend(abc.ABC):

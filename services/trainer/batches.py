@@ -45,6 +45,29 @@ def generated_versions(traj: common_pb2.Trajectory) -> list[int]:
     return [v for v, m in zip(traj.versions, traj.loss_mask) if m] or list(traj.versions)
 
 
+def fresh_positions(traj: common_pb2.Trajectory, version: int) -> list[int]:
+    """Response positions of the generated tokens that `version` sampled (its "fresh" tokens).
+
+    A token's recorded version is exact and its KV was computed by that version alone (the engines
+    recompute in-flight KV at a swap and never reuse another version's prefix cache), so the trainer
+    holding `version` computes a fresh token's behaviour log-prob exactly, whatever the sequence's
+    other tokens came from.
+    """
+    return [i for i, (v, m) in enumerate(zip(traj.versions, traj.loss_mask)) if m and v == version]
+
+
+def logprob_gap(trajectories: list[common_pb2.Trajectory], trainer_logprobs: list[list[float]],
+                version: int) -> tuple[float, int]:
+    """(mean |trainer − behaviour| log-prob over the tokens `version` sampled, how many tokens):
+    `trainer_logprobs[i]` is the trainer's log-prob of every response token of `trajectories[i]`,
+    computed with `version`'s weights."""
+    total, count = 0.0, 0
+    for traj, ours in zip(trajectories, trainer_logprobs, strict=True):
+        for i in fresh_positions(traj, version):
+            total, count = total + abs(ours[i] - traj.logprobs[i]), count + 1
+    return (total / count if count else 0.0), count
+
+
 class BatchAssembler:
     """Collects stream entries into whole groups and judges them against the staleness bound."""
 

@@ -3,13 +3,14 @@
 The training backend is a union on its `type`: ``backend: torch`` (or ``{type: torch}``) or
 ``backend: {type: megatron, tensor_parallel: 2, ...}``; the Megatron-Core settings exist only in
 the megatron variant, so writing one for the torch backend is an error that names the fix.
+`lora` (absent: full fine-tuning) trains low-rank adapters instead of the weights, in either backend.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from libra.configbase import Section, tagged_union
 
@@ -42,6 +43,46 @@ class MegatronBackendConfig(Section):
         True, description="on GPUs, Megatron's torch.compile-fused SwiGLU and cross entropy (off: plain kernels)")
     distributed_optimizer: bool = Field(
         True, description="shard Adam states over data parallelism on GPUs (false for elastic hybrid replicas)")
+    expert_parallel: int = Field(1, ge=1, le=1024, description=(
+        "expert-parallel size of a mixture-of-experts model: each rank holds num_experts / expert_parallel "
+        "experts and tokens travel to them (all-to-all); must divide num_experts and trainer.ranks / "
+        "pipeline_parallel (1 for dense models)"))
+    router_aux_loss_coef: float | None = Field(None, ge=0, le=10, description=(
+        "weight of the routers' load-balancing loss of a mixture-of-experts model (unset: config.json's "
+        "router_aux_loss_coef; 0: off); reported as router_aux_loss in the step metrics"))
+
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Megatron fuses q/k/v into linear_qkv and gate/up into linear_fc1: one adapter each, so they go together.
+MEGATRON_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA): the model's weights stay frozen, W + (alpha / rank) · B·A is trained."""
+
+    rank: int = Field(8, le=4096, description="adapter rank r (>= 1)")
+    alpha: float = Field(16.0, gt=0, le=100_000, description="scale numerator: the adapter adds (alpha / rank) · B·A")
+    dropout: float = Field(0.0, ge=0, lt=1, description=(
+        "dropout on the adapters' input during the gradient pass (log-prob passes never drop)"))
+    target_modules: tuple[str, ...] = Field(LORA_MODULES, min_length=1, description=(
+        f"projections that get adapters, in Hugging Face names ({', '.join(LORA_MODULES)}); the megatron "
+        "backend adapts its fused projections, so q/k/v and gate/up come together there"))
+
+    @field_validator("rank")
+    @classmethod
+    def _rank(cls, rank: int) -> int:
+        if rank < 1:
+            raise ValueError(f"trainer.lora.rank must be >= 1, got {rank} (a rank-0 adapter trains nothing); "
+                             "remove trainer.lora to train every weight")
+        return rank
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = sorted(set(targets) - set(LORA_MODULES))
+        if unknown:
+            raise ValueError(f"trainer.lora.target_modules: unknown {unknown}; choose from {list(LORA_MODULES)}")
+        return tuple(dict.fromkeys(targets))
 
 
 TrainBackendConfig = tagged_union("trainer.backend", TorchBackendConfig, MegatronBackendConfig)
@@ -91,9 +132,18 @@ class TrainerConfig(Section):
     tis_cap: float = Field(2.0, ge=1.0, le=1000.0, description="cap of the truncated importance weight behaviour vs old policy")
     recompute_logprobs: bool = Field(False, description="recompute old log-probs with the current weights before the update")
     max_staleness: int = Field(1, ge=0, le=1000, description="largest policy-version lag of a trajectory admitted to a batch")
-    micro_batch_size: int = Field(16, ge=1, le=65536, description="sequences per forward/backward")
+    micro_batch_size: int = Field(16, ge=1, le=65536, description="sequences per forward/backward (when "
+                                                                  "micro_batch_tokens is 0; each right-padded)")
+    micro_batch_tokens: int = Field(0, ge=0, le=100_000_000, description=(
+        "token budget of a packed micro-batch: its sequences concatenated into one row with no padding, attention "
+        "kept inside each sequence, sequences placed longest first into the first micro-batch with room "
+        "(0: micro_batch_size right-padded sequences per micro-batch); must hold rollout.max_total_tokens"))
+    packed_attention: Literal["auto", "varlen", "sdpa"] = Field("auto", description=(
+        "attention of packed micro-batches: varlen (FlashAttention's variable-length kernel: CUDA, bf16/fp16), "
+        "sdpa (one torch SDPA call per sequence: any device), auto (varlen where it runs, else sdpa)"))
     checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="steps between checkpoints (stream entries are acked at checkpoints)")
     torch_threads: int = Field(1, ge=1, le=512, description="intra-op threads of the CPU backend")
+    lora: LoraConfig | None = Field(None, description="train low-rank adapters only (absent: full fine-tuning)")
     warmup: WarmupConfig = Field(default_factory=WarmupConfig, description="supervised warm start")
     elastic: TrainerElasticConfig = Field(default_factory=TrainerElasticConfig,
                                           description="elastic hybrid replicas: the side channel")
@@ -111,6 +161,12 @@ class TrainerConfig(Section):
         if self.clip_high < self.clip_low * 0.5:
             raise ValueError("trainer.clip_high is far below clip_low; asymmetric clipping expects clip_high >= clip_low")
         backend = self.backend
+        if self.packed_attention != "auto" and not self.micro_batch_tokens:
+            raise ValueError(f"trainer.packed_attention={self.packed_attention} applies to packed micro-batches only; "
+                             "set trainer.micro_batch_tokens (a token budget) or leave packed_attention at auto")
+        if self.micro_batch_tokens and backend.type == "megatron" and backend.layer_spec == "local":
+            raise ValueError("trainer.micro_batch_tokens (packed micro-batches) needs trainer.backend.layer_spec: sdpa "
+                             "(Megatron's local spec has no attention that keeps to each packed sequence)")
         if self.ranks > 1 and backend.type != "megatron":
             raise ValueError(f"trainer.ranks={self.ranks} needs trainer.backend: megatron (the torch backend trains in "
                              "one process); set trainer.ranks=1 or trainer.backend=megatron")
@@ -118,4 +174,17 @@ class TrainerConfig(Section):
             model_parallel = backend.tensor_parallel * backend.pipeline_parallel
             raise ValueError(f"trainer.ranks={self.ranks} is not a multiple of trainer.backend.tensor_parallel x "
                              f"pipeline_parallel = {model_parallel}; the data-parallel size is ranks / {model_parallel}")
+        if backend.type == "megatron" and backend.expert_parallel > 1:
+            data_parallel = self.ranks // (backend.tensor_parallel * backend.pipeline_parallel)
+            if data_parallel % backend.expert_parallel:
+                raise ValueError(f"trainer.backend.expert_parallel={backend.expert_parallel} does not divide the "
+                                 f"data-parallel size {data_parallel} (trainer.ranks={self.ranks} / tensor_parallel x "
+                                 "pipeline_parallel): experts are spread over data-parallel ranks; raise trainer.ranks "
+                                 "or lower expert_parallel")
+        if self.lora is not None and backend.type == "megatron":
+            for fused in MEGATRON_FUSED:
+                chosen = [name for name in fused if name in self.lora.target_modules]
+                if chosen and len(chosen) < len(fused):
+                    raise ValueError(f"trainer.lora.target_modules has {chosen} but not all of {list(fused)}: the "
+                                     "megatron backend fuses them into one projection with one adapter; list all or none")
         return self

@@ -7,7 +7,9 @@ no clock, no randomness.
 
 Three log-probabilities meet in the loss (all per response token):
 
-    behaviour  ─ what the rollout worker reported when it sampled the token (policy version v_b)
+    behaviour  ─ what the rollout worker reported when it sampled the token (policy version v_b,
+                 recorded per token; exact: no token attends to KV of another version, so it is
+                 what v_b's weights compute over the whole sequence, and w corrects for v_b alone)
     old        ─ the trainer's log-prob before this update (recomputed, or = behaviour)
     new        ─ the trainer's log-prob now, with gradient
 

@@ -23,11 +23,13 @@ from prometheus_client import Gauge, Histogram
 from libra import log as liblog
 from libra.config import RunConfig
 from libra.services.trainer.backend import TrainBatch
-from libra.services.trainer.batches import (BatchAssembler, PendingGroup, build_batch, generated_versions,
-                                          to_sequence)
+from libra.services.trainer.batches import (BatchAssembler, PendingGroup, build_batch, fresh_positions,
+                                          logprob_gap, to_sequence)
 from libra.services.trainer.model_state import ModelState, Position
+from libra.services.trainer.peers import patient
 from libra.services.trainer.publisher import WeightPublisher
 from libra.services.trainer.status import TrainerStatus
+from libra.services.trainer import telemetry
 from libra.v1 import common_pb2, rollout_pb2, trainer_pb2
 
 _log = liblog.get("libra.trainer")
@@ -35,7 +37,7 @@ CONSUMER = "trainer-0"
 STEP = Gauge("libra_trainer_step", "last committed training step")
 VERSION = Gauge("libra_trainer_policy_version", "policy version of the trainer's weights")
 REWARD = Gauge("libra_trainer_mean_reward", "mean reward of the last batch")
-GAP = Gauge("libra_trainer_behaviour_logprob_gap", "mean |trainer - rollout| log-prob on fresh sequences")
+GAP = Gauge("libra_trainer_behaviour_logprob_gap", "mean |trainer - rollout| log-prob on fresh tokens")
 STEP_SECONDS = Histogram("libra_trainer_step_seconds", "phases of a step", ["phase"],
                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
 
@@ -47,6 +49,14 @@ def prompt_for(position: int, num_prompts: int, seed: int) -> int:
     offset = int.from_bytes(digest, "little") % num_prompts
     stride = next(s for s in (7919, 104729, 1299709, 1) if num_prompts % s != 0 or s == 1)
     return (offset + index * stride) % num_prompts
+
+
+def rollout_span(groups: list[PendingGroup]) -> float:
+    """The batch's rollout span: its first trajectory started to its last finished (0: not stamped)."""
+    stamped = [t for g in groups for t in g.trajectories() if t.started_at and t.finished_at]
+    if not stamped:
+        return 0.0
+    return max(0.0, max(t.finished_at for t in stamped) - min(t.started_at for t in stamped))
 
 
 class GrpoLoop:
@@ -80,7 +90,8 @@ class GrpoLoop:
             group_id=f"g{p}", prompt_id=str(prompt_for(p, self.num_prompts, self.config.seed)),
             samples=self.cfg.group_size, min_version=self.position.version) for p in range(start, start + missing)]
         meta = common_pb2.RequestMeta(request_id=f"submit-{start}-{missing}", run_id=self.config.run_id)
-        await self.rollout.SubmitPrompts(rollout_pb2.SubmitPromptsRequest(meta=meta, groups=groups), timeout=60)
+        request = rollout_pb2.SubmitPromptsRequest(meta=meta, groups=groups)
+        await patient(lambda: self.rollout.SubmitPrompts(request, timeout=60), "SubmitPrompts")
         self.position.data_position += missing
 
     # -- collecting a batch ----------------------------------------------------------------------
@@ -104,12 +115,15 @@ class GrpoLoop:
         return admitted
 
     async def _discard(self, groups: list[PendingGroup], status: int) -> None:
+        """Rejected groups are marked at once; their entries are acked with the next checkpoint, as
+        the ones a step used, so a restarted trainer judges them again and counts them again
+        (`discarded_groups` feeds the submit budget: a count lost at a crash would starve it)."""
         if not groups:
             return
         ids = [t.trajectory_id for g in groups for t in g.trajectories()]
         if status == common_pb2.TRAJECTORY_STATUS_REJECTED:
             await self.store.mark_trajectories(ids, status)
-        await self.store.ack_completed([e for g in groups for e in g.entries()])
+        self.position.used_entries.extend(e for g in groups for e in g.entries())
         _log.info("groups discarded", status=common_pb2.TrajectoryStatus.Name(status), groups=len(groups))
 
     # -- one step --------------------------------------------------------------------------------
@@ -128,6 +142,7 @@ class GrpoLoop:
         started = time.monotonic()
         metrics = await asyncio.to_thread(self.model.backend.train_step, core_batch, self.cfg)
         train_s = time.monotonic() - started
+        self.batch_summary = telemetry.BatchSummary.of(groups, batch, metrics, self.position.version)
         if self.elastic is not None:
             self.elastic.end_step()
         self.position.step += 1
@@ -136,6 +151,7 @@ class GrpoLoop:
         self.position.used_entries.extend(e for g in groups for e in g.entries())
         self.step_lengths = [(t.prompt_length, len(t.token_ids) - t.prompt_length)  # for the planner's history
                              for g in groups for t in g.trajectories()]
+        self.step_rollout_s = rollout_span(groups)  # for the planner's history: what rollout took, not our wait
         record = trainer_pb2.StepRecord(
             step=self.position.step, policy_version=self.position.version, mean_reward=stats.mean_reward,
             loss=metrics.get("loss", 0.0), trajectories=len(batch), rejected_stale=self.rejected_since_step,
@@ -150,19 +166,20 @@ class GrpoLoop:
         return record
 
     async def behaviour_gap(self, groups: list[PendingGroup]) -> tuple[float, int]:
-        """Mean |trainer - rollout| log-prob on sequences sampled entirely by the current weights."""
-        fresh = [t for g in groups for t in g.trajectories()
-                 if set(generated_versions(t)) == {self.position.version}]
+        """Mean |trainer − rollout| log-prob over the tokens the current weights sampled ("fresh"
+        tokens, batches.fresh_positions), and how many sequences hold any.
+
+        Per-token versions are exact and no KV crosses versions, so this is float rounding (~1e-7 in
+        fp32); a broken weight sync or KV reused across versions shows as orders more.
+        """
+        version = self.position.version
+        fresh = [t for g in groups for t in g.trajectories() if fresh_positions(t, version)]
         if not fresh:
             return 0.0, 0
         batch = TrainBatch([to_sequence(t, 0.0) for t in fresh])
         ours = await asyncio.to_thread(self.model.backend.compute_logprobs, batch)
-        total = count = 0.0
-        for traj, logprobs in zip(fresh, ours):
-            for mine, theirs, mask in zip(logprobs.tolist(), traj.logprobs, traj.loss_mask):
-                if mask:
-                    total, count = total + abs(mine - theirs), count + 1
-        return (total / count if count else 0.0), len(fresh)
+        gap, _ = logprob_gap(fresh, [logprobs.tolist() for logprobs in ours], version)
+        return gap, len(fresh)
 
     async def checkpoint(self):
         """Checkpoint the position (after the last version's background disk write: one backend call at a time)."""
@@ -177,12 +194,13 @@ class GrpoLoop:
         await self.store.append_history("step", common_pb2.HistoryRecord(
             kind="step", timestamp=record.timestamp, step=record.step, output_tokens=record.tokens,
             seconds=record.wait_seconds + record.train_seconds + record.publish_seconds,
-            train_seconds=record.train_seconds, rollout_seconds=record.wait_seconds,
+            train_seconds=record.train_seconds, rollout_seconds=getattr(self, "step_rollout_s", 0.0),
             rejected_rollouts=record.rejected_stale, sequences=record.trajectories,
             prompt_lengths=[p for p, _ in lengths], output_lengths=[o for _, o in lengths]))
         if record.step % self.cfg.checkpoint_every == 0 or record.step == self.cfg.steps:
             await self.checkpoint()
         await self.status.add_record(record)
+        telemetry.record_step(self.config, record, getattr(self, "batch_summary", None))
         STEP.set(record.step)
         VERSION.set(record.policy_version)
         REWARD.set(record.mean_reward)

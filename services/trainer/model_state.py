@@ -1,13 +1,16 @@
 """The trainer's model on disk: creation and warm start, resume, checkpoints.
 
 Layout under run_dir:
-    model/base/          the created (tiny) model after the supervised warm start
+    model/base/          the created (tiny) model after the supervised warm start (a copy of the
+                         model cache's entry for its recipe, libra/model_cache.py: built once per
+                         recipe on a machine, reused by every later run)
     weights/v{N}/        weight sets of policy versions (HF format, what workers load): publisher.py
     checkpoints/step{N}.pt   model + optimizer + RNG + trainer position (atomic writes)
 
-A checkpoint also lists the completed-stream entries that its steps used; they are acked only
-after the checkpoint is on disk, so a trainer that dies between two checkpoints re-trains on
-exactly the entries its lost steps had used (and a restart acks the ones a checkpoint covers).
+A checkpoint also lists the completed-stream entries that its steps used (and those of the groups
+it discarded as stale or failed); they are acked only after the checkpoint is on disk, so a
+trainer that dies between two checkpoints gets exactly those entries again, judges them again and
+counts its discards again (a restart acks the ones a checkpoint covers).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from libra import log as liblog
+from libra import model_cache
 from libra.config import RunConfig
 from libra.services.trainer.backend import TrainBackend
 from libra.workloads.base import build_workload
@@ -38,6 +42,55 @@ def make_backend(config: RunConfig) -> TrainBackend:
     from libra.services.trainer.torch_backend import TorchBackend
 
     return TorchBackend(config.trainer, seed=config.seed)
+
+
+def warm_model_recipe(config: RunConfig, workload: Any) -> dict[str, Any]:
+    """Everything that shapes the warm-started tiny model: its key in the model cache.
+
+    The workload enters through what the model is built from (the tokenizer's corpus, its markup
+    and the warm start's demonstrations, hashed), so a data file or workload code that changes
+    them changes the key, and a field that does not (num_prompts) leaves it alone. Thread counts
+    are not in it: they change float rounding, not what the model is, and configs that differ only
+    there (the quickstart and configs/sync-colocated.yaml) share one entry, hence the same weights.
+    """
+    import importlib.metadata
+
+    from libra import tiny_model
+    from libra.services.trainer import warmup
+
+    warm = config.trainer.warmup
+    demonstrations = workload.demonstrations(warm.steps * warm.batch_size, config.seed) if warm.steps else []
+    return {
+        "kind": "warm-started tiny model",
+        "model": config.model.model_dump(mode="json"),
+        "seed": config.seed,
+        "warmup": warm.model_dump(mode="json"),
+        "workload": config.workload.name,
+        "corpus": model_cache.digest_texts(workload.corpus(tiny_model.CORPUS_DOCUMENTS, config.seed)),
+        "markup": list(workload.markup_tokens),
+        "demonstrations": model_cache.digest_texts(demonstrations),
+        "code": model_cache.digest_files([tiny_model.__file__, warmup.__file__]),
+        "libraries": {name: importlib.metadata.version(name) for name in ("torch", "transformers", "tokenizers")},
+    }
+
+
+def build_warm_model(config: RunConfig, workload: Any, directory: pathlib.Path,
+                     progress: Callable[[int, float], None] | None = None) -> dict:
+    """Create the tiny model in `directory` and warm-start it there; the warm start's metrics."""
+    from libra.services.trainer.warmup import warm_start
+    from libra.tiny_model import create_tiny_model
+
+    create_tiny_model(config.model, workload, directory, config.seed)
+    return warm_start(directory, workload, config.trainer.warmup, config.seed, config.trainer.torch_threads, progress)
+
+
+def base_model(config: RunConfig, dest: pathlib.Path) -> bool:
+    """The warm-started tiny model of `config` at `dest` (which must not exist), from the model cache
+    when it holds it (True) or built (False): what `libra up` starts from, for tools beside it."""
+    workload = build_workload(config.workload)
+    root = model_cache.cache_root()
+    recipe = warm_model_recipe(config, workload) if root is not None else {}
+    return model_cache.cached_model(root, recipe, dest, lambda d: build_warm_model(config, workload, d))
 
 
 @dataclass
@@ -79,17 +132,14 @@ class ModelState:
         return position
 
     async def _create(self, on_warmup: Callable[[str], Any]) -> None:
-        from libra.services.trainer.warmup import warm_start
-        from libra.tiny_model import create_tiny_model
-
         if self.config.model.source == "path":
             await asyncio.to_thread(shutil.copytree, self.config.model.path, self.base_dir, dirs_exist_ok=True)
             return
         workload = build_workload(self.config.workload)
         staging = self.base_dir.with_name("base.partial")
         shutil.rmtree(staging, ignore_errors=True)
-        await on_warmup("creating the tiny model and its tokenizer")
-        await asyncio.to_thread(create_tiny_model, self.config.model, workload, staging, self.config.seed)
+        root = model_cache.cache_root()
+        recipe = await asyncio.to_thread(warm_model_recipe, self.config, workload) if root is not None else {}
         warm = self.config.trainer.warmup
         loop = asyncio.get_running_loop()
 
@@ -99,10 +149,16 @@ class ModelState:
             if step % 20 == 0 or step == warm.steps:
                 asyncio.run_coroutine_threadsafe(on_warmup(f"{step}/{warm.steps} loss {loss:.3f}"), loop)
 
-        metrics = await asyncio.to_thread(warm_start, staging, workload, warm, self.config.seed,
-                                          self.config.trainer.torch_threads, progress)
+        def build(directory: pathlib.Path) -> None:
+            asyncio.run_coroutine_threadsafe(on_warmup("creating the tiny model and its tokenizer"), loop)
+            metrics = build_warm_model(self.config, workload, directory, progress)
+            _log.info("warm start done", **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
+
+        reused = await asyncio.to_thread(model_cache.cached_model, root, recipe, staging, build)
+        if reused:
+            _log.info("warm-started model reused", cache=str(root / "models" / model_cache.model_key(recipe)))
+            await on_warmup("reused the warm-started model from the cache")
         staging.rename(self.base_dir)
-        _log.info("warm start done", **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()})
 
     async def checkpoint(self, position: Position) -> pathlib.Path:
         """Save, then ack the stream entries the saved steps used, then forget older checkpoints."""

@@ -13,9 +13,17 @@ what travels between them is libra/weights/).
      G unusable (rollout's workers changed since its last reply): once more, on a generation for them
      a worker not ok and v not on disk: write v now ─▶ UpdateWeights(v, path) (only those behind load)
      v a multiple of disk_every: write v in the background ── settle() ◀─ before the weights change
+   weights: colocated (the hf engines on the trainer's GPU; rollout's roster known)
+     Redis: version v, no path ─▶ HF tensors ─D2D─▶ export buffer v % n (libra/weights/ipc.py)
+     ─▶ UpdateWeights(v, colocated=its CUDA IPC descriptor) ─▶ each engine maps (share) or copies it
+     an engine refused and v not on disk: write v now ─▶ UpdateWeights(v, path); disk_every as for group
  at start: record(v) with its disk copy before rollout is up (rollout starts its workers on it),
            deliver(v) once rollout answers
 ```
+Versions never go backwards: at start the first version is one above the highest that Redis, the
+checkpoint or `weights/` knows (`first_version`), and a publish that finds Redis behind (it came
+back without the counter) raises the counter first. A rollout that is restarting is waited for
+(peers.py); a version it missed it loads from disk when it comes back (the newest on disk).
 
 The path a version is written to is used as it is, never read back from Redis; Redis keeps the
 durable record (the version counter, each version's path once on disk, the group's generation).
@@ -27,6 +35,7 @@ a checkpoint), so the weights never change under it.
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import threading
 import time
@@ -35,11 +44,14 @@ from typing import Any
 
 from libra import log as liblog
 from libra.config import RunConfig
+from libra.errors import Conflict
+from libra.services.trainer.peers import patient
 from libra.v1 import common_pb2, rollout_pb2
 from libra.weights.roster import BLOB, GroupRecord, Roster, reform_reason
 
 _log = liblog.get("libra.trainer")
 RPC_TIMEOUT_S = 600
+VERSION_DIR = re.compile(r"^v(\d+)(\.partial)?$")
 
 
 @dataclass
@@ -67,24 +79,41 @@ class WeightPublisher:
         self._group_store = None  # the TCPStore every generation meets in, hosted for the process's life
         self._paths: dict[int, str] = {}  # versions this process wrote to disk, and where
         self._background: asyncio.Task | None = None
+        self._export = None  # weights: colocated — the export buffers (libra/weights/ipc.py), for the process's life
+        self.check(config)
+
+    @staticmethod
+    def check(config: RunConfig) -> None:
+        """Refuse at start what this machine cannot publish with (weights: colocated without CUDA)."""
+        if config.weights.type == "colocated":
+            from libra.weights.ipc import check_cuda
+
+            check_cuda()
 
     # ---- one version ----------------------------------------------------------------------
     async def publish(self, version: int) -> PublishReport:
         """Make the weights in memory policy `version` and bring rollout's workers to it (no drain)."""
         started = time.monotonic()
         await self.settle()
-        grouped = self.settings.type == "group" and bool(self.roster)
+        direct = self.settings.type in ("group", "colocated") and bool(self.roster)  # no disk on the way
         report = PublishReport(version)
-        await self.record(version, write=not grouped, report=report)
+        await self.record(version, write=not direct, report=report)
         await self.deliver(version, report)
-        if grouped and version not in self._paths and self.settings.disk_every \
+        if direct and version not in self._paths and self.settings.disk_every \
                 and version % self.settings.disk_every == 0:
             self._background = asyncio.create_task(self._write_in_background(version))
         report.seconds = time.monotonic() - started
-        _log.info("version published", version=version, over_group=grouped, seconds=round(report.seconds, 4),
+        _log.info("version published", version=version, over_group=direct and self.settings.type == "group",
+                  colocated=direct and self.settings.type == "colocated", seconds=round(report.seconds, 4),
                   write_s=round(report.write_seconds, 4), send_s=round(report.send_seconds, 4),
                   rpc_s=round(report.rpc_seconds, 4), workers=report.workers_updated)
         return report
+
+    async def first_version(self, checkpoint_version: int) -> int:
+        """The version the weights in memory become at start: one above every version Redis, the
+        checkpoint (`checkpoint_version`) or the weights directory knows, so none is reused."""
+        on_disk = [int(m.group(1)) for p in self.root.glob("v*") if (m := VERSION_DIR.match(p.name))]
+        return max([await self.store.current_version(), checkpoint_version, *on_disk]) + 1
 
     async def record(self, version: int, write: bool = True, report: PublishReport | None = None) -> str:
         """Publish `version` in Redis (compare-and-set on the version), its disk copy written first
@@ -94,7 +123,15 @@ class WeightPublisher:
             path, seconds = await self._write(version)
             if report is not None:
                 report.write_seconds += seconds
-        await self.store.publish_version(version, path)
+        try:
+            await self.store.publish_version(version, path)
+        except Conflict:
+            if await self.store.current_version() >= version:
+                raise  # a later version exists: another trainer publishes (never ours to overwrite)
+            current = await self.store.raise_version(version - 1)  # Redis is behind what we know
+            _log.warning("the policy version counter was behind this trainer's; raised it", version=version,
+                         counter=current)
+            await self.store.publish_version(version, path)
         return path
 
     async def deliver(self, version: int, report: PublishReport | None = None) -> PublishReport:
@@ -110,13 +147,15 @@ class WeightPublisher:
                           "for rollout's serving workers", version=version, why=reply.group_unusable)
                 self._drop_generation()
                 reply = await self._over_group(version, path, Roster.from_proto(reply.serving), report)
+        elif self.settings.type == "colocated" and self.roster:
+            reply = await self._colocated(version, path, report)
         if reply is None or (not path and any(not ack.ok for ack in reply.acks)):
             if not path:  # the disk copy is the fallback: written now, on demand
                 path, seconds = await self._on_disk(version)
                 report.write_seconds += seconds
-            suffix = "-disk" if self.settings.type == "group" else ""
+            suffix = "-disk" if self.settings.type != "disk" else ""
             reply = await self._update(rollout_pb2.UpdateWeightsRequest(
-                meta=self._meta(f"weights-v{version}{suffix}"), version=version, path=path), report)
+                meta=self._meta(f"weights-v{version}{suffix}"), version=version, path=path), report, wait=True)
         self.roster = Roster.from_proto(reply.serving)
         report.workers_updated = sum(ack.ok for ack in reply.acks)
         failed = [ack.worker_id for ack in reply.acks if not ack.ok]
@@ -143,9 +182,14 @@ class WeightPublisher:
     def _meta(self, request_id: str) -> common_pb2.RequestMeta:
         return common_pb2.RequestMeta(request_id=request_id, run_id=self.config.run_id)
 
-    async def _update(self, request: rollout_pb2.UpdateWeightsRequest, report: PublishReport) -> Any:
+    async def _update(self, request: rollout_pb2.UpdateWeightsRequest, report: PublishReport,
+                      wait: bool = False) -> Any:
+        """rollout's UpdateWeights; `wait`: through a rollout restart (peers.py), same request id."""
         started = time.monotonic()
         try:
+            if wait:
+                return await patient(lambda: self.rollout.UpdateWeights(request, timeout=RPC_TIMEOUT_S),
+                                     f"UpdateWeights v{request.version}")
             return await self.rollout.UpdateWeights(request, timeout=RPC_TIMEOUT_S)
         finally:
             report.rpc_seconds += time.monotonic() - started
@@ -179,6 +223,38 @@ class WeightPublisher:
             return None
         return reply
 
+    # ---- weights: colocated -------------------------------------------------------------------
+    async def _colocated(self, version: int, path: str, report: PublishReport) -> Any:
+        """Write `version` into the export buffer and have rollout's engines take it from there;
+        rollout's reply, or None when that failed (the caller then sends the version over disk)."""
+        from libra.weights.ipc import ColocatedExport
+
+        started = time.monotonic()
+        try:
+            named = await asyncio.to_thread(self._named_tensors)
+            if self._export is None or not self._export.fits(named):
+                self._export = await asyncio.to_thread(ColocatedExport, named, self.settings.mode,
+                                                       getattr(self.backend, "device", "cpu"))
+            descriptor = await asyncio.to_thread(self._export.write, named, version)
+        except Exception as error:  # noqa: BLE001 - the version still goes out, over disk
+            _log.error("colocated export failed; the version goes over disk", version=version, error=str(error))
+            return None
+        finally:
+            report.send_seconds += time.monotonic() - started
+        request = rollout_pb2.UpdateWeightsRequest(meta=self._meta(f"weights-v{version}-colocated"), version=version,
+                                                   path=path, colocated=descriptor)
+        try:
+            return await self._update(request, report)
+        except Exception as error:  # noqa: BLE001 - the version still goes out, over disk
+            _log.error("rollout failed the colocated update; sending the version over disk", version=version,
+                       error=str(error))
+            return None
+
+    def _named_tensors(self) -> list:
+        """(HF name, tensor) of the weights in memory, on the trainer's device."""
+        named = getattr(self.backend, "hf_named_tensors", None)  # backends whose own names are not HF's
+        return list(named()) if named is not None else list(self.backend.model.named_parameters())
+
     # ---- the weights group ------------------------------------------------------------------
     async def _generation_for(self, version: int, roster: Roster) -> GroupRecord:
         """The generation `version` goes on, recording a new one in Redis when the roster changed or
@@ -206,8 +282,7 @@ class WeightPublisher:
         from libra.weights.group import WeightsGroup
 
         started = time.monotonic()
-        named = getattr(self.backend, "hf_named_tensors", None)  # backends whose own names are not HF's
-        tensors = list(named()) if named is not None else list(self.backend.model.named_parameters())
+        tensors = self._named_tensors()
         s = self.settings
         try:
             if self.weights_group is None:

@@ -11,11 +11,22 @@ whole). `train_step` gets the whole batch on every rank and each trains its data
 (whole GRPO groups, contiguous); the ranks of one model-parallel group get the same shard.
 
 Launch: with `trainer.ranks: N`, `libra serve trainer` starts the N ranks itself on its node
-(`launch`: torchrun's environment, signals passed on), so `libra up`, Compose and the Slurm script
-need nothing else; under torchrun or srun (RANK/WORLD_SIZE set) it is one rank, and the launcher's
-world must equal `trainer.ranks`. Elastic hybrid replicas join single-rank trainers only: a
-multi-rank trainer refuses them with the reason. A follower whose leader dies sees its next
-receive fail and exits non-zero; a rank that fails makes `launch` stop the others.
+(`launch`: torchrun's environment, signals passed on; each rank gets SIGTERM if the launcher dies,
+even by SIGKILL, and a restarted launcher first stops what its predecessor left: libra/procs.py),
+so `libra up` and Compose need nothing else. Under torchrun (RANK/WORLD_SIZE set) or as a task
+of an srun step of several tasks, on one node or many, it is one rank, and the launcher's world
+must equal `trainer.ranks`. An srun task takes its rank from Slurm (`srun_environment`: SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID become
+torchrun's RANK, WORLD_SIZE, LOCAL_RANK) and meets the others at MASTER_ADDR:MASTER_PORT, which
+the step's environment carries (deploy/slurm/libra.sbatch: the trainer's first node, a port of
+the job), so the ranks' torch.distributed rendezvous works across nodes:
+
+    srun --nodes=2 --ntasks-per-node=8 libra serve trainer     MASTER_ADDR=<first node>, MASTER_PORT
+      node A: tasks 0-7  (rank 0 serves; LOCAL_RANK 0-7 pick the node's GPUs)
+      node B: tasks 8-15 (follow rank 0's calls over the gloo group)
+
+Elastic hybrid replicas join single-rank trainers only: a multi-rank trainer refuses them with the
+reason. A follower whose leader dies sees its next receive fail and exits non-zero; a rank that
+fails makes `launch` stop the others (under srun: --kill-on-bad-exit).
 """
 
 from __future__ import annotations
@@ -26,9 +37,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from libra import log as liblog
+from libra import procs as libra_procs
+from libra.errors import ConfigError
 from libra.services.trainer.backend import TrainBatch
 
 _log = liblog.get("libra.trainer.ranks")
@@ -38,8 +51,37 @@ STOP = "stop"
 
 
 def launched() -> tuple[int, int]:
-    """(global rank, world size) as torchrun/srun set them; (0, 1) for a plain process."""
+    """(global rank, world size) as the launcher set them: torchrun's RANK/WORLD_SIZE, or those of a
+    task of an srun step of several tasks (adopted into this process's environment, so that
+    torch.distributed and Megatron read them); (0, 1) for a plain process or a one-task step."""
+    if "RANK" not in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+        os.environ.update(srun_environment(os.environ))
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def srun_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's variables for a task of an srun step (module docstring); MASTER_ADDR and
+    MASTER_PORT must be in `env`: Slurm does not choose a rendezvous."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+    if missing:
+        raise ConfigError(f"the trainer runs as {env.get('SLURM_STEP_NUM_TASKS')} srun tasks but {' and '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not set: export MASTER_ADDR=<address of the step's "
+                          f"first node> MASTER_PORT=<a free port> for the step (deploy/slurm/libra.sbatch does)")
+    node = int(env.get("SLURM_NODEID", "0"))
+    return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_STEP_NUM_TASKS"],
+            "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+            "LOCAL_WORLD_SIZE": str(tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", "1"), node))}
+
+
+def tasks_on_node(spec: str, node: int) -> int:
+    """The task count of the step's `node`-th node, from Slurm's compressed list ("8(x2),4" → 8, 8, 4)."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    if not 0 <= node < len(counts):
+        raise ConfigError(f"SLURM_NODEID={node} is outside SLURM_STEP_TASKS_PER_NODE={spec!r}")
+    return counts[node]
 
 
 def launch(count: int, grace_s: float = 45.0) -> int:
@@ -55,7 +97,10 @@ def launch(count: int, grace_s: float = 45.0) -> int:
     for rank in range(count):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(count), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(count), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "libra.cli", *sys.argv[1:]], env=env))
+        # SIGTERM when the launcher dies, even by SIGKILL (libra/procs.py): rank 0 drains, the others
+        # follow it; the ranks stay in the launcher's process group, so stopping that group stops them.
+        argv = libra_procs.with_parent_death_signal([sys.executable, "-m", "libra.cli", *sys.argv[1:]], signal.SIGTERM)
+        procs.append(subprocess.Popen(argv, env=env))
     _log.info("trainer ranks started", ranks=count, pids=[p.pid for p in procs])
 
     def forward(number: int, frame: Any) -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 
 from libra import log as liblog
+from libra import procs
 from libra.config import RunConfig
 from libra.errors import FailedPrecondition
 from libra.rpc import channel, wait_for_peers
-from libra.runtime import Service, serve as run_service
+from libra.runtime import Service, owner_key, serve as run_service
 from libra.service_base import connect_store
 from libra.services.trainer import ranks
 from libra.services.trainer.loop import GrpoLoop
@@ -56,7 +57,7 @@ class TrainerService(Service):
         trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(self), server)
 
     def _stub(self, stub_class, service: str):
-        chan = channel(self.config.address_of(service))
+        chan = channel(self.config.address_of(service), wait_for_ready=True)  # a peer may be restarting
         self._channels.append(chan)
         return stub_class(chan)
 
@@ -77,6 +78,7 @@ class TrainerService(Service):
             raise
 
     async def _prepare(self) -> None:
+        WeightPublisher.check(self.config)  # before any work: e.g. weights: colocated on a machine without CUDA
         await self.status.set(P.TRAINER_PHASE_WAITING_FOR_PEERS, "redis")
         self.store = await connect_store(self.config.redis.url, self.run_id)
         await self.status.set(P.TRAINER_PHASE_WARMUP, "")
@@ -95,7 +97,8 @@ class TrainerService(Service):
         for record in await self.store.step_records(1):
             await self.status.add_record(P.StepRecord.FromString(record))
         # The weights in memory become the next policy version, on disk: rollout starts (or reloads) on them.
-        version = await self.store.current_version() + 1
+        version = await publisher.first_version(position.version)  # never one Redis, the checkpoint or disk had
+        await self.store.raise_version(version - 1)
         await publisher.record(version)
         position.version = version
         await self.status.set(P.TRAINER_PHASE_WAITING_FOR_PEERS, "rollout workers, elastic coordinator")
@@ -194,6 +197,7 @@ def serve(config: RunConfig, port: int | None = None) -> int:
     """Serve the trainer; launched on several ranks (torchrun, srun), ranks other than 0 follow."""
     rank, world = ranks.launched()
     if world == 1 and config.trainer.ranks > 1:  # start the ranks here (ranks.launch), each serves as below
+        procs.adopt(owner_key("trainer", config.run_id, config.run_path))  # a dead launcher's ranks first
         return ranks.launch(config.trainer.ranks)
     ranks.check(config, world)
     if rank != 0:

@@ -44,10 +44,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     @rpc(mutating=True)
     async def AdmitHybrid(self, request, context):
-        return common_pb2.Ack(applied=await self.service.elastic_control().admit(
-            request.replica_id, request.generation, request.meta.request_id))
+        control = self.service.elastic_control()
+        return common_pb2.Ack(applied=await control.admit(request.replica_id, request.generation))
 
     @rpc(mutating=True)
     async def ReleaseHybrid(self, request, context):
-        return common_pb2.Ack(applied=await self.service.elastic_control().release(
-            request.replica_id, request.generation, request.meta.request_id))
+        control = self.service.elastic_control()
+        return common_pb2.Ack(applied=await control.release(request.replica_id, request.generation))

@@ -13,6 +13,12 @@ default group and the write-back.
 
 The model stays in eval mode (no dropout): the policy ratio compares two forward passes of the
 same function, and rollout workers sample without dropout too.
+
+Micro-batches (`TrainBatch.plan`): `micro_batch_size` right-padded sequences, or with
+`micro_batch_tokens` a token budget of sequences concatenated into one row with no padding; the
+model is then loaded with the `libra_packed` attention implementation (packed_attention.py), so
+each sequence attends only to itself and positions restart per sequence. Log-probs come back in
+the batch's order whichever micro-batch computed them.
 """
 
 from __future__ import annotations
@@ -57,7 +63,12 @@ class TorchBackend(TrainBackend):
         torch.set_num_threads(self.config.torch_threads)
         torch.manual_seed(self.seed)
         random.seed(self.seed)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        extra = {}
+        if self.config.micro_batch_tokens:  # packed micro-batches: attention kept inside each sequence
+            from libra.services.trainer.packed_attention import register_hf
+
+            extra["attn_implementation"] = register_hf(self.config.packed_attention)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra)
         model.config.use_cache = False
         model.eval()
         self._model, self.model_dir = model, model_dir
@@ -80,26 +91,42 @@ class TorchBackend(TrainBackend):
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     # ---- forward ---------------------------------------------------------------------------
-    def _forward(self, sequences: list) -> tuple[Any, torch.Tensor]:
-        packed = pack(sequences)
+    def _forward(self, sequences: list, concatenate: bool = False) -> tuple[Any, torch.Tensor]:
+        """Log-probs of one micro-batch on the target grid: right-padded rows, or `concatenate`d."""
+        import torch
+
+        if concatenate and not self.config.micro_batch_tokens:
+            raise ValueError("packed micro-batches need the model loaded for them: set trainer.micro_batch_tokens "
+                             "in the config the backend is built with, not only in a step's config")
+        packed = pack(sequences, concatenate=concatenate)
         device = next(self.model.parameters()).device
         if device.type != "cpu":
             packed = dataclasses.replace(packed, **{f.name: getattr(packed, f.name).to(device)
-                                                    for f in dataclasses.fields(packed) if f.name != "response_lengths"})
-        logits = self.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+                                                    for f in dataclasses.fields(packed)
+                                                    if isinstance(getattr(packed, f.name), torch.Tensor)})
+        if concatenate:
+            from libra.services.trainer.packed_attention import hf_packed_inputs
+
+            logits = self.model(**hf_packed_inputs(packed, device)).logits
+        else:
+            logits = self.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
         return packed, token_logprobs(logits, packed.input_ids)
 
-    def compute_logprobs(self, batch: TrainBatch) -> list[torch.Tensor]:
-        return self._logprobs(batch, self.config.micro_batch_size)
+    def _plan(self, batch: TrainBatch, config: TrainerConfig) -> list[list[int]]:
+        return batch.plan(config.micro_batch_size, config.micro_batch_tokens)
 
-    def _logprobs(self, batch: TrainBatch, micro_batch_size: int) -> list[torch.Tensor]:
+    def compute_logprobs(self, batch: TrainBatch) -> list[torch.Tensor]:
+        return self._logprobs(batch, self.config)
+
+    def _logprobs(self, batch: TrainBatch, config: TrainerConfig) -> list[torch.Tensor]:
         import torch
 
-        out: list[torch.Tensor] = []
+        out: list[Any] = [None] * len(batch)
         with torch.no_grad():
-            for micro in batch.micro_batches(micro_batch_size):
-                packed, logprobs = self._forward(micro)
-                out.extend(unpack(logprobs, packed))
+            for indices in self._plan(batch, config):
+                packed, logprobs = self._forward([batch.sequences[i] for i in indices], bool(config.micro_batch_tokens))
+                for index, values in zip(indices, unpack(logprobs, packed)):
+                    out[index] = values
         return out
 
     # ---- the GRPO step ---------------------------------------------------------------------
@@ -111,7 +138,7 @@ class TorchBackend(TrainBackend):
 
         Public for hybrid replicas, which compute their slice exactly as a core rank does.
         """
-        old = self._logprobs(batch, config.micro_batch_size) if config.recompute_logprobs else None
+        old = self._logprobs(batch, config) if config.recompute_logprobs else None
         self._set_hyper_parameters(config)
         self._optimizer.zero_grad(set_to_none=True)
         return self._accumulate(batch, config, old, token_count=token_count)
@@ -163,14 +190,12 @@ class TorchBackend(TrainBackend):
         import torch
 
         sums: dict[str, float] = defaultdict(float)
-        done = 0
-        for micro in batch.micro_batches(config.micro_batch_size):
-            packed, new = self._forward(micro)
+        for indices in self._plan(batch, config):
+            packed, new = self._forward([batch.sequences[i] for i in indices], bool(config.micro_batch_tokens))
             old_grid = packed.behaviour_logprobs  # no recompute: old = behaviour, so w = 1
             if old is not None:
                 old_grid = torch.zeros_like(new)
-                old_grid[packed.response_mask] = torch.cat(old[done : done + len(micro)])
-            done += len(micro)
+                old_grid[packed.response_mask] = torch.cat([old[i] for i in indices]).to(new.device)
             loss, metrics = policy_loss(
                 new, old_grid, packed.behaviour_logprobs, packed.advantages, packed.loss_mask,
                 config.clip_low, config.clip_high, config.tis_cap, config.kl_coef, token_count=token_count,

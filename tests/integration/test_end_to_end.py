@@ -22,6 +22,7 @@ import pytest
 
 from libra.errors import NotFound
 from libra.redis_server import free_port
+from libra.telemetry import record as run_record
 
 pytestmark = pytest.mark.slow
 GROUPS, SAMPLES = 4, 8
@@ -62,8 +63,10 @@ def _up(config, redis_url, run_id, run_dir, steps: int) -> subprocess.CompletedP
     command = [sys.executable, "-m", "libra.cli", "up", "--config", str(config), "--redis-url", redis_url,
                "--run-id", run_id, "--run-dir", str(run_dir), "--set", f"trainer.steps={steps}",
                "--set", "trainer.warmup.steps=120", "--set", f"trainer.groups_per_step={GROUPS}",
-               "--set", "trainer.checkpoint_every=2", "--set", "rollout.worker.base_port=0"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+               "--set", "trainer.checkpoint_every=2", "--set", "rollout.worker.base_port=0",
+               "--set", "rollout.worker.engine=vllm"]  # the quickstart's engine is hf; this test is vLLM's
+    env = {**os.environ, "LIBRA_CACHE": str(run_dir.parent / "model-cache")}  # this test's own: it builds once
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     print(result.stdout[-3000:], result.stderr[-3000:])
     return result
 
@@ -92,6 +95,9 @@ def test_libra_up_trains_publishes_survives_a_dead_worker_and_resumes(tmp_path, 
     assert '"event": "resumed"' in trainer_log and '"step": 4' in trainer_log  # from the step-4 checkpoint
     assert '"event": "warm start done"' not in trainer_log  # the model was not created again
     assert (run_dir / "logs.1" / "trainer.log").read_text().count('"event": "warm start done"') == 1
+    record = run_record.load(run_dir)  # both starts' run records, read as one (libra/telemetry)
+    assert [row["step"] for row in record.steps] == list(range(1, 7)) and record.scheduler and record.decisions
+    assert "run report: " in second.stdout and (run_dir / "report.html").stat().st_size > 50_000
     asyncio.run(_check_state(redis_url, run_id, steps=6))
 
 

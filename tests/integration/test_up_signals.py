@@ -62,15 +62,15 @@ def _config(tmp_path: pathlib.Path) -> tuple[pathlib.Path, int]:
 class Up:
     """One `libra up` subprocess and its output, read as it comes."""
 
-    def __init__(self, tmp_path: pathlib.Path):
+    def __init__(self, tmp_path: pathlib.Path, steps: int = 500, extra: tuple[str, ...] = ()):
         self.token = uuid.uuid4().hex
         self.run_dir = tmp_path / "run"
         config, worker_port = _config(tmp_path)
         command = [sys.executable, "-m", "libra.cli", "up", "--config", str(config),
-                   "--run-dir", str(self.run_dir), "--set", "trainer.steps=500", "--set", "trainer.warmup.steps=4",
+                   "--run-dir", str(self.run_dir), "--set", f"trainer.steps={steps}", "--set", "trainer.warmup.steps=4",
                    "--set", "trainer.groups_per_step=2", "--set", "trainer.group_size=4",
                    "--set", "rollout.worker.engine=hf", "--set", f"rollout.worker.base_port={worker_port}",
-                   "--set", f"elastic.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}"]
+                   "--set", f"elastic.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}", *extra]
         self.lines: list[str] = []
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env={**os.environ, MARK: self.token})

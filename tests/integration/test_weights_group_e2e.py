@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from libra.redis_server import free_port
 
 pytestmark = pytest.mark.slow
 STEPS = 6
+TOKEN = "weights-group-e2e-token-0123456789"
 SYNC_TIMEOUT_S = 30  # a version that waited for it would show in publish_seconds
 
 
@@ -46,6 +48,7 @@ def _events(log: pathlib.Path, name: str) -> list[dict]:
 async def _change_layout(addresses: dict[str, str], redis_url: str, run_id: str) -> tuple[int, str]:
     """Once both workers hold version 3, pause training, start a `long` worker, drain `short-0`, resume."""
     from libra.rpc import channel
+    from libra.security import Security
     from libra.state import StateStore
     from libra.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
@@ -53,7 +56,9 @@ async def _change_layout(addresses: dict[str, str], redis_url: str, run_id: str)
         return common_pb2.RequestMeta(request_id=f"{name}-{time.monotonic_ns()}", run_id=run_id)
 
     store = await StateStore.connect(redis_url, run_id)
-    trainer_channel, rollout_channel = channel(addresses["trainer"]), channel(addresses["rollout"])
+    security = Security(TOKEN)  # the run's token (libra up was given it in LIBRA_TOKEN)
+    trainer_channel, rollout_channel = channel(addresses["trainer"], security=security), \
+        channel(addresses["rollout"], security=security)
     try:
         trainer = trainer_pb2_grpc.TrainerStub(trainer_channel)
         rollout = rollout_pb2_grpc.RolloutStub(rollout_channel)
@@ -106,7 +111,8 @@ def test_versions_arrive_over_the_group_and_follow_a_layout_change(tmp_path, red
                "--set", "rollout.worker.base_port=0",
                "--set", f"weights.sync_timeout_s={SYNC_TIMEOUT_S}",
                "--set", f"weights.address=127.0.0.1:{free_port()}"]
-    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "LIBRA_TOKEN": TOKEN})
     try:
         paused_at, added = asyncio.run(_change_layout(addresses, redis_url, run_id))
         output, _ = up.communicate(timeout=400)

@@ -14,6 +14,7 @@ import libra.services
 from libra.errors import FailedPrecondition
 from libra.rpc import ServiceHost, channel
 from libra.services.scheduler import convert
+from libra.services.trainer.status import TrainerStatus
 from libra.v1 import common_pb2, elastic_pb2, rollout_pb2, scheduler_pb2, trainer_pb2
 from tests.service.helpers import run_config
 
@@ -64,6 +65,13 @@ class Probe:
 
 
 class TrainerProbe(Probe):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.status = TrainerStatus(total_steps=10)  # the real one, as the trainer's servicer reads it
+
+    async def manifest(self, step):
+        return trainer_pb2.StepManifest(step=step)
+
     async def save_checkpoint(self):
         n = await self._do_async("save_checkpoint")
         return trainer_pb2.CheckpointInfo(step=n, path=f"/checkpoints/{n}")
@@ -74,10 +82,10 @@ class TrainerProbe(Probe):
     def elastic_control(self):
         return self
 
-    async def admit(self, replica_id, generation, request_id) -> bool:
+    async def admit(self, replica_id, generation) -> bool:
         return await self._do_async("admit") % 2 == 1
 
-    async def release(self, replica_id, generation, request_id) -> bool:
+    async def release(self, replica_id, generation) -> bool:
         return await self._do_async("release") % 2 == 1
 
 
@@ -90,6 +98,11 @@ class _Listed:
 
 
 class RolloutProbe(Probe):
+    pool = SimpleNamespace(workers={})  # StartWorkers counts the running workers (none here)
+
+    def stats(self):
+        return rollout_pb2.RolloutStats(turns=len(self.calls))
+
     async def submit(self, groups):
         n = await self._do_async("submit")
         return n, 0, n
@@ -120,6 +133,16 @@ class SchedulerProbe(Probe):
     def finish(self, *args) -> None:
         self._do("finish")
 
+    def forget(self, *args) -> bool:
+        self._do("forget")
+        return True
+
+    def replied(self, *args) -> None:
+        pass  # the real service keeps it with the trajectory's record in Redis (not probed here)
+
+    async def persist(self) -> None:
+        pass
+
     async def register_worker(self, worker) -> None:
         await self._do_async("register_worker")
 
@@ -128,18 +151,18 @@ class SchedulerProbe(Probe):
 
 
 class PlannerProbe(Probe):
-    async def observe(self, request_id, records) -> bool:
+    async def observe(self, records) -> bool:
         return await self._do_async("observe") % 2 == 1
 
 
 class ElasticProbe(Probe):
-    async def register_member(self, request_id, member):
+    async def register_member(self, member):
         return elastic_pb2.Member(member_id=member.member_id, generation=await self._do_async("register_member"))
 
-    async def transition(self, request_id, member_id, target, expected, detail):
+    async def transition(self, member_id, target, expected, detail):
         return elastic_pb2.Member(member_id=member_id, state=target, generation=await self._do_async("transition"))
 
-    async def apply_plan(self, request_id, plan):
+    async def apply_plan(self, plan):
         return elastic_pb2.PlanProgress(generation=plan.generation, steps_total=await self._do_async("apply_plan"))
 
 
@@ -158,20 +181,24 @@ def real_replies(service_name: str, config):
 
 
 class Harness:
-    """One real servicer on a real gRPC server (port 0) with a probe behind it, over a real Redis."""
+    """One real servicer on a real gRPC server (port 0) with a probe behind it, over a real Redis;
+    `security`: the server's token and TLS (libra.security.Security), its channel's too."""
 
-    def __init__(self, service, run_id: str, store, tmp_path):
+    def __init__(self, service, run_id: str, store, tmp_path, security=None):
         servicer_class = SERVICERS[service.full_name]
-        replies = real_replies(service.name, run_config("redis://127.0.0.1:1", run_id, tmp_path))
+        config = run_config("redis://127.0.0.1:1", run_id, tmp_path)
+        replies = real_replies(service.name, config)
         self.probe = PROBES[service.name](run_id, store, replies)
-        self.host = ServiceHost(service.name, [service.full_name], 0, "127.0.0.1")
+        self.probe.config = config  # servicers bound requests by its security.limits
+        self.security = security
+        self.host = ServiceHost(service.name, [service.full_name], 0, "127.0.0.1", security)
         grpc_module = importlib.import_module(servicer_class.__mro__[1].__module__)
         getattr(grpc_module, f"add_{service.name}Servicer_to_server")(servicer_class(self.probe), self.host.server)
         self.stub_class = getattr(grpc_module, f"{service.name}Stub")
 
     async def __aenter__(self):
-        port = await self.host.start()
-        self.channel = channel(f"127.0.0.1:{port}")
+        self.port = port = await self.host.start()
+        self.channel = channel(f"127.0.0.1:{port}", security=self.security)
         self.stub = self.stub_class(self.channel)
         return self
 

@@ -24,6 +24,8 @@ import yaml
 
 SIGTERM_EXIT_S = 15.0
 READY_S = 15.0
+TOKEN = "grpcurl-test-token-0123456789abcdef"
+AUTH = ("-H", f"authorization: Bearer {TOKEN}")  # what the README's grpcurl lines send
 
 
 def _grpcurl() -> str | None:
@@ -60,6 +62,14 @@ def _libra(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
 def _write_config(path: pathlib.Path, tree: dict) -> pathlib.Path:
     path.write_text(yaml.safe_dump(tree))
     return path
+
+
+def _token_file(directory: pathlib.Path) -> str:
+    """The run's token in a file (what `libra up` writes to RUN_DIR/token), for security.auth.file."""
+    path = directory / "token"
+    path.write_text(TOKEN + "\n")
+    path.chmod(0o600)
+    return str(path)
 
 
 def grpcurl(*args: str, timeout: float = 10.0) -> subprocess.CompletedProcess:
@@ -101,7 +111,8 @@ class Planner:
 @pytest.fixture
 def planner(tmp_path: pathlib.Path, redis_url: str, run_id: str) -> Iterator[Planner]:
     config = _write_config(tmp_path / "run.yaml", {"run_id": run_id, "run_dir": str(tmp_path / "run"),
-                                                   "metrics": {"base_port": 0}})
+                                                   "metrics": {"base_port": 0},
+                                                   "security": {"auth": {"file": _token_file(tmp_path)}}})
     port = free_port()
     log = tmp_path / "planner.log"
     with open(log, "wb") as sink:
@@ -132,7 +143,10 @@ def test_grpcurl_lists_describes_and_calls_then_sigterm_exits_zero(planner: Plan
     assert "service Planner" in described.stdout
     assert "rpc GetPlan ( .libra.v1.GetPlanRequest ) returns ( .libra.v1.Plan )" in described.stdout
 
-    called = grpcurl("-plaintext", "-d", json.dumps({"run_id": run_id}), planner.address,
+    unauthenticated = grpcurl("-plaintext", "-d", json.dumps({"run_id": run_id}), planner.address,
+                              "libra.v1.Planner/GetPlan")
+    assert unauthenticated.returncode != 0 and "Unauthenticated" in unauthenticated.stderr, unauthenticated.stderr
+    called = grpcurl("-plaintext", *AUTH, "-d", json.dumps({"run_id": run_id}), planner.address,
                      "libra.v1.Planner/GetPlan")
     assert called.returncode == 0, called.stderr
     plan = json.loads(called.stdout)
@@ -140,7 +154,7 @@ def test_grpcurl_lists_describes_and_calls_then_sigterm_exits_zero(planner: Plan
     assert [b["name"] for b in plan["buckets"]] == ["short", "long"]  # the planner config's defaults
     assert int(plan["generation"]) >= 1
 
-    wrong_run = grpcurl("-plaintext", "-d", '{"run_id": "some-other-run"}', planner.address,
+    wrong_run = grpcurl("-plaintext", *AUTH, "-d", '{"run_id": "some-other-run"}', planner.address,
                         "libra.v1.Planner/GetPlan")
     assert wrong_run.returncode != 0
     assert "NotFound" in wrong_run.stderr, wrong_run.stderr
@@ -183,7 +197,8 @@ def test_every_service_answers_grpcurl_while_its_peers_are_missing(tmp_path: pat
     (rollout waits for planner/scheduler/elastic, trainer for its model and rollout) say NOT_SERVING."""
     ports = {name: free_port() for name in ("planner", "scheduler", "rollout", "trainer", "elastic")}
     tree = {"run_id": run_id, "run_dir": str(tmp_path / "run"), "metrics": {"base_port": 0},
-            "addresses": {name: f"127.0.0.1:{free_port()}" for name in ports}}  # peers: nothing listens
+            "addresses": {name: f"127.0.0.1:{free_port()}" for name in ports},  # peers: nothing listens
+            "security": {"auth": {"file": _token_file(tmp_path)}}}
     config = _write_config(tmp_path / "alone.yaml", tree)
     expected = {"planner": "Planner", "scheduler": "Scheduler", "rollout": "Rollout", "trainer": "Trainer",
                 "elastic": "ElasticCoordinator"}

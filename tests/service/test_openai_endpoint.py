@@ -81,7 +81,8 @@ def test_the_endpoint_records_turns_token_exact_and_completes_into_redis(store, 
         if text is None:
             raise Unavailable("worker down")
         out = tokenizer(text, add_special_tokens=False).input_ids
-        return types.SimpleNamespace(token_ids=out, logprobs=[-0.25] * len(out), finish_reason="stop")
+        return types.SimpleNamespace(token_ids=out, logprobs=[-0.25] * len(out), versions=[1] * len(out),
+                                     finish_reason="stop")
 
     config = RolloutConfig(turn_retries=0, openai_endpoint={"enabled": True, "port": 0})
     router = _Router()
@@ -177,7 +178,8 @@ def _play(client, workload, claimed: dict) -> dict:
         messages.append({"role": "tool", "content": workload.render_tool_result(result), "name": result.tool,
                          "libra_tool_status": result.status.value})
     reward = workload.reward(prompt, answer)
-    done = httpx.post(f"{client.base_url}libra/trajectories/{tid}/finish", json={"reward": reward}).json()
+    done = httpx.post(f"{client.base_url}libra/trajectories/{tid}/finish", json={"reward": reward},
+                      headers=_key(client.api_key)).json()
     return {"tid": tid, "reward": reward, "generated": seen_ids, "turns": done["turns"], "messages": messages}
 
 
@@ -198,11 +200,14 @@ def test_an_external_harness_drives_rollouts_and_the_trainer_steps_on_them(tmp_p
                "--set", f"rollout.openai_endpoint.port={port}"]
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}/v1"
-    client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
     workload = CalculatorWorkload(CalculatorConfig(num_prompts=2000, max_operand=99, max_operations=2,
                                                    direct_answer_fraction=0.4))
     try:
-        claimed = _claim_all(base, GROUPS * SAMPLES, up)
+        token = _run_token(run_dir, up)  # the run's token is the endpoint's API key
+        client = openai.OpenAI(base_url=base, api_key=token, max_retries=0, timeout=120)
+        claimed = _claim_all(base, GROUPS * SAMPLES, up, token)
+        with pytest.raises(openai.AuthenticationError):  # anyone else: 401
+            openai.OpenAI(base_url=base, api_key="not-the-token", max_retries=0, timeout=30).models.list()
         with pytest.raises(openai.NotFoundError):  # an id nobody claimed
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}],
                                            extra_body={"libra_trajectory_id": "g999-s0"})
@@ -210,8 +215,10 @@ def test_an_external_harness_drives_rollouts_and_the_trainer_steps_on_them(tmp_p
             client.chat.completions.create(model="policy", messages=[], extra_headers={"X-Libra-Trajectory":
                                                                                         claimed[0]["trajectory_id"]})
         played = [_play(client, workload, c) for c in claimed]
-        assert httpx.post(f"{base}/libra/trajectories/g999-s0/finish", json={"reward": 1.0}).status_code == 404
-        assert httpx.post(f"{base}/libra/trajectories/g0-s0/finish", content=b"{not json").status_code == 400
+        assert httpx.post(f"{base}/libra/trajectories/g999-s0/finish", json={"reward": 1.0},
+                          headers=_key(token)).status_code == 404
+        assert httpx.post(f"{base}/libra/trajectories/g0-s0/finish", content=b"{not json",
+                          headers=_key(token)).status_code == 400
         output, _ = up.communicate(timeout=300)
     finally:
         if up.poll() is None:
@@ -223,13 +230,27 @@ def test_an_external_harness_drives_rollouts_and_the_trainer_steps_on_them(tmp_p
     asyncio.run(_check(redis_url, run_id, played))
 
 
-def _claim_all(base: str, count: int, up: subprocess.Popen) -> list[dict]:
+def _key(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _run_token(run_dir: pathlib.Path, up: subprocess.Popen) -> str:
+    """RUN_DIR/token, which `libra up` writes as it starts (what a harness on this machine reads)."""
+    deadline = time.monotonic() + 60
+    while not (run_dir / "token").is_file():
+        assert up.poll() is None and time.monotonic() < deadline, "libra up wrote no RUN_DIR/token"
+        time.sleep(0.2)
+    return (run_dir / "token").read_text().strip()
+
+
+def _claim_all(base: str, count: int, up: subprocess.Popen, token: str) -> list[dict]:
     claimed, deadline = [], time.monotonic() + 240
     while len(claimed) < count:
         assert up.poll() is None, up.stdout.read()[-3000:]
         assert time.monotonic() < deadline, f"claimed only {len(claimed)} of {count} trajectories"
         try:
-            answer = httpx.post(f"{base}/libra/trajectories/claim", json={"count": count, "wait_s": 5}, timeout=30)
+            answer = httpx.post(f"{base}/libra/trajectories/claim", json={"count": count, "wait_s": 5}, timeout=30,
+                                headers=_key(token))
         except httpx.HTTPError:
             time.sleep(1.0)  # the endpoint starts once rollout has its workers
             continue

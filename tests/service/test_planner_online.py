@@ -83,7 +83,7 @@ def test_online_planner_calibrates_decides_applies_and_resumes(redis_url, run_id
     assert rejected["step: time_s is negative"] == 1 and rejected["turn: seconds is not a finite number"] == 1
     assert reply.calibration.steps_read == 4 and reply.calibration.turns_read == 1
     names = {e.name for e in reply.calibration.efficiencies}
-    assert names == {"prefill_mfu", "decode_bw", "train_mfu", "rollout_step"}
+    assert names == {"prefill_mfu", "decode_bw", "train_mfu", "rollout_pipeline"}
 
     # pressure persists: the cooldown gates it, once (a repeat is not stored again)
     for step in range(5, 7):
@@ -100,6 +100,7 @@ def test_online_planner_calibrates_decides_applies_and_resumes(redis_url, run_id
     arun(store.append_history("step", step_record(8)))
     kept = arun(service.tick())
     assert kept is not None and not kept.applied and kept.reason.startswith("not applied"), kept.reason
+    assert "simulated on the last 5 steps" in kept.reason  # the replay of the recent batches judged it
     assert kept.HasField("current") and kept.predicted_current_seconds > 0
     reply = explain(arun, chan)
     step_time = [t for t in reply.calibration.times if t.what == "step"][0]
@@ -159,7 +160,7 @@ def test_observe_history_feeds_the_same_path(redis_url, run_id, tmp_path, arun, 
     async def cli(*extra: str) -> str:  # `libra plan explain` as a process, against this planner
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "libra.cli", "plan", "explain", "--run-id", run_id,
-            "--set", f"addresses.planner=127.0.0.1:{running.port}", *extra,
+            "--set", f"addresses.planner=127.0.0.1:{running.port}", "--set", "security.auth=none", *extra,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await process.communicate()
         assert process.returncode == 0, err.decode()

@@ -31,7 +31,8 @@ def _command(redis_url: str, run_id: str, run_dir: Path, *extra: str) -> list[st
 @pytest.mark.slow
 def test_two_trainer_ranks_start_publish_and_stop_together(redis_url, run_id, tmp_path):
     run_dir, log_path = tmp_path / "run", tmp_path / "trainer.log"
-    env = {**os.environ, "LIBRA_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "LIBRA_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1",
+           "LIBRA_TOKEN": "ranks-test-token-0123456789"}  # `libra serve` wants the run's token
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(_command(redis_url, run_id, run_dir, "--set", "trainer.ranks=2"), cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow
 from libra.services.rollout.config import WorkerConfig  # noqa: E402
 from libra.services.rollout.engines.client import (  # noqa: E402
     EngineClient, EngineError, EngineRequestError, WeightSetError)
+from libra.services.rollout.engines.engine_auth import headers  # noqa: E402
 from libra.services.rollout.engines.vllm_worker import VllmWorkerProcess, worker_cores  # noqa: E402
 
 PROMPT = [1, 350, 379, 399, 260]
@@ -107,6 +108,23 @@ def test_chat_completions_return_ids_and_logprobs(client, arun):
     assert arun(client.models()) == ["policy"] and arun(client.health())
 
 
+def test_only_the_process_that_started_a_worker_reaches_it(workers, arun):
+    """Every path but /health wants this process's engine key (vLLM's own --api-key would leave
+    /collective_rpc, /pause, /sleep ... open); the run's token or no key is 401."""
+    async def probe() -> dict[str, int]:
+        codes = {}
+        async with httpx.AsyncClient(base_url=workers[0].base_url, timeout=10) as http:
+            for path, body in (("/collective_rpc", {"method": "libra_policy_version"}), ("/pause", None),
+                               ("/v1/completions", {"model": "policy", "prompt": PROMPT, "max_tokens": 1})):
+                codes[path] = (await http.post(path, json=body)).status_code
+            codes["/v1/models"] = (await http.get("/v1/models", headers={"Authorization": "Bearer " + "x" * 40})).status_code
+            codes["/health"] = (await http.get("/health")).status_code
+            codes["keyed"] = (await http.get("/v1/models", headers=headers())).status_code
+        return codes
+    assert arun(probe()) == {"/collective_rpc": 401, "/pause": 401, "/v1/completions": 401, "/v1/models": 401,
+                             "/health": 200, "keyed": 200}
+
+
 def test_a_prompt_longer_than_the_context_is_a_request_error(client, arun):
     with pytest.raises(EngineRequestError):
         arun(client.generate([5] * 600, 4, temperature=0.0))
@@ -144,7 +162,7 @@ async def _update_during_generation(client: EngineClient, url: str, path: str, v
     the update lands mid-request. The reload is the same call the gateway makes unpaused (the
     next test takes that path).
     """
-    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=10, headers=headers()) as http:
         await _running_requests(http)  # the first /metrics call is slow; keep it out of the race
         task = asyncio.create_task(client.generate(PROMPT, LONG, temperature=0.0))
         while not task.done() and await _running_requests(http) < 1:
@@ -182,7 +200,7 @@ def test_weight_update_does_not_drop_an_in_flight_request(client, workers, weigh
 
 async def _update_under_load(client: EngineClient, url: str, path: str, version: int):
     """The gateway's path, no freeze: 8 long generations, a weight load once the engine runs them."""
-    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=10, headers=headers()) as http:
         await _running_requests(http)
         tasks = [asyncio.create_task(client.generate(PROMPT + [i], LONG - 1, temperature=1.0, seed=i))
                  for i in range(8)]

@@ -26,7 +26,11 @@ class Decision:
 class Generation:
     token_ids: list[int]
     logprobs: list[float]
+    versions: list[int]
     finish_reason: str = "stop"
+
+
+VERSIONS = {"w0": 3, "w1": 7}  # what each fake worker holds (and acknowledged)
 
 
 class FakeRouter:
@@ -54,7 +58,9 @@ def setup():
     return workload, tokenizer
 
 
-def runner_for(setup, turns: list[str], fail_first: bool = False):
+def runner_for(setup, turns: list[str], fail_first: bool = False, stamps=None):
+    """A runner over fake workers w0 (v3) and w1 (v7); `stamps(worker, call, n)`: the versions the
+    engine reports for a turn's n ids (default: the worker's version on every id)."""
     workload, tokenizer = setup
     script = iter(turns)
     calls = {"n": 0}
@@ -64,10 +70,12 @@ def runner_for(setup, turns: list[str], fail_first: bool = False):
         if fail_first and calls["n"] == 1:
             raise Unavailable("worker died")
         ids_out = tokenizer(next(script), add_special_tokens=False).input_ids
-        return Generation(ids_out, [-0.5] * len(ids_out))
+        versions = (stamps or (lambda worker, call, n: [VERSIONS[worker]] * n))(decision.worker_id, calls["n"],
+                                                                                  len(ids_out))
+        return Generation(ids_out, [-0.5] * len(ids_out), versions)
 
     router = FakeRouter(["w0", "w1"])
-    runner = AgentRunner(workload, tokenizer, router, generate, lambda worker: 7 if worker == "w1" else 3,
+    runner = AgentRunner(workload, tokenizer, router, generate, VERSIONS.__getitem__,
                          RolloutConfig(), stop_token_ids(tokenizer, workload), seed=0)
     return runner, router, workload, tokenizer
 
@@ -108,8 +116,64 @@ def test_failed_worker_is_excluded_and_the_turn_retried(setup):
     assert set(traj.versions) == {7}  # tokens carry the version of the worker that produced them
 
 
+def test_a_worker_the_gateway_does_not_run_is_retried_elsewhere(setup):
+    """The scheduler names a worker of an earlier gateway (unknown here): the turn goes to another
+    worker, the trajectory does not fail."""
+    from libra.services.rollout.config import WorkerConfig
+    from libra.services.rollout.workers import WorkerPool
+
+    workload, tokenizer = setup
+    prompt = workload.prompt(3)
+    pool = WorkerPool(WorkerConfig(engine={"type": "hf"}), log_dir=None)
+    with pytest.raises(Unavailable, match="not one of this gateway's workers"):
+        pool.version_of("stale-0")
+    versions = {"w1": 7}
+
+    def version_of(worker_id):  # the pool's rule: a worker it does not run is Unavailable
+        if worker_id not in versions:
+            return pool.version_of(worker_id)
+        return versions[worker_id]
+
+    async def generate(decision, ids, budget, seed):
+        out = tokenizer(f"<answer>{prompt.answer}</answer>", add_special_tokens=False).input_ids
+        return Generation(out, [-0.5] * len(out), [7] * len(out))
+
+    router = FakeRouter(["stale-0", "w1"])
+    runner = AgentRunner(workload, tokenizer, router, generate, version_of, RolloutConfig(),
+                         stop_token_ids(tokenizer, workload), seed=0)
+    traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g3-s0", prompt_id="3", group_id="g3")))
+    assert traj.reward == 1.0 and traj.status == pb.TRAJECTORY_STATUS_COMPLETED
+    assert router.events[:3] == [("route", 0, ()), ("done", "stale-0", True), ("route", 0, ("stale-0",))]
+
+
 def test_budget_and_turn_limit_end_the_trajectory(setup):
     runner, _, _, _ = runner_for(setup, ["<calc>1+1</calc>"] * 10)
     traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g3-s0", prompt_id="3", group_id="g3")))
     assert traj.finish_reason in ("max_turns", "budget") and traj.reward == 0.0
     assert traj.turns == RolloutConfig().max_turns
+
+
+def test_a_weight_update_mid_turn_splits_the_turns_versions(setup):
+    """The engine reports v3 for the first two ids and v4 after (a swap while it generated): the
+    trajectory keeps that per id, and the tool result after the turn carries the turn's last version."""
+    workload, _ = setup
+    prompt = workload.prompt(0)
+    turns = [f"<calc>{prompt.meta['expression']}</calc>", f"<answer>{prompt.answer}</answer>"]
+    runner, _, _, _ = runner_for(setup, turns, stamps=lambda worker, call, n: [3, 3] + [4] * (n - 2) if call == 1
+                                 else [4] * n)
+    traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g4-s0", prompt_id="0", group_id="g4")))
+    first = len(runner.tokenizer(turns[0], add_special_tokens=False).input_ids)
+    assert list(traj.versions[:first]) == [3, 3] + [4] * (first - 2)
+    assert set(traj.versions[first:]) == {4}  # the tool result and the second turn
+    assert traj.reward == 1.0
+
+
+def test_a_worker_reporting_a_version_older_than_it_acknowledged_is_retried_elsewhere(setup):
+    """w0 acknowledged v3 but stamps v2 (mislabelled weights): the turn fails there and runs on w1."""
+    workload, _ = setup
+    prompt = workload.prompt(2)
+    runner, router, _, _ = runner_for(setup, [f"<answer>{prompt.answer}</answer>"] * 2,
+                                      stamps=lambda worker, call, n: [2 if worker == "w0" else 7] * n)
+    traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g5-s0", prompt_id="2", group_id="g5")))
+    assert router.events[:3] == [("route", 0, ()), ("done", "w0", True), ("route", 0, ("w0",))]
+    assert set(traj.versions) == {7} and traj.reward == 1.0

@@ -3,9 +3,12 @@
 Same tiny Qwen2 model (GQA, qkv biases, tied embeddings), same batches: what the trainer relies on
 must hold for each backend — log-probs equal to the Hugging Face model's, a step that lowers the
 loss of a repeated batch, masked (tool/environment) tokens that contribute no gradient, published
-weights that reload in transformers, checkpoints that restore model and optimizer exactly, and
-the elastic gradient hook's arithmetic (`gradient_hook.train_step`): a hybrid's gradient added
-gives the update of one larger batch, a hybrid that misses the deadline that of what arrived.
+weights that reload in transformers, checkpoints that restore model and optimizer exactly, the
+elastic gradient hook's arithmetic (`gradient_hook.train_step`): a hybrid's gradient added
+gives the update of one larger batch, a hybrid that misses the deadline that of what arrived —
+and packing (`trainer.micro_batch_tokens`: sequences concatenated with no padding, micro-batches
+by a token budget) changes none of it: log-probs, loss, metrics, gradients and the update equal
+the padded ones, with and without a hybrid.
 """
 
 from __future__ import annotations
@@ -58,6 +61,16 @@ def _sequence(seed: int, prompt: int, response: int, advantage: float, tool_at=(
 def _batch() -> TrainBatch:
     return TrainBatch([_sequence(1, 3, 9, 1.0, tool_at=(3, 4)), _sequence(2, 5, 2, -1.0),
                        _sequence(3, 2, 6, 0.5, tool_at=(0,))])
+
+
+PACKED_TOKENS = 24  # the budget that puts several of the batches' sequences in one row
+
+
+def _long_tailed_batch() -> TrainBatch:
+    """Lengths 4..40 in no order (a long tail, as agentic trajectories), tool tokens masked out."""
+    shapes = [(3, 37, 1.0, (5, 6, 7)), (2, 2, -1.0, ()), (4, 9, 0.5, (1,)), (5, 14, -0.5, ()),
+              (2, 3, 1.5, ()), (3, 5, -1.5, (0, 4)), (6, 6, 0.25, ())]
+    return TrainBatch([_sequence(10 + i, p, r, a, tool_at=t) for i, (p, r, a, t) in enumerate(shapes)])
 
 
 def _parameters(backend) -> dict[str, torch.Tensor]:
@@ -227,3 +240,65 @@ def test_a_hybrid_that_misses_the_deadline_leaves_the_token_mean_of_what_arrived
     # rescale shows, so the parameters are compared to a hundredth of a step.
     reference = _parameters(single)
     assert all(torch.allclose(reference[n], p, atol=1e-4) for n, p in core.model.named_parameters())
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_packed_micro_batches_change_no_arithmetic(kind, model_dir):
+    """Concatenated rows in token-budget micro-batches against right-padded ones of two sequences:
+    the same log-probs, loss, metrics, gradient and update (recompute and KL on, so the old
+    log-probs and the behaviour ones both enter per token)."""
+    batch = _long_tailed_batch()
+    plan = batch.plan(2, PACKED_TOKENS)
+    assert any(len(micro) > 1 for micro in plan) and len(plan) < len(batch)  # really packed
+    assert max(sum(len(batch.sequences[i].token_ids) for i in micro) for micro in plan if len(micro) > 1) \
+        <= PACKED_TOKENS
+    options = dict(max_grad_norm=1e6, kl_coef=0.3, recompute_logprobs=True)
+    results = []
+    for tokens in (0, PACKED_TOKENS):
+        backend = _backend(kind, model_dir, micro_batch_tokens=tokens, **options)
+        config = _config(micro_batch_tokens=tokens, **options)
+        logprobs = backend.compute_logprobs(batch)
+        metrics = backend.train_step(batch, config)
+        results.append((logprobs, metrics, backend.flat_gradients().clone(), _parameters(backend)))
+    (padded_lp, padded, padded_grad, padded_params), (packed_lp, packed, packed_grad, packed_params) = results
+    for seq, a, b in zip(batch.sequences, padded_lp, packed_lp):
+        assert a.shape == b.shape == (seq.response_length,)
+        assert torch.allclose(a, b, atol=2e-6), (kind, (a - b).abs().max())
+    for name in ("loss", "clip_fraction", "kl", "ratio_mean", "tis_mean", "tokens", "sequences"):
+        assert packed[name] == pytest.approx(padded[name], rel=1e-5, abs=1e-7), name
+    assert torch.allclose(packed_grad, padded_grad, rtol=1e-4, atol=1e-7), (packed_grad - padded_grad).abs().max()
+    # Adam's first step is about lr · sign(g): where |g| is near its eps, float rounding of the
+    # gradient shows in the step, so the parameters are compared to a thousandth of a step.
+    assert all(torch.allclose(padded_params[n], packed_params[n], atol=1e-5) for n in padded_params)
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_packed_attention_keeps_to_each_sequence(kind, model_dir):
+    """A sequence's log-probs do not depend on what it is packed with (nor where in the row): a
+    row whose attention leaked across sequences would fail this."""
+    batch = _long_tailed_batch()
+    backend = _backend(kind, model_dir, micro_batch_tokens=200)  # the whole batch in one row
+    together = backend.compute_logprobs(batch)
+    alone = [backend.compute_logprobs(TrainBatch([seq]))[0] for seq in batch.sequences]
+    for a, b in zip(together, alone):
+        assert torch.allclose(a, b, atol=2e-6), (kind, (a - b).abs().max())
+    for got, expected in zip(together, _reference_logprobs(model_dir, batch)):
+        assert torch.allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_gradient_hook_arithmetic_is_unchanged_by_packing(kind, model_dir):
+    """Core and hybrid both packed: the update is that of one padded process over both slices."""
+    batch, options = _long_tailed_batch(), dict(max_grad_norm=1e6)
+    core_slice, hybrid_slice = TrainBatch(batch.sequences[:4]), TrainBatch(batch.sequences[4:])
+    packed_config = _config(micro_batch_tokens=PACKED_TOKENS, **options)
+    core = _backend(kind, model_dir, micro_batch_tokens=PACKED_TOKENS, **options)
+    hybrid = _backend(kind, model_dir, micro_batch_tokens=PACKED_TOKENS, **options)
+    core.gradient_hook = hook = _OneHybrid(hybrid, hybrid_slice, packed_config)
+    metrics = core.train_step(core_slice, packed_config)
+    single = _backend(kind, model_dir, **options)
+    expected = single.train_step(batch, _config(**options))
+    assert metrics["tokens"] == expected["tokens"] and metrics["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert torch.allclose(hook.delivered, single.flat_gradients(), rtol=1e-4, atol=1e-7)
+    reference = _parameters(single)
+    assert all(torch.allclose(reference[n], p, atol=1e-5) for n, p in core.model.named_parameters())

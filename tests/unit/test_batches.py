@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from libra.services.trainer.batches import BatchAssembler, build_batch
+from libra.services.trainer.batches import (BatchAssembler, build_batch, fresh_positions, generated_versions,
+                                          logprob_gap)
 from libra.v1 import common_pb2 as pb
 
 
@@ -42,3 +43,26 @@ def test_failed_samples_drop_the_group_and_limit_is_kept():
     verdicts = assembler.take_ready(3, limit=1)
     assert [g.group_id for g in verdicts.failed] == ["bad"]
     assert len(verdicts.admitted) == 1 and len(assembler.groups) == 1
+
+
+def test_fresh_tokens_are_the_generated_ones_the_current_version_sampled():
+    """A turn split by a swap (v3 then v4, a tool token between): at v4 only the v4 ids are fresh, and
+    the gap is taken over them alone; the sequence's staleness still counts from its oldest id (v3)."""
+    mixed = pb.Trajectory(trajectory_id="m-s0", group_id="m", prompt_length=2, token_ids=[1, 2, 3, 4, 5, 6, 7],
+                          loss_mask=[1, 1, 0, 1, 1], logprobs=[-1.0, -2.0, 0.0, -3.0, -4.0], versions=[3, 4, 4, 4, 4],
+                          status=pb.TRAJECTORY_STATUS_COMPLETED, reward=1.0)
+    assert fresh_positions(mixed, 4) == [1, 3, 4] and fresh_positions(mixed, 3) == [0]
+    assert fresh_positions(mixed, 5) == []
+    trainer = [-1.5, -2.0 + 3e-7, 9.0, -3.0, -4.0 - 1e-7]  # the tool position (9.0) and the v3 id are not counted
+    gap, tokens = logprob_gap([mixed], [trainer], version=4)
+    assert tokens == 3 and gap == pytest.approx(4e-7 / 3, abs=1e-12)
+    assert generated_versions(mixed) == [3, 4, 4, 4] and build_batch(
+        [_group_of(mixed)], current_version=4)[1].mean_staleness == 1
+
+
+def _group_of(trajectory):
+    from libra.services.trainer.batches import PendingGroup
+
+    group = PendingGroup(trajectory.group_id, 1)
+    group.members[trajectory.trajectory_id] = ("e", trajectory)
+    return group

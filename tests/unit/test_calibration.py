@@ -92,17 +92,27 @@ def test_training_mfu_reproduces_the_measured_step():
     assert cal.train_efficiency().mfu < TrainEfficiency().mfu
 
 
-def test_step_level_rollout_calibrates_both_rollout_efficiencies_until_turns_arrive():
+def test_pipeline_slowdown_divides_both_rollout_efficiencies_on_top_of_turns():
+    """Batches really take twice what the simulator plays at the model's speeds: every replay (run
+    at the slowdown in force, so its spans scale with it) pulls the slowdown to 2, and the
+    simulator's speeds halve."""
     cal = calibration()
-    lengths = [(500, 1500)] * 32
-    _, predicted = predicted_times(MODEL, GPU, Layout(1, 1, 8, 1), ((1, 4),), lengths, RolloutEfficiency(),
-                                   TrainEfficiency())
-    for _ in range(5):
-        assert cal.observe_rollout(((1, 4),), lengths, predicted * 2.0) is None
+
+    def replay() -> float:
+        return 100.0 * cal.pipeline_slowdown()  # the spans a replay plays at the slowdown in force
+
+    assert cal.observe_pipeline(200.0, replay(), cal.pipeline_slowdown()) is None
+    assert cal.pipeline_slowdown() == pytest.approx(2.0)
+    for _ in range(4):  # replays at the new speeds match the measurement: it stays
+        assert cal.observe_pipeline(200.0, replay(), cal.pipeline_slowdown()) is None
+    assert cal.pipeline_slowdown() == pytest.approx(2.0)
     eff = cal.rollout_efficiency()
     assert eff.decode_bw == pytest.approx(0.35, rel=0.01) and eff.prefill_mfu == pytest.approx(0.25, rel=0.01)
-    cal.observe_turn(1, 100, 100, 1.0)  # turn data takes over
-    assert cal.rollout_efficiency().prefill_mfu == pytest.approx(0.5)
+    for _ in range(5):  # turns measured at half the model's decode speed as well: both corrections stack
+        cal.observe_turn(1, 10, 2000, 2 * 2000 * cost_rollout.instance(MODEL, GPU, 1, RolloutEfficiency())
+                         .decode_step_seconds(1, 1010))
+    assert cal.rollout_efficiency().decode_bw == pytest.approx(0.7 / 4, rel=0.05)
+    assert cal.observe_pipeline(-1.0, 100.0, 1.0) is not None and cal.estimators["pipeline"].samples == 5
 
 
 @pytest.mark.parametrize("prompt, output, seconds, why", [

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from libra.services.planner import cost_rollout as cr
+from libra.services.planner import placement
 from libra.services.planner import cost_train as ct
 from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.hardware import GpuSpec, gpu_named, model_named
@@ -31,7 +32,7 @@ def brute_force(model, gpu, trace, config: SearchConfig) -> list[float]:
     batch = len(trace)
     seq_len = max(1, round(sum(p + o for p, o in trace) / batch))
     total = config.total_gpus
-    node = gpu.gpus_per_node if config.whole_nodes and total >= gpu.gpus_per_node else 1
+    node = gpu.gpus_per_node if config.whole_nodes == "on" else 1  # these cases' TP groups always pack
     kinds = {}
     for tp in config.tp_choices:
         try:
@@ -91,7 +92,8 @@ def test_search_matches_brute_force_on_small_clusters(case):
     model = model_named(model_name)
     gpu = _small_node(int(gpu_name[-1])) if gpu_name.startswith("small-node") else gpu_named(gpu_name)
     trace = _trace(seed, prompts, group, *mu)
-    config = SearchConfig(total_gpus=total, group_size=group, top_k=3)
+    whole = "on" if total >= 2 * gpu.gpus_per_node else "off"
+    config = SearchConfig(total_gpus=total, group_size=group, top_k=3, whole_nodes=whole)
     expected = brute_force(model, gpu, trace, config)
     assert expected, "a case with no feasible allocation tests nothing"
     result = search(model, gpu, trace, config)
@@ -104,21 +106,66 @@ def test_search_matches_brute_force_on_small_clusters(case):
 def test_plans_respect_groups_min_gpus_and_nodes():
     model, gpu = model_named("qwen3-4b"), _small_node(4)
     trace = _trace(11, 4, 16)
-    config = SearchConfig(total_gpus=16, group_size=16, min_rollout_gpus=8, top_k=10)
+    config = SearchConfig(total_gpus=16, group_size=16, min_rollout_gpus=8, top_k=10, whole_nodes="on")
     result = search(model, gpu, trace, config)
     for cand in result.alternatives:
         layout = cand.layout
         assert (len(trace) // layout.dp) % 16 == 0
         assert layout.gpus % 4 == 0 and 16 - layout.gpus >= 8 and layout.tp <= 4
         assert cand.rollout_gpus <= 16 - layout.gpus and all(tp <= 4 for tp, _ in cand.rollout)
-    assert result.rejected["DP replica would split a GRPO group"] > 0
-    assert result.rejected["rollout tp8 would straddle nodes"] == 1
+    assert result.rejected["a DP replica would split a GRPO group of 16 in a batch of 64"] > 0
+    assert result.rejected["rollout tp8 would straddle nodes of 4 GPUs"] == 1
+    assert result.placement == "whole nodes on (asked)"
 
 
-def test_no_feasible_split_is_reported_with_reasons():
+def test_whole_nodes_asked_on_one_node_is_refused_with_the_reason():
     model, gpu = model_named("qwen2.5-3b"), gpu_named("a100-80g")
-    with pytest.raises(Infeasible, match="not whole nodes"):  # 8 GPUs = one node: no split possible
-        search(model, gpu, _trace(0, 4, 4), SearchConfig(total_gpus=8, group_size=4))
+    with pytest.raises(Infeasible, match="less than two nodes .*whole_nodes off"):  # 8 GPUs = one node
+        search(model, gpu, _trace(0, 4, 4), SearchConfig(total_gpus=8, group_size=4, whole_nodes="on"))
+
+
+@pytest.mark.parametrize("total", [8, 12, 4])
+def test_one_node_and_partial_nodes_get_a_plan(total):
+    """`auto` (the default) lets the sides share a node: a single node and 1.5 nodes plan."""
+    model, gpu = model_named("qwen2.5-3b"), gpu_named("a100-80g")
+    result = search(model, gpu, _trace(0, 4, 4), SearchConfig(total_gpus=total, group_size=4))
+    best = result.best
+    assert best.layout.gpus + best.rollout_gpus <= total and best.rollout_gpus >= 1
+    assert result.placement.startswith("whole nodes off (auto:")
+
+
+def test_a_partial_node_packs_tp_groups_without_straddling():
+    """12 GPUs = a node of 8 + one of 4: TP groups of 8 and 4 fit once each, never 8 + 4 + 4."""
+    packing = placement.Packing(12, 8, (1, 2, 4, 8))
+    assert packing.needed
+    assert packing.fits(8, 1, ((4, 1),)) and packing.fits(4, 1, ((8, 1),))
+    assert not packing.fits(4, 2, ((8, 1),))  # 4 + 4 + 8 = 16 > 12
+    assert not packing.fits(8, 1, ((2, 1), (4, 1)))  # 8 + 4 + 2 = 14 > 12
+    assert packing.fits(2, 2, ((4, 1), (1, 4)))
+    assert not placement.Packing(16, 8, (1, 2, 4, 8)).needed  # whole nodes, sizes dividing: the sum decides
+
+
+def test_auto_keeps_whole_nodes_only_within_the_slack():
+    model, gpu = model_named("qwen2.5-3b"), _small_node(4)
+    trace = _trace(1, 8, 8)
+    packed = search(model, gpu, trace, SearchConfig(total_gpus=16, group_size=8, whole_nodes="off"))
+    whole = search(model, gpu, trace, SearchConfig(total_gpus=16, group_size=8, whole_nodes="on"))
+    ratio = whole.best.step_s / packed.best.step_s - 1
+    assert 0 < ratio < 0.05  # whole nodes cost a little here (2.5%): the default slack keeps them
+    kept = search(model, gpu, trace, SearchConfig(total_gpus=16, group_size=8))
+    assert kept.best == whole.best and kept.placement.startswith("whole nodes on (auto: 16 GPUs = 4 nodes of 4")
+    dropped = search(model, gpu, trace, SearchConfig(total_gpus=16, group_size=8, whole_node_slack=ratio / 2))
+    assert dropped.best == packed.best and "cost too much" in dropped.placement
+
+
+def test_a_model_that_cannot_fit_is_refused_naming_memory_in_numbers():
+    model, gpu = model_named("qwen3-14b"), gpu_named("a100-80g")
+    with pytest.raises(Infeasible) as caught:
+        search(model, gpu, _trace(0, 4, 4), SearchConfig(total_gpus=2, group_size=4, tp_choices=(1,)))
+    text = str(caught.value)
+    assert "training memory: the least any training layout tried needs is" in text
+    assert "GiB per GPU (tp1 pp" in text and "a100-80g allows 73.6 GiB" in text
+    assert " x training over memory" in text  # every reason, with its count, in whole
 
 
 def test_large_gpu_counts_use_a_grid_that_fills_the_rollout_side():

@@ -69,3 +69,35 @@ def test_a_recorded_run_trace_is_a_preflight_trace(tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     assert load_trace(path) == [(45, 30)]  # failed trajectories are left out
+
+
+def _plan(*args: str, cluster: str = "h200-141g") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "libra.cli", "plan", "--cluster", f"configs/hardware/{cluster}.yaml",
+                           *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("gpus", ["8", "12"])
+def test_libra_plan_plans_one_node_and_partial_nodes(gpus):
+    """One 8-GPU node, and 12 GPUs (a node and a half): a plan, with why whole nodes are off."""
+    ok = _plan("--model", "configs/models/qwen3-4b.yaml", "--trace", "configs/traces/agentic-drift-sample.jsonl",
+               "--gpus", gpus, "--group-size", "4")
+    assert ok.returncode == 0 and ok.stdout.startswith("chosen: train"), ok.stdout + ok.stderr
+    assert "step 3's batch (the last of 4 steps in the file)" in ok.stdout  # the project's trajectory JSONL
+    assert "whole nodes off (auto:" in ok.stdout
+
+
+def test_libra_plan_flags_and_refusals_name_their_cause():
+    base = ("--model", "configs/models/qwen3-4b.yaml", "--trace", "configs/traces/agentic-longtail.csv")
+    ok = _plan(*base, "--gpus", "16", "--tp", "1,2", "--min-rollout-gpus", "12", "--group-size", "16")
+    assert ok.returncode == 0, ok.stderr
+    chosen = ok.stdout.splitlines()[0]
+    assert "TP4" not in chosen and "TP8" not in chosen and chosen.startswith(("chosen: train tp1", "chosen: train tp2"))
+    rollout_gpus = int(chosen.split(" = ")[1].split(" GPUs")[0])
+    assert rollout_gpus >= 12, chosen
+    whole = _plan(*base, "--gpus", "8", "--whole-nodes", "on")
+    assert whole.returncode == 2 and "less than two nodes" in whole.stderr and "whole_nodes off" in whole.stderr
+    groups = _plan(*base, "--gpus", "8", "--group-size", "7")
+    assert groups.returncode == 2 and "not a whole number of GRPO groups of 7" in groups.stderr
+    big = _plan("--model", "configs/models/qwen3-14b.yaml", "--trace", "configs/traces/agentic-longtail.csv",
+                "--gpus", "2", cluster="a100-80g")
+    assert big.returncode == 2 and "GiB per GPU (tp1 pp1 dp1 mb1) and a100-80g allows 73.6 GiB" in big.stderr

@@ -207,3 +207,17 @@ def test_history_feeder_builds_steps_from_records():
     assert message.decision_id == 7 and message.trigger == "" and message.inputs["steps_observed"] == 1
     report = calibration_report(r.calibration.snapshot(), {"turn": 2, "step": 2}, 5.0)
     assert report.turns_read == 2 and {t.what for t in report.times} == {"turn", "step"}
+
+
+def test_explain_prints_the_verdict_once():
+    from libra.services.planner.core import render_explain
+    from libra.v1 import planner_pb2
+
+    reply = planner_pb2.ExplainResponse(mode="online", decisions=[
+        planner_pb2.PlanDecision(decision_id=1, trigger="interval", applied=False,
+                                 reason="not applied: gain does not pay for the transition (numbers)"),
+        planner_pb2.PlanDecision(decision_id=2, trigger="ratio", applied=True, reason="applied: predicted 2s -> 1s")])
+    text = render_explain(reply)
+    assert "not applied: gain does not pay for the transition (numbers)" in text
+    assert "APPLIED: predicted 2s -> 1s" in text
+    assert "not applied: not applied" not in text and "applied: applied" not in text.lower()

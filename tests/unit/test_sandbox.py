@@ -9,8 +9,10 @@ import time
 
 import pytest
 
-from libra.workloads.sandbox import (UID_BASE, UIDS_PER_PROCESS, SandboxLimits, SandboxStatus, isolation_available, python_argv,
-                                     run_in_sandbox, run_python)
+from libra.workloads.code_agent import CodeAgentConfig, CodeAgentWorkload
+from libra.workloads.sandbox import (UID_BASE, UIDS_PER_PROCESS, SandboxLimits, SandboxStatus, SandboxUnavailable,
+                                     check_isolation, isolation_available, python_argv, run_in_sandbox, run_python)
+from libra.workloads.sandbox_guard import network_namespace_available
 
 LIMITS = SandboxLimits(wall_s=3.0, cpu_s=2, output_bytes=400)
 
@@ -108,14 +110,63 @@ def test_files_and_a_source_tree_are_copied_in_and_left_unchanged(tmp_path):
         SandboxLimits(wall_s=0)
 
 
-def test_the_guard_isolation_still_limits_and_blocks_python_sockets(monkeypatch):
+def test_without_namespaces_a_run_is_refused_unless_the_workload_allows_it(monkeypatch):
     from libra.workloads import sandbox
 
     monkeypatch.setattr(sandbox, "isolation_available", lambda: False)  # as on a machine without unshare
-    hello = run("print('hi')")
+    with pytest.raises(SandboxUnavailable, match="allow_unisolated_sandbox"):
+        run("print('hi')")
+    with pytest.raises(SandboxUnavailable, match="allow_unisolated_sandbox"):
+        check_isolation(False)
+    with pytest.raises(SandboxUnavailable, match="allow_unisolated_sandbox"):
+        CodeAgentWorkload(CodeAgentConfig())  # a workload refuses to start, before any model turn
+
+
+def test_the_guard_isolation_never_runs_as_root_and_blocks_the_network(monkeypatch, tmp_path):
+    from libra.workloads import sandbox
+
+    monkeypatch.setattr(sandbox, "isolation_available", lambda: False)
+    script = "id -u; readlink /proc/self/ns/net; touch here; ls -n . | tail -1"
+    result = asyncio.run(run_in_sandbox(["/bin/sh", "-c", script], limits=LIMITS, allow_unisolated=True))
+    assert (result.status, result.isolation) == (SandboxStatus.OK, "guard"), result
+    uid, namespace, listing = result.stdout.splitlines()[:3]
+    if os.geteuid() == 0:
+        assert int(uid) != 0 and int(uid) in range(UID_BASE, UID_BASE + UIDS_PER_PROCESS)
+        assert listing.split()[2] == uid  # its scratch directory is its own
+    if network_namespace_available(os.geteuid() == 0):
+        assert namespace != os.readlink("/proc/self/ns/net")  # an empty network namespace
+    spin = asyncio.run(run_in_sandbox(["/bin/sh", "-c", "while :; do :; done"], limits=LIMITS, allow_unisolated=True))
+    assert spin.status is SandboxStatus.TIMEOUT
+    big = asyncio.run(run_in_sandbox(["/bin/sh", "-c", "head -c 67108864 /dev/zero > x"], allow_unisolated=True,
+                                     limits=SandboxLimits(wall_s=5, cpu_s=4, max_file_mb=8)))
+    assert big.status is SandboxStatus.ERROR
+
+
+def test_the_guard_isolation_blocks_python_sockets_and_limits(monkeypatch):
+    """As a user other than root (dropping root needs an interpreter other users can reach, which
+    this test cannot count on), Python programs run with rlimits and without sockets."""
+    from libra.workloads import sandbox
+
+    monkeypatch.setattr(sandbox, "isolation_available", lambda: False)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # take the non-root path (no uid to drop to)
+    hello = run("print('hi')", allow_unisolated=True)
     assert (hello.status, hello.stdout, hello.isolation) == (SandboxStatus.OK, "hi\n", "guard")
-    network = run("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)")
+    if network_namespace_available(False):  # as a user: an empty network namespace of its own too
+        seen = run("import os\nprint(os.readlink('/proc/self/ns/net'))", allow_unisolated=True)
+        assert seen.status is SandboxStatus.OK and seen.stdout.strip() != os.readlink("/proc/self/ns/net")
+    network = run("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)", allow_unisolated=True)
     assert network.status is SandboxStatus.ERROR and "network access is disabled" in network.stderr
-    assert run("while True:\n    pass").status is SandboxStatus.TIMEOUT
-    big = run("open('x', 'wb').write(b'0' * (64 * 1024 * 1024))", SandboxLimits(wall_s=5, cpu_s=4, max_file_mb=8))
+    assert run("while True:\n    pass", allow_unisolated=True).status is SandboxStatus.TIMEOUT
+    big = run("open('x', 'wb').write(b'0' * (64 * 1024 * 1024))", SandboxLimits(wall_s=5, cpu_s=4, max_file_mb=8),
+              allow_unisolated=True)
     assert big.status is SandboxStatus.ERROR and "File too large" in big.stderr
+
+
+def test_dropping_root_refuses_an_interpreter_other_users_cannot_reach(monkeypatch):
+    from libra.workloads import sandbox, sandbox_guard
+
+    monkeypatch.setattr(sandbox, "isolation_available", lambda: False)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(sandbox_guard, "unreachable_dirs", lambda program: ["/root"])
+    with pytest.raises(SandboxUnavailable, match="cannot reach .* under /root"):
+        check_isolation(True)

@@ -93,7 +93,7 @@ def test_a_plan_change_costs_its_transition_time():
 def test_online_planner_decides_after_steps_with_reasons():
     trace = small_trace(steps=4)
     settings = ReplanSettings(warmup_steps=1, cooldown_s=0, recheck_s=0, interval_s=1)
-    controller = control.Online(MODEL, GPU, CONFIG, settings)
+    controller = control.Online(MODEL, GPU, CONFIG, settings, SimConfig())
     _, result = run(trace, controller=controller)
     assert controller.decisions and controller.decisions[0][0] == 0 and controller.decisions[0][2]
     applied = [(step, reason) for step, done, reason in controller.decisions if done]

@@ -117,11 +117,11 @@ def test_libra_up_refuses_a_finished_run_and_resume_without_a_run(tmp_path, quic
 
 def test_every_command_takes_config_the_same_way(tmp_path, capsys):
     config = "configs/quickstart.yaml"
-    assert main(["check-config", "--config", config, "--set", "trainer.steps=7"]) == 0
+    assert main(["check-config", "--config", config, "--set", "trainer.steps=7", "--no-ports"]) == 0
     assert "steps: 7" in capsys.readouterr().out
-    assert main(["check-config", config]) == 0  # the older positional form still works
+    assert main(["check-config", config, "--no-ports"]) == 0  # the older positional form still works
     assert "run_id: quickstart" in capsys.readouterr().out
-    assert main(["check-config", config, "--config", config]) == 0
+    assert main(["check-config", config, "--config", config, "--offline"]) == 0
     capsys.readouterr()
     assert main(["check-config", config, "--config", str(tmp_path / "other.yaml")]) == 2
     assert main(["check-config"]) == 2

@@ -57,6 +57,9 @@ class Engine:
         self.version = args[0]
         return {"results": [{"version": args[0]}]}
 
+    async def receive_weights(self, version, timeout_s):  # EngineClient's: the method's per-rank results
+        return (await self._post("/collective_rpc", {"method": "libra_receive_weights", "args": [version]}))["results"]
+
     async def load_weights(self, path, version):
         self.calls.append(("disk", version))
         if self.failing_loads:
@@ -148,7 +151,7 @@ def test_a_path_must_be_a_directory_under_the_run_weights_directory(tmp_path):
         asyncio.run(delivery.deliver(2, str(weights / ".." / ".." / "v2"), None))
     with pytest.raises(InvalidArgument, match="not a directory"):
         asyncio.run(delivery.deliver(3, str(weights / "v3"), None))
-    with pytest.raises(InvalidArgument, match="neither a path nor a weights-group generation"):
+    with pytest.raises(InvalidArgument, match="neither a path, a weights-group generation nor a colocated descriptor"):
         asyncio.run(delivery.deliver(3, "", None))
     assert engines["a"].calls == []
     delivered = asyncio.run(delivery.deliver(2, str(weights / "v2"), None))

@@ -33,7 +33,7 @@ def test_a_setting_of_another_weights_type_cannot_be_written():
             in error_of({"weights": {"bucket_mb": 8}}))
     assert "weights.bucket_mb applies to weights type group, not disk" in error_of(
         {"weights": {"type": "disk", "bucket_mb": 8}})
-    assert "weights.type must be one of ['disk', 'group'], got 'nfs'" in error_of({"weights": "nfs"})
+    assert "weights.type must be one of ['colocated', 'disk', 'group'], got 'nfs'" in error_of({"weights": "nfs"})
     assert "weights.group.colour: unknown key" in error_of({"weights": {"type": "group", "colour": 1}})
     assert "weights.address must be HOST:PORT" in error_of({"weights": {"type": "group", "address": "nowhere"}})
     assert "weights.backend nccl needs GPU workers" in error_of(

@@ -7,9 +7,11 @@ controller answers with a `PlanChange` (the new candidate and its transition cos
     tp2       the same search restricted to TP 2 on both sides (a homogeneous layout); pair it
               with load-balance routing for the usual baseline
     online    the Global Resource Planner's `Replanner` (services/planner/replan.py), fed every
-              step's measured times and lengths as the trainer reports them (rollout seconds =
-              the trainer's wait for the batch); it applies a plan only when the predicted gain
-              minus the transition cost pays
+              finished step's measured times (rollout seconds = the batch's rollout span, as the
+              trainer reports it), lengths and trajectories; it ranks the search's shortlist by
+              replaying the recent steps through this simulator (`rank.SimRanker`, at the
+              calibrated speeds) and applies a plan only when the simulated gain over its horizon
+              beats the simulated cost of the move
     scripted  a given first plan and fixed changes at given steps (tests; with no changes, one
               plan held for the whole run: `run.run_plan`)
 
@@ -19,7 +21,7 @@ Controllers see only what the real planner would see: finished steps' facts, nev
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from libra.services.planner.config import ReplanSettings
 from libra.services.planner.hardware import GpuSpec, ModelSpec
@@ -27,6 +29,9 @@ from libra.services.planner.replan import Replanner, StepObservation
 from libra.services.planner.search import Candidate, SearchConfig, search
 from libra.services.planner.sim.result import StepRecord
 from libra.traces.spec import Trace
+
+if TYPE_CHECKING:
+    from libra.services.planner.sim.cluster import SimConfig
 
 
 @dataclass(frozen=True)
@@ -69,28 +74,35 @@ def homogeneous_tp2(model: ModelSpec, gpu: GpuSpec, config: SearchConfig) -> Sea
 
 
 class Online(SearchOnce):
-    """Starts like `static`, then lets the `Replanner` decide after every step."""
+    """Starts like `static` (or from `first`), then lets the `Replanner` decide after every step."""
 
-    def __init__(self, model: ModelSpec, gpu: GpuSpec, config: SearchConfig, settings: ReplanSettings):
+    def __init__(self, model: ModelSpec, gpu: GpuSpec, config: SearchConfig, settings: ReplanSettings,
+                 sim: "SimConfig", first: Candidate | None = None):
         super().__init__("online", model, gpu, config)
-        self.settings = settings
+        self.settings, self.sim, self.first = settings, sim, first
         self.replanner: Replanner | None = None
+        self.trace: Trace | None = None
         self.decisions: list[tuple[int, bool, str]] = []  # (step, applied, reason)
+        self.changes: list[PlanChange] = []  # the moves made, in order
 
     def initial(self, trace: Trace) -> Candidate:
-        best = super().initial(trace)
+        from libra.services.planner.sim.rank import SimRanker  # (rank imports the simulator, which imports us)
+
+        best = self.first if self.first is not None else super().initial(trace)
         settings = self.settings.model_copy(update={"batch_sequences": trace.batch,
                                                     "trace_window": max(self.settings.trace_window, trace.batch),
                                                     "min_history_samples": min(trace.batch,
                                                                                self.settings.min_history_samples)})
-        self.replanner = Replanner(self.model, self.gpu, self.config.total_gpus, settings, self.config, best)
+        ranker = SimRanker(self.model, self.gpu, self.config, self.sim, settings.sim_window_steps)
+        self.replanner = Replanner(self.model, self.gpu, self.config.total_gpus, settings, self.config, best, ranker)
+        self.trace = trace
         return best
 
     def after_step(self, record: StepRecord) -> PlanChange | None:
-        assert self.replanner is not None, "initial() first"
+        assert self.replanner is not None and self.trace is not None, "initial() first"
         rejected = self.replanner.observe_step(StepObservation(
-            record.step, record.interval_s, record.wait_s, record.train_s, record.queue_depth,
-            record.active_rollouts, 0, list(record.lengths), record.sequences))
+            record.step, record.interval_s, record.rollout_s, record.train_s, record.queue_depth,
+            record.active_rollouts, 0, list(record.lengths), record.sequences, self.trace.steps[record.step]))
         if rejected:
             self.decisions.append((record.step, False, f"observation rejected: {rejected}"))
             return None
@@ -98,7 +110,9 @@ class Online(SearchOnce):
         if decision.record or decision.applied:
             self.decisions.append((record.step, decision.applied, decision.reason))
         if decision.applied and decision.chosen is not None:
-            return PlanChange(decision.chosen, decision.transition_cost_s, decision.reason)
+            self.changes.append(PlanChange(decision.chosen, decision.downtime_s,
+                                           decision.reason))
+            return self.changes[-1]
         return None
 
 

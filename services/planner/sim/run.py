@@ -53,13 +53,13 @@ def build_trace(source: str, steps: int, prompts: int, group_size: int, seed: in
 
 
 def make_controller(planner: str, model: ModelSpec, gpu: GpuSpec, config: SearchConfig,
-                    replan: ReplanSettings | None = None) -> control.Controller:
+                    replan: ReplanSettings | None = None, sim: SimConfig | None = None) -> control.Controller:
     if planner == "static":
         return control.static(model, gpu, config)
     if planner == "tp2":
         return control.homogeneous_tp2(model, gpu, config)
     if planner == "online":
-        return control.Online(model, gpu, config, replan or ReplanSettings())
+        return control.Online(model, gpu, config, replan or ReplanSettings(), sim or SimConfig())
     raise InvalidArgument(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
 
 
@@ -79,7 +79,7 @@ def simulate(model: ModelSpec, gpu: GpuSpec, gpus: int, trace: Trace, planner: s
         raise InvalidArgument(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
     if policy not in POLICIES:
         raise InvalidArgument(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    controller = make_controller(planner, model, gpu, config, replan)
+    controller = make_controller(planner, model, gpu, config, replan, sim)
     try:
         return Simulator(model, gpu, trace, controller, config, sim).run(progress)
     except Infeasible as error:
@@ -87,11 +87,15 @@ def simulate(model: ModelSpec, gpu: GpuSpec, gpus: int, trace: Trace, planner: s
 
 
 def run_plan(model: ModelSpec, gpu: GpuSpec, trace: Trace, candidate: Candidate, search: SearchConfig,
-             sim: SimConfig | None = None, instance_model: InstanceModel | None = None) -> SimResult:
+             sim: SimConfig | None = None, instance_model: InstanceModel | None = None,
+             move_to: Candidate | None = None, transition_s: float = 0.0) -> SimResult:
     """Play `trace` (e.g. the recent window of a run) under `candidate`, held for the whole trace:
     what the asynchronous pipeline does with that plan. `search` supplies the efficiencies and the
-    TP degrees the engines are built for; `instance_model` replaces the cost model's engines."""
-    controller = control.Scripted(candidate, {})
+    TP degrees the engines are built for; `instance_model` replaces the cost model's engines. With
+    `move_to`, the plan changes to it after the first step, ready `transition_s` later (the move
+    as the simulator plays it: engines drained and started, turns moved, the trainer resharded)."""
+    changes = {0: control.PlanChange(move_to, transition_s, "replay of a move")} if move_to is not None else {}
+    controller = control.Scripted(candidate, changes)
     try:
         return Simulator(model, gpu, trace, controller, search, sim or SimConfig(), instance_model).run()
     except Infeasible as error:

@@ -1,8 +1,24 @@
 """Async HTTP client of one rollout worker (a vLLM OpenAI-compatible server), token-exact.
 
-`generate` sends the prompt as token ids to `/v1/completions` and reads back exactly the ids the
-engine sampled (`return_token_ids`) with the sampled token's log-prob (`logprobs: 0` gives it in
-`logprobs.token_logprobs`, one per generated token). Nothing is decoded and re-tokenized.
+`generate` sends the prompt as token ids to vLLM's token-in/token-out `/inference/v1/generate`
+(on with `--enable-scale-out`) and reads back exactly the ids the engine sampled with the sampled
+token's log-prob (`logprobs: 0`, one per generated token) and the policy version of each token
+(`weight_versions`: spans of output tokens sampled by weights of one label, which Libra sets to the
+policy version). Nothing is decoded and re-tokenized.
+
+A weight update never drains the worker and never lets KV of one version serve another:
+
+    POST /pause?mode=keep&clear_cache=true   scheduler frozen; running requests preempted (their KV
+                                             freed, recomputed on resume), prefix cache emptied
+    POST /collective_rpc  libra_load_weights | libra_receive_weights   (every rank)
+    POST /update_weight_version  {"new_version": "v"}   tokens sampled from now on carry v
+    POST /resume                             the running requests recompute their KV under v
+
+so every token is sampled from one version's weights attending to KV computed by those weights
+only, and carries that version: its log-prob is what a trainer holding that version computes over
+the whole sequence. A request in flight at the swap keeps going; its tokens say where it changed.
+A load that raised (the weights may be half-written) leaves the worker paused: nothing samples
+from weights of no version (the gateway marks it unhealthy, and a later version's load resumes it).
 
 How vLLM 0.32 reports a stop: a token in `stop_token_ids`, or EOS, is the last id in
 `token_ids` (with its log-prob) and `finish_reason` is "stop"; `stop_reason` is that id for a
@@ -21,16 +37,21 @@ routing and retries are the gateway's.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 
 from libra.errors import FailedPrecondition, InvalidArgument, Unavailable
+from libra.services.rollout.engines.engine_auth import headers
 
 DEFAULT_MODEL = "policy"  # the name VllmWorkerProcess serves the policy under
 LOAD_METHOD = "libra_load_weights"  # LibraWorkerExtension methods, called via /collective_rpc
+RECEIVE_METHOD = "libra_receive_weights"
+COLOCATED_METHOD = "libra_receive_colocated"  # the hf engine's (weights: colocated)
 VERSION_METHOD = "libra_policy_version"
+GENERATE_PATH = "/inference/v1/generate"  # vLLM's token-in/token-out API; hf_server serves it too
+PAUSE_PATH = "/pause?mode=keep&clear_cache=true"  # vLLM's RL pause: keep requests, drop every KV block
 FINISH_REASONS = ("stop", "length")
 
 
@@ -55,18 +76,20 @@ class Generation:
     finish_reason: str  # "stop" (stop token id / EOS) or "length" (max_tokens)
     seconds: float  # wall-clock time of the request
     text: str = field(default="", compare=False)  # the server's decoding, for display only
+    versions: list[int] = field(default_factory=list)  # policy version of each id (generate; chat: none)
 
 
 class EngineClient:
     """Talks to one worker at `base_url`; share one instance per worker, close it when done."""
 
     def __init__(self, base_url: str, model: str = DEFAULT_MODEL, timeout_s: float = 120.0,
-                 connect_timeout_s: float = 5.0, load_timeout_s: float = 600.0):
+                 connect_timeout_s: float = 5.0, load_timeout_s: float = 600.0, key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.load_timeout_s = load_timeout_s
-        self._http = httpx.AsyncClient(
+        self._http = httpx.AsyncClient(  # the engine key: of this process's workers unless `key` is given
             base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            headers=headers(key),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     async def __aenter__(self) -> "EngineClient":
@@ -106,19 +129,18 @@ class EngineClient:
             raise InvalidArgument("prompt_ids must not be empty")
         if max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {max_tokens}")
-        body = {
-            "model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens,
-            "temperature": temperature, "top_p": top_p, "stop_token_ids": list(stop_token_ids or []),
-            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
-        }
+        sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                    "stop_token_ids": list(stop_token_ids or []), "logprobs": 0, "detokenize": False}
         if seed is not None:
-            body["seed"] = seed
+            sampling["seed"] = seed
+        body = {"model": self.model, "token_ids": list(prompt_ids), "sampling_params": sampling,
+                "output_mode": "tokens"}
         started = time.perf_counter()
-        answer = await self._post("/v1/completions", body)
-        choice = _only_choice(answer)
-        token_logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-        return _generation(choice, token_logprobs, time.perf_counter() - started,
-                           choice.get("text") or "")
+        choice = _only_choice(await self._post(GENERATE_PATH, body))
+        content = (choice.get("logprobs") or {}).get("content")
+        logprobs = None if content is None else [entry.get("logprob") for entry in content]
+        generation = _generation(choice, logprobs, time.perf_counter() - started, "")
+        return replace(generation, versions=token_versions(choice.get("weight_versions"), len(generation.token_ids)))
 
     async def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float = 1.0,
                    top_p: float = 1.0, seed: int | None = None) -> Generation:
@@ -138,11 +160,10 @@ class EngineClient:
 
     async def load_weights(self, path: str, version: int) -> float:
         """Swap in the safetensors weight set in directory `path` (as the worker sees it) as
-        `version`, without draining running requests; return the seconds it took."""
+        `version`, without draining running requests (see the module docstring); return the seconds
+        it took."""
         started = time.perf_counter()
-        body = {"method": LOAD_METHOD, "args": [str(path), str(int(version))],
-                "timeout": self.load_timeout_s}
-        answer = await self._post("/collective_rpc", body, timeout=self.load_timeout_s + 30)
+        answer = await self._swap(LOAD_METHOD, [str(path), str(int(version))], version, self.load_timeout_s)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not results or not all(isinstance(r, dict) for r in results):
             raise EngineError(f"{self.base_url} answered the weight load with {answer!r}")
@@ -152,6 +173,39 @@ class EngineClient:
         if any(r.get("version") != version for r in results):
             raise EngineError(f"{self.base_url} did not confirm version {version}: {answer!r}")
         return time.perf_counter() - started
+
+    async def receive_weights(self, version: int, timeout_s: float) -> list[Any]:
+        """Receive `version` from the weights group (the trainer sends it meanwhile), swapped in as
+        `load_weights` swaps; every rank's answer ({"version", ...} or {"error"})."""
+        answer = await self._swap(RECEIVE_METHOD, [int(version)], version, timeout_s)
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list):
+            raise EngineError(f"{self.base_url} answered {RECEIVE_METHOD} with {answer!r}")
+        return results
+
+    async def receive_colocated(self, descriptor: str, version: int, timeout_s: float) -> list[Any]:
+        """Take `version` from the trainer's export buffer on the worker's GPU (`descriptor`:
+        libra/weights/ipc.py), swapped in as `load_weights` swaps; every rank's answer."""
+        answer = await self._swap(COLOCATED_METHOD, [descriptor, int(version)], version, timeout_s)
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list):
+            raise EngineError(f"{self.base_url} answered {COLOCATED_METHOD} with {answer!r}")
+        return results
+
+    async def _swap(self, method: str, args: list[Any], version: int, timeout_s: float) -> Any:
+        """Pause, run the weight `method` on every rank, label the weights `version` if every rank
+        holds it, resume; the method's answer. Stays paused when the method raised."""
+        await self._post(PAUSE_PATH, {})
+        answer = await self._post("/collective_rpc", {"method": method, "args": args, "timeout": timeout_s},
+                                  timeout=timeout_s + 30)
+        results = answer.get("results") if isinstance(answer, dict) else None
+        held = bool(results) and all(isinstance(r, dict) and "error" not in r and r.get("version") == version
+                                     for r in results)
+        if held:
+            await self._post("/update_weight_version", {"new_version": str(int(version))})
+        if held or await self.health():  # refused before any weight moved (a half-written set is unhealthy)
+            await self._post("/resume", {})
+        return answer
 
     async def policy_version(self) -> int:
         """The policy version the worker's weights carry (the same on every rank)."""
@@ -180,6 +234,25 @@ class EngineClient:
             return [entry["id"] for entry in response.json()["data"]]
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
             raise EngineError(f"{self.base_url}/v1/models failed: {error!r}") from error
+
+
+def token_versions(spans: Any, count: int) -> list[int]:
+    """The policy version of each of `count` output tokens, from the engine's `weight_versions`
+    (contiguous spans [{"version": label, "start", "end"}] over the output, labels set by Libra)."""
+    versions: list[int] = []
+    for span in spans or []:
+        try:
+            version, start, end = int(span["version"]), int(span["start"]), int(span["end"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise EngineError(f"the worker labelled tokens {span!r}, not with a policy version; its weights are "
+                              f"labelled at start-up and by every load (POST /update_weight_version)") from error
+        if start != len(versions) or end < start:
+            raise EngineError(f"the worker's weight_versions are not contiguous over the output: {spans!r}")
+        versions.extend([version] * (end - start))
+    if len(versions) != count:
+        raise EngineError(f"the worker reported versions for {len(versions)} of {count} tokens ({spans!r}); "
+                          f"is it started with --enable-scale-out (vLLM) or by hf_server?")
+    return versions
 
 
 def _error_message(response: httpx.Response) -> str:

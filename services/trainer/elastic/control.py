@@ -1,7 +1,7 @@
 """The trainer service's handle on the hybrid pool: RPC semantics, Redis persistence, proto views.
 
-Owns: what AdmitHybrid / ReleaseHybrid / GetStepManifest mean for the service (idempotent by
-request id, effective at the next step boundary, answered at once), and keeping the membership in
+Owns: what AdmitHybrid / ReleaseHybrid / GetStepManifest mean for the service (effective at the
+next step boundary, answered at once; a repeated request id is the RPC boundary's replay), and keeping the membership in
 Redis (blob `trainer.membership`) so a restarted trainer knows it. Must not know: sockets, torch.
 
 The data plane itself is `ElasticCore` (core_hooks); this class only wraps rank 0's instance.
@@ -25,7 +25,6 @@ from libra.v1 import trainer_pb2 as P
 _log = liblog.get("libra.trainer.elastic")
 
 BLOB = "trainer.membership"
-SCOPE = "trainer.hybrid"
 _STATES = {s: getattr(P, f"HYBRID_STATE_{s.value}") for s in HybridState}
 
 
@@ -64,14 +63,12 @@ class ElasticControl:
                                                                              int(event.get("generation", 0)))
 
     # -- RPCs ------------------------------------------------------------------------------------
-    async def admit(self, replica_id: str, generation: int, request_id: str) -> bool:
+    async def admit(self, replica_id: str, generation: int) -> bool:
         _check_id(replica_id)
         refusal = self.core.refusal()
         if refusal:  # before anything is recorded: the request can be retried once the layout allows it
             raise FailedPrecondition(f"cannot admit hybrid {replica_id}: {refusal}")
         async with self._lock:
-            if not await self.store.once(SCOPE, f"admit-{request_id}"):
-                return False
             known = self._state_of(replica_id)
             if known is not None and known[0] not in GONE and known[1] == generation:
                 return False  # already admitted with this generation
@@ -79,13 +76,13 @@ class ElasticControl:
             await self.persist()
             return True
 
-    async def release(self, replica_id: str, generation: int, request_id: str) -> bool:
+    async def release(self, replica_id: str, generation: int) -> bool:
         _check_id(replica_id)
         async with self._lock:
             known = self._state_of(replica_id)
             if known is None:
                 raise NotFound(f"unknown hybrid replica {replica_id!r}: AdmitHybrid it first")
-            if not await self.store.once(SCOPE, f"release-{request_id}") or known[0] in GONE:
+            if known[0] in GONE:
                 return False
             self._queue({"kind": "release", "replica_id": replica_id, "generation": generation})
             await self.persist()

@@ -201,10 +201,12 @@ def _endpoint_from_trainer(trainer: str, run_id: str, replica_id: str, wait_s: f
     """Look the replica's lane endpoint up in GetStepManifest(step=0), retrying until it appears."""
     import grpc
 
+    from libra.rpc import sync_channel
+    from libra.security import from_environment
     from libra.v1 import trainer_pb2, trainer_pb2_grpc
 
     deadline = time.monotonic() + wait_s
-    with grpc.insecure_channel(trainer) as channel:
+    with sync_channel(trainer, from_environment()) as channel:  # the coordinator's token and TLS
         stub = trainer_pb2_grpc.TrainerStub(channel)
         while True:
             try:

@@ -1,6 +1,7 @@
-"""The Megatron-Core training backend: an HF Llama/Qwen2/Qwen3 model as a Megatron GPTModel.
+"""The Megatron-Core training backend: an HF Llama/Qwen2/Qwen3 (or Qwen3-MoE/Qwen2-MoE) model as a
+Megatron GPTModel.
 
-Owns: the process-group layout (TP × PP × DP), this rank's stage of the GPTModel built from the
+Owns: the process-group layout (TP × PP × DP, and EP over DP for experts), this rank's stage of the GPTModel built from the
 HF config (`megatron.convert`), its optimizer, the GRPO step (the same `policy_loss` as the torch
 backend, run through Megatron's pipeline schedule by `megatron.pipeline`), HF weight publication,
 distributed checkpoints (`megatron.checkpoint`), and its part of the step every backend shares
@@ -34,6 +35,13 @@ this backend itself (TP = PP = 1, its own one-process world) and loads a snapsho
 model and Adam state (`elastic.backends`, `elastic.snapshot`). Model and optimizer are built by
 `megatron.build`.
 
+Mixture of experts (`megatron.moe`): experts spread over `expert_parallel` ranks, the routers'
+load-balancing loss in the gradient and in the step metrics (`router_aux_loss`); expert gradients
+are summed over the ranks that hold the same experts. LoRA (`trainer.lora`, `megatron.lora`):
+adapters on the targeted linears, every other parameter frozen — gradients, the optimizer, the
+elastic hook's flat gradient and the checkpoint hold only the adapters; published weights are the
+merged ones (W + (alpha/r)·B·A), so every engine loads plain HF weights.
+
 CPU (tests, tiny runs): Megatron-Core assumes CUDA in a few helpers; `megatron.runtime.
 patch_megatron_for_cpu` adapts exactly those, and only when torch has no CUDA.
 """
@@ -49,6 +57,8 @@ from libra.services.trainer.backend import TrainBackend, TrainBatch, write_weigh
 from libra.services.trainer.gradient_hook import train_step as shared_train_step
 from libra.services.trainer.megatron import build as build
 from libra.services.trainer.megatron import checkpoint as checkpoint
+from libra.services.trainer.megatron import lora as lora
+from libra.services.trainer.megatron import moe as moe
 from libra.services.trainer.megatron import pipeline as pipeline
 from libra.services.trainer.megatron import runtime as rt
 
@@ -93,6 +103,10 @@ class MegatronBackend(TrainBackend):
             return (f"elastic hybrid replicas add whole-model gradients, but trainer.backend.pipeline_parallel="
                     f"{settings.pipeline_parallel} leaves each core rank one stage's: set pipeline_parallel=1 to "
                     "use hybrid replicas")
+        if settings.expert_parallel > 1:
+            return (f"elastic hybrid replicas are one whole model each, but trainer.backend.expert_parallel="
+                    f"{settings.expert_parallel} leaves each core rank a share of the experts: set expert_parallel=1 "
+                    "to use hybrid replicas")
         if settings.tensor_parallel > 1:  # mapping a lane to TP coordinates: not built
             return (f"elastic hybrid replicas are one whole model each, but trainer.backend.tensor_parallel="
                     f"{settings.tensor_parallel} leaves each core rank a tensor-parallel shard: set "
@@ -114,18 +128,19 @@ class MegatronBackend(TrainBackend):
         settings = self.config.backend
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         shape = convert.model_shape(hf_config)
-        convert.check_parallel(shape, settings.tensor_parallel, settings.pipeline_parallel)
+        convert.check_parallel(shape, settings.tensor_parallel, settings.pipeline_parallel, settings.expert_parallel)
         self._cuda = torch.cuda.is_available()
         if not self._cuda:
             torch.set_num_threads(self.config.torch_threads)
             rt.patch_megatron_for_cpu()
-        rt.init_parallel(settings.tensor_parallel, self._cuda, settings.pipeline_parallel)
+        rt.init_parallel(settings.tensor_parallel, self._cuda, settings.pipeline_parallel, settings.expert_parallel)
         torch.manual_seed(self.seed)
         random.seed(self.seed)
         bf16 = self._cuda and settings.bf16
         self.shape, self._hf_config, self.model_dir = shape, hf_config, model_dir
-        model = build.build_model(hf_config, shape, self.config, self.layer_spec, bf16, self._cuda)
-        build.load_state(model, pipeline.stage_state(model, model_dir, shape, settings.tensor_parallel, rt.tp_rank()))
+        model = build.build_model(hf_config, shape, self.config, self.layer_spec, bf16, self._cuda, self.seed)
+        build.load_state(model, pipeline.stage_state(model, model_dir, shape, settings.tensor_parallel, rt.tp_rank(),
+                                                     ep=settings.expert_parallel, ep_rank=rt.ep_rank()))
         self._model = model
         self._parameters = pipeline.count_parameters(model, settings.tensor_parallel, self._device())
         self._ddp, self._optimizer = build.build_optimizer(model, self.config, bf16, self._cuda)
@@ -137,7 +152,8 @@ class MegatronBackend(TrainBackend):
         return self._model
 
     def num_parameters(self) -> int:
-        """Parameters of the whole model (all stages, TP shards summed, replicated norms once), counted at load."""
+        """Parameters of the whole model (all stages, TP shards summed, replicated norms once, every
+        expert; LoRA adapters not counted), counted at load."""
         if self._model is None:
             raise FailedPrecondition("MegatronBackend: call load(model_dir) first")
         return self._parameters
@@ -148,16 +164,18 @@ class MegatronBackend(TrainBackend):
 
         return torch.cuda.current_device() if self._cuda else "cpu"
 
-    def _micro_batches(self, batch: TrainBatch, size: int) -> list[pipeline.Micro]:
+    def _micro_batches(self, batch: TrainBatch, config: TrainerConfig) -> list[pipeline.Micro]:
         # SDPA applies the causal mask itself; the local spec takes it as a tensor.
-        return pipeline.micro_batches(batch, size, self._device(), causal_mask=self.layer_spec == "local")
+        if config.micro_batch_tokens and self.layer_spec != "sdpa":
+            raise ValueError("packed micro-batches (trainer.micro_batch_tokens) need trainer.backend.layer_spec: sdpa")
+        return pipeline.micro_batches(batch, config, self._device(), causal_mask=self.layer_spec == "local")
 
     def _runner(self) -> Any:
         return self._ddp if self._ddp is not None else self.model
 
     def compute_logprobs(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Collective over the model-parallel group; every stage gets the last stage's log-probs."""
-        local = pipeline.logprobs(self._runner(), self._micro_batches(batch, self.config.micro_batch_size))
+        local = pipeline.logprobs(self._runner(), self._micro_batches(batch, self.config))
         return [lp.cpu() for lp in pipeline.share_logprobs(local, batch, self._device())]
 
     # ---- the GRPO step ---------------------------------------------------------------------
@@ -175,13 +193,28 @@ class MegatronBackend(TrainBackend):
     def accumulate_gradients(self, batch: TrainBatch, config: TrainerConfig, token_count: float) -> dict[str, float]:
         """Zeroed gradients, then every micro-batch's gradient of Σ token loss / token_count; metric
         sums (equal on every stage). Recomputed old log-probs are needed on the last stage only."""
-        micros = self._micro_batches(batch, config.micro_batch_size)
+        micros = self._micro_batches(batch, config)
         old = pipeline.logprobs(self._runner(), micros) if config.recompute_logprobs else None
         self._set_hyper_parameters(config)
         self._zero_grad()
-        sums = pipeline.accumulate(self._runner(), micros, config, old, token_count=token_count)
+        if self.shape.moe:
+            moe.clear_aux_loss()
+            moe.weigh_aux_loss(self.model, self._aux_loss_coef(), token_count)
+        if self.config.lora is not None and self.config.lora.dropout:
+            lora.set_dropout(self.model, True)
+        try:
+            sums = pipeline.accumulate(self._runner(), micros, config, old, token_count=token_count)
+        finally:
+            if self.config.lora is not None:
+                lora.set_dropout(self.model, False)
+        if self.shape.moe and self._aux_loss_coef() > 0:
+            sums.update(moe.read_aux_loss(self.model, len(micros)))
         pipeline.finish_model_parallel_grads(self.model, main_grad=self._ddp is not None)
         return sums
+
+    def _aux_loss_coef(self) -> float:
+        coef = self.config.backend.router_aux_loss_coef
+        return self.shape.aux_loss_coef if coef is None else coef
 
     def step_optimizer(self, config: TrainerConfig) -> float:
         """Clip the current gradients and take one optimizer step; returns the pre-clip norm."""
@@ -202,14 +235,14 @@ class MegatronBackend(TrainBackend):
         import torch
 
         if self._ddp is not None:
-            buffers = [buffer.grad_data for buffer in self._ddp.buffers]
+            buffers = self._grad_buffers()
             return buffers[0] if len(buffers) == 1 else torch.cat([b.reshape(-1) for b in buffers])
         params = [p for p in self.model.parameters() if p.requires_grad]
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
     def set_flat_gradients(self, flat: torch.Tensor) -> None:
         if self._ddp is not None:
-            buffers = [buffer.grad_data for buffer in self._ddp.buffers]
+            buffers = self._grad_buffers()
             if len(buffers) > 1 or flat.data_ptr() != buffers[0].data_ptr():
                 offset = 0
                 for b in buffers:
@@ -221,6 +254,11 @@ class MegatronBackend(TrainBackend):
             p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
             offset += p.numel()
 
+    def _grad_buffers(self) -> list[torch.Tensor]:
+        """Megatron DDP's gradient buffers: the dense ones, then the expert-parallel ones (EP > 1)."""
+        buffers = list(self._ddp.buffers) + list(getattr(self._ddp, "expert_parallel_buffers", []) or [])
+        return [buffer.grad_data for buffer in buffers]
+
     def dp_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel group (on the GPU with NCCL)."""
         return rt.dp_sum_tensor(values.to(self._device()))
@@ -229,6 +267,8 @@ class MegatronBackend(TrainBackend):
         """On CUDA Megatron DDP's own grad sync (all-reduce, or reduce-scatter with the distributed
         optimizer) over its buffers, which `flat` is written into first; on CPU one all-reduce."""
         if self._ddp is None:
+            if self.config.backend.expert_parallel > 1:  # expert gradients: over the ranks holding the same experts
+                return moe.sum_gradients([p for p in self.model.parameters() if p.requires_grad], flat)
             return rt.dp_sum_tensor(flat)
         self.set_flat_gradients(flat)
         self._ddp.finish_grad_sync()

@@ -1,8 +1,9 @@
 """Building one rank's Megatron-Core model and optimizer from a Hugging Face config.
 
-Owns: the GPTModel of this rank's pipeline stage (layer spec, fusions, device and dtype), Megatron
-DDP and the optimizer around it (Megatron's on GPUs, torch AdamW on CPU), and loading a Megatron
-state dict into a model. Must not know: the GRPO step, batches, checkpoints' layout, Redis.
+Owns: the GPTModel of this rank's pipeline stage (layer spec, fusions, device and dtype; a MoE
+model's experts and routers, `megatron.moe`; LoRA adapters, `megatron.lora`), Megatron DDP and the
+optimizer around it (Megatron's on GPUs, torch AdamW on CPU; only trainable parameters), and
+loading a Megatron state dict into a model. Must not know: the GRPO step, batches, checkpoints' layout, Redis.
 Used by `megatron.backend` (load), `megatron.checkpoint` and the elastic snapshots (load_state).
 
 Runs in: every trainer rank process and a hybrid replica's process (through `MegatronBackend.load`);
@@ -19,9 +20,10 @@ if TYPE_CHECKING:
 
 
 def build_model(hf_config: Any, shape: Shape, config: TrainerConfig, layer_spec_name: str, bf16: bool,
-                cuda: bool) -> Any:
+                cuda: bool, seed: int = 0) -> Any:
     """This rank's stage: the embedding on the first, its share of the layers, the final norm and
-    LM head on the last (with PP = 1, all of it). Random weights: the caller loads the HF ones."""
+    LM head on the last (with PP = 1, all of it); with `config.lora`, adapters on the targeted
+    linears and every other parameter frozen. Random weights: the caller loads the HF ones."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -30,8 +32,13 @@ def build_model(hf_config: Any, shape: Shape, config: TrainerConfig, layer_spec_
     from libra.services.trainer.megatron.specs import layer_spec
 
     settings = config.backend
+    if shape.moe:
+        from libra.services.trainer.megatron import moe
+
+        moe.patch_missing_fused_kernels()
     tconfig = convert.transformer_config(
         hf_config, tp=settings.tensor_parallel, pp=settings.pipeline_parallel, bf16=bf16,
+        ep=settings.expert_parallel, aux_loss_coef=settings.router_aux_loss_coef,
         use_cpu_initialization=not cuda, calculate_per_token_loss=True,
         **fusions(settings.fused_kernels and cuda))
     # Activations cross stages with their shape: micro-batches differ in width and size. (Set after
@@ -41,13 +48,22 @@ def build_model(hf_config: Any, shape: Shape, config: TrainerConfig, layer_spec_
     # perform_initialization stays on although the HF weights replace the random ones: it is also
     # what marks each parameter tensor-parallel or replicated, which grad-norm clipping relies on.
     model = GPTModel(
-        config=tconfig, transformer_layer_spec=layer_spec(layer_spec_name, shape.qk_norm),
+        config=tconfig, transformer_layer_spec=layer_spec(layer_spec_name, shape.qk_norm, config.packed_attention,
+                                                          num_experts=shape.experts or None),
         vocab_size=shape.vocab, max_sequence_length=hf_config.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=shape.tied,
         position_embedding_type="rope", rotary_base=convert.rope_theta(hf_config),
     )
     model.eval()  # no dropout: the policy ratio compares two passes of one function
+    if shape.moe:
+        moe.prepare(model)  # routers in training mode: what adds their load-balancing loss
+    if config.lora is not None:
+        from libra.services.trainer.megatron import lora
+
+        layer_offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
+        experts_offset = ps.get_expert_model_parallel_rank() * (shape.experts // settings.expert_parallel)
+        lora.inject(model, config.lora, seed, layer_offset, experts_offset)
     if cuda:
         # As Megatron's own get_model does: the linears are built on the GPU, but the torch norms
         # (no Apex/TE) on the default device; only the distributed optimizer's parameter buffer
@@ -92,10 +108,13 @@ def build_optimizer(model: Any, config: TrainerConfig, bf16: bool, cuda: bool) -
     return ddp, optimizer
 
 
-def load_state(model: Any, state: dict[str, Any]) -> None:
-    """Load a Megatron state dict (its `_extra_state` entries may be absent); any other mismatch raises."""
+def load_state(model: Any, state: dict[str, Any], trainable_only: bool = False) -> None:
+    """Load a Megatron state dict (its `_extra_state` entries may be absent; LoRA adapters too, or
+    with `trainable_only` every frozen parameter); any other mismatch raises."""
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad} if trainable_only else set()
+    missing = [k for k in missing if not k.endswith("_extra_state") and k not in frozen
+               and k.rsplit(".", 1)[-1] not in ("lora_a", "lora_b")]
     if missing or unexpected:
         raise ValueError(f"Megatron state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
 

@@ -20,6 +20,9 @@ it, sharded exactly like the parameter:
                                                      trains bf16/fp16 parameters, i.e. on GPUs)
     optim.step                                       the Adam step count (one for all parameters)
 
+With LoRA (frozen parameters) only the trainable ones — the adapters — are stored: the frozen
+base weights are the model directory's, which `load` has already put in place.
+
 Because every tensor has the parameter's shape, a checkpoint does not depend on how the optimizer
 shards its state over data-parallel ranks: one saved at DP=2 loads at DP=1 or DP=4 (a joining
 elastic replica's snapshot changes DP), and the CPU path (torch AdamW, fp32) writes the same keys.
@@ -94,7 +97,8 @@ def load(model: Any, optimizer: Any, path: str) -> dict[str, Any]:
                          f"format {CHECKPOINT_FORMAT}; resume from a checkpoint written by this version")
     directory = os.path.join(os.path.dirname(os.path.abspath(path)), marker["directory"])
     loaded = dist_checkpointing.load(sharded_state(model, optimizer, loading=True), directory)
-    load_state(model, {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")})
+    load_state(model, {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")},
+               trainable_only=_has_frozen(model))
     step = float(loaded["optim.step"].reshape(-1)[0])
     states = {}
     for name, _ in trainable_parameters(model):
@@ -111,6 +115,9 @@ def sharded_state(model: Any, optimizer: Any, loading: bool) -> dict[str, Any]:
     import torch
 
     model_sd = _flatten(model.sharded_state_dict())
+    if _has_frozen(model):  # LoRA: the adapters only; the base weights come from the model directory
+        trainable = {name for name, _ in trainable_parameters(model)}
+        model_sd = {k: v for k, v in model_sd.items() if k in trainable}
     state: dict[str, Any] = {f"model.{k}": v for k, v in model_sd.items()}
     adapter = optimizer_state(model, optimizer)
     kinds = _kinds(model)
@@ -130,6 +137,10 @@ def sharded_state(model: Any, optimizer: Any, loading: bool) -> dict[str, Any]:
 def trainable_parameters(model: Any) -> list[tuple[str, Any]]:
     """(name, parameter) of every trainable parameter, in the model's order (every rank agrees)."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _has_frozen(model: Any) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
 
 
 def _kinds(model: Any) -> tuple[str, ...]:

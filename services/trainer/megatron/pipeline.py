@@ -20,6 +20,12 @@ width (RoPE) and, with the local spec, the causal mask. Activations travel with 
 (`variable_seq_lengths`), so micro-batches need not share a width or a size. With PP = 1 the same
 code runs Megatron's no-pipelining schedule: one stage, nothing sent, nothing broadcast.
 
+Packed micro-batches (`trainer.micro_batch_tokens`): one row of every sequence back to back, fed
+in Megatron's THD form — `PackedSeqParams(qkv_format="thd", cu_seqlens)`, with which Megatron
+applies RoPE per sequence (positions restarting) and hands the SDPA spec's core attention
+[tokens, heads, dim] (megatron/specs.py keeps attention inside each sequence). The loss sees the
+same target grid as a padded micro-batch (backend.pack), so its arithmetic does not change.
+
 Tied embeddings with PP > 1: the first stage holds the embedding, the last a copy as its LM head
 (Megatron marks it `shared`). Both are loaded from HF `embed_tokens`; `finish_model_parallel_grads`
 adds their gradients over Megatron's embedding group before the update, so both take the same
@@ -50,28 +56,45 @@ class Micro:
     """One micro-batch as every stage feeds it to the model (tensors on the device)."""
 
     packed: PackedBatch  # on the CPU: the loss inputs, moved to the device on the last stage
-    start: int  # index of its first sequence in the step's batch
+    indices: tuple[int, ...]  # its sequences' positions in the step's batch
     input_ids: torch.Tensor
     positions: torch.Tensor
     labels: torch.Tensor  # the next token at each position (the last column is ignored)
     mask: torch.Tensor | None  # the causal mask for the local spec (True = hidden); SDPA masks itself
+    packed_seq_params: Any = None  # Megatron's PackedSeqParams (THD) of a concatenated micro-batch
 
 
-def micro_batches(batch: TrainBatch, size: int, device: Any, causal_mask: bool) -> list[Micro]:
+def micro_batches(batch: TrainBatch, config: TrainerConfig, device: Any, causal_mask: bool) -> list[Micro]:
+    """The step's micro-batches (`TrainBatch.plan`): right-padded rows, or with
+    `config.micro_batch_tokens` one concatenated row each (THD)."""
     import torch
 
-    out, start = [], 0
-    for sequences in batch.micro_batches(size):
-        packed = pack(sequences)
+    concatenate = bool(config.micro_batch_tokens)
+    out = []
+    for indices in batch.plan(config.micro_batch_size, config.micro_batch_tokens):
+        packed = pack([batch.sequences[i] for i in indices], concatenate=concatenate)
         input_ids = packed.input_ids.to(device)
         rows, width = input_ids.shape
-        positions = torch.arange(width, device=device).unsqueeze(0).expand(rows, width)
         labels = torch.zeros_like(input_ids)
         labels[:, :-1] = input_ids[:, 1:]
+        if concatenate:
+            out.append(Micro(packed, tuple(indices), input_ids, packed.position_ids.to(device), labels, None,
+                             thd_params(packed, device)))
+            continue
+        positions = torch.arange(width, device=device).unsqueeze(0).expand(rows, width)
         mask = torch.ones((width, width), dtype=torch.bool, device=device).triu(1)[None, None] if causal_mask else None
-        out.append(Micro(packed, start, input_ids, positions, labels, mask))
-        start += rows
+        out.append(Micro(packed, tuple(indices), input_ids, positions, labels, mask))
     return out
+
+
+def thd_params(packed: PackedBatch, device: Any) -> Any:
+    """Megatron's description of a concatenated row: where each sequence starts, the longest one."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor(packed.cu_seqlens, dtype=torch.int32, device=device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=packed.max_seqlen,
+                           max_seqlen_kv=packed.max_seqlen)
 
 
 def run(model: Any, micros: list[Micro], loss_of: Callable[[Micro, Any], Any], forward_only: bool) -> None:
@@ -88,8 +111,9 @@ def run(model: Any, micros: list[Micro], loss_of: Callable[[Micro, Any], Any], f
         micro = next(data_iterator)
         # With labels, the last stage returns the per-token cross entropy −log p(label), vocab-parallel
         # in fp32; the other stages return their hidden states, which the schedule sends on.
+        extra = {} if micro.packed_seq_params is None else {"packed_seq_params": micro.packed_seq_params}
         output = module(input_ids=micro.input_ids, position_ids=micro.positions, attention_mask=micro.mask,
-                        labels=micro.labels)
+                        labels=micro.labels, **extra)
 
         def loss_func(per_token: Any) -> tuple[Any, Any, dict]:
             loss = loss_of(micro, -per_token[:, :-1].float())
@@ -105,14 +129,17 @@ def run(model: Any, micros: list[Micro], loss_of: Callable[[Micro, Any], Any], f
 
 
 def logprobs(model: Any, micros: list[Micro]) -> list[torch.Tensor] | None:
-    """Per sequence, the log-probs of its response tokens on the last stage (None elsewhere); no grad."""
+    """Per sequence of the step's batch (in its order), the log-probs of its response tokens on the
+    last stage (None elsewhere); no grad."""
     import torch
 
-    out: list[torch.Tensor] = []
+    from libra.services.trainer.backend import unpack
+
+    out: list[Any] = [None] * sum(len(m.indices) for m in micros)
 
     def keep(micro: Micro, logprobs: Any) -> Any:
-        mask = micro.packed.response_mask.to(logprobs.device)
-        out.extend(row[m] for row, m in zip(logprobs, mask))
+        for index, values in zip(micro.indices, unpack(logprobs, micro.packed)):
+            out[index] = values
         return logprobs.new_zeros(())
 
     with torch.no_grad():
@@ -151,8 +178,7 @@ def accumulate(model: Any, micros: list[Micro], config: TrainerConfig, old: list
         old_grid = behaviour
         if old is not None:
             old_grid = torch.zeros_like(new)
-            rows = packed.input_ids.shape[0]
-            old_grid[packed.response_mask.to(device)] = torch.cat(old[micro.start: micro.start + rows]).to(device)
+            old_grid[packed.response_mask.to(device)] = torch.cat([old[i] for i in micro.indices]).to(device)
         loss, metrics = policy_loss(
             new, old_grid, behaviour, packed.advantages.to(device), packed.loss_mask.to(device),
             config.clip_low, config.clip_high, config.tis_cap, config.kl_coef, token_count=token_count)
@@ -227,8 +253,9 @@ def stage_of(model: Any) -> Stage:
     return Stage(bool(model.pre_process), bool(model.post_process), offset, layers)
 
 
-def stage_state(model: Any, model_dir: str, shape: Shape, tp: int, tp_rank: int) -> dict[str, torch.Tensor]:
-    """The Megatron state dict of this stage and TP rank, reading only the HF tensors it needs."""
+def stage_state(model: Any, model_dir: str, shape: Shape, tp: int, tp_rank: int, ep: int = 1,
+                ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """The Megatron state dict of this stage, TP rank and EP rank, reading only the HF tensors it needs."""
     from libra.services.trainer.megatron import convert as convert
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -236,7 +263,7 @@ def stage_state(model: Any, model_dir: str, shape: Shape, tp: int, tp_rank: int)
         raise ValueError(f"MegatronBackend.load: no *.safetensors weights in {model_dir!r}")
     stage = stage_of(model)
     return convert.hf_to_megatron(_SafetensorsFiles(files), shape, tp=tp, rank=tp_rank, layer_offset=stage.layer_offset,
-                                  layers=stage.layers, first=stage.first, last=stage.last)
+                                  layers=stage.layers, first=stage.first, last=stage.last, ep=ep, ep_rank=ep_rank)
 
 
 class _SafetensorsFiles(Mapping):
@@ -266,8 +293,10 @@ class _SafetensorsFiles(Mapping):
 def hf_state_dict(model: Any, shape: Shape, to_cpu: bool, device: Any) -> dict[str, torch.Tensor] | None:
     """The whole model in HF names on global rank 0 (DP 0, TP 0, first stage), None elsewhere.
 
-    Collective over the ranks of DP replica 0: TP shards are all-gathered within each stage and
-    converted there; the stages' HF tensors are then sent to the first stage one by one. With
+    Collective over the ranks of DP replica 0 (and, with expert parallelism, the ranks holding the
+    other experts: `moe.gather_experts`): TP shards are all-gathered within each stage and converted
+    there; the stages' HF tensors are then sent to the first stage one by one. LoRA adapters are
+    merged into their weights first (`lora.merged_state`). With
     `to_cpu`, host copies (each received tensor moves to the host as it arrives, so rank 0's device
     never holds the whole model); without, tensors on the device that may alias the parameters.
     """
@@ -276,10 +305,13 @@ def hf_state_dict(model: Any, shape: Shape, to_cpu: bool, device: Any) -> dict[s
     from megatron.core import parallel_state as ps
 
     from libra.services.trainer.megatron import convert as convert
+    from libra.services.trainer.megatron import lora, moe
 
+    local = lora.merged_state(model)
+    if shape.moe:  # EP ranks are DP ranks: the experts of DP replica 0's group come to it first
+        local = moe.gather_experts(local, shape.experts // ps.get_expert_model_parallel_world_size())
     if ps.get_data_parallel_rank() != 0:  # the TP and PP groups of a rank lie within its DP replica
         return None
-    local = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     tp = ps.get_tensor_model_parallel_world_size()
     shards = [local]
     if tp > 1:
@@ -324,13 +356,17 @@ def _gather_stages(hf: dict[str, torch.Tensor], first: bool, to_cpu: bool, devic
 
 def count_parameters(model: Any, tp: int, device: Any) -> int:
     """Parameters of the whole model: TP shards summed, replicated norms once, stages added, the
-    last stage's copy of a tied embedding not counted. Collective over the pipeline group."""
+    last stage's copy of a tied embedding not counted, expert-parallel shares multiplied by EP,
+    LoRA adapters not counted. Collective over the pipeline group."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    local = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
-                for p in model.parameters() if not getattr(p, "shared", False))
+    from libra.services.trainer.megatron import lora, moe
+
+    ep = ps.get_expert_model_parallel_world_size()
+    local = sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) * (ep if moe.is_expert(p) else 1)
+                for name, p in model.named_parameters() if not getattr(p, "shared", False) and not lora.is_adapter(name))
     if rt.pp_size() == 1:
         return local
     total = torch.tensor([local], dtype=torch.int64, device=device)

@@ -22,8 +22,9 @@ from typing import Any
 from libra.errors import FailedPrecondition
 
 
-def init_parallel(tp: int, cuda: bool, pp: int = 1) -> None:
-    """Join (or create, for one process) torch.distributed, then Megatron's model-parallel groups."""
+def init_parallel(tp: int, cuda: bool, pp: int = 1, ep: int = 1) -> None:
+    """Join (or create, for one process) torch.distributed, then Megatron's model-parallel groups
+    (and expert-parallel ones: `ep` ranks of the data-parallel dimension share a layer's experts)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -41,14 +42,20 @@ def init_parallel(tp: int, cuda: bool, pp: int = 1) -> None:
     if world % (tp * pp):
         raise ValueError(f"trainer.backend.tensor_parallel={tp} × pipeline_parallel={pp} = {tp * pp} does not "
                          f"divide the world size {world}; launch a multiple of {tp * pp} ranks")
+    if (world // (tp * pp)) % ep:
+        raise ValueError(f"trainer.backend.expert_parallel={ep} does not divide the data-parallel size "
+                         f"{world // (tp * pp)}; launch a multiple of {tp * pp * ep} ranks")
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size())
+        if have != (tp, pp, ep):
             raise FailedPrecondition(
-                f"Megatron model parallelism is already initialised with TP={have[0]}, PP={have[1]}, not "
-                f"trainer.backend.tensor_parallel={tp}, pipeline_parallel={pp}; one process holds one layout")
+                f"Megatron model parallelism is already initialised with TP={have[0]}, PP={have[1]}, EP={have[2]}, "
+                f"not trainer.backend.tensor_parallel={tp}, pipeline_parallel={pp}, expert_parallel={ep}; one "
+                "process holds one layout")
         return
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
     if cuda:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
@@ -69,6 +76,12 @@ def tp_rank() -> int:
     from megatron.core import parallel_state as ps
 
     return ps.get_tensor_model_parallel_rank()
+
+
+def ep_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank()
 
 
 def pp_size() -> int:
@@ -111,14 +124,18 @@ def clip_model_parallel(params: list[Any], max_norm: float) -> float:
 
     TP-sharded gradients are summed over TP and PP; replicated ones (norms) are counted once per
     stage (TP rank 0's); the last stage's copy of a tied embedding (`shared`, kept equal to the
-    first stage's) is not counted, as in Megatron's own clipping.
+    first stage's) is not counted, as in Megatron's own clipping; expert-parallel ones (each EP rank
+    its own experts) are summed over EP and PP (`moe.expert_square_norm`).
     """
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from libra.services.trainer.megatron import moe
+
     grads = [p for p in params if p.grad is not None]
-    counted = [p for p in grads if not getattr(p, "shared", False)]
+    experts = moe.expert_square_norm(grads) if ps.get_expert_model_parallel_world_size() > 1 else 0.0
+    counted = [p for p in grads if not getattr(p, "shared", False) and not moe.is_expert(p)]
     sharded = sum(float(p.grad.double().pow(2).sum()) for p in counted if getattr(p, "tensor_model_parallel", False))
     replicated = sum(float(p.grad.double().pow(2).sum()) for p in counted
                      if not getattr(p, "tensor_model_parallel", False))
@@ -128,7 +145,7 @@ def clip_model_parallel(params: list[Any], max_norm: float) -> float:
                               dtype=torch.float64)
         dist.all_reduce(tensor, group=group)
         sharded, replicated = float(tensor[0]), float(tensor[1])
-    norm = (sharded + replicated) ** 0.5
+    norm = (sharded + replicated + experts) ** 0.5
     scale = max_norm / (norm + 1e-6)
     if scale < 1.0:
         for p in grads:
@@ -150,7 +167,12 @@ def patch_megatron_for_cpu() -> None:
     in `torch.zeros(..., device="cuda")`. With no CUDA each of these raises. Here the current
     device is the CPU, there is no stream to wait for, the fork is a no-op (the model runs without
     dropout, so no random stream is drawn inside it), `.cuda()` leaves a tensor where it is, and
-    the schedules' "cuda" zeros are CPU zeros. A CUDA build of torch is never patched.
+    the schedules' "cuda" zeros are CPU zeros. MoE's all-to-all token dispatcher copies its split
+    sizes to the host on a side stream (`torch.cuda.Stream`, `torch.cuda.stream`, an event it
+    waits on): without CUDA there is one stream, the host's, so each of these is a no-op; and the
+    split sizes it hands to all-to-all become numpy arrays only when they come from a GPU, so on the
+    host they are made numpy arrays too (torch's all_to_all_single takes no tensor there). A CUDA
+    build of torch is never patched.
     """
     global PATCHED_
     import contextlib
@@ -164,6 +186,10 @@ def patch_megatron_for_cpu() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    host_stream = _HostStream()
+    torch.cuda.Stream = lambda *args, **kwargs: host_stream
+    torch.cuda.current_stream = lambda device=None: host_stream
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
     @contextlib.contextmanager
     def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):  # noqa: ANN001 - Megatron's signature
@@ -173,7 +199,30 @@ def patch_megatron_for_cpu() -> None:
     from megatron.core.pipeline_parallel import schedules
 
     schedules.torch = _TorchOnCpu()
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    to_host = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_host_numpy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host_numpy
     PATCHED_ = True
+
+
+class _HostStream:
+    """The one stream of a CPU process: waiting on it or on its events returns at once."""
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> Any:
+        return self
+
+    def synchronize(self) -> None:
+        return None
 
 
 class _TorchOnCpu:

@@ -17,6 +17,12 @@ QKV/projection linears, tensor parallelism, norms, MLP — stays Megatron's own.
 The mask is the causal one and nothing else: the trainer right-pads sequences, so a real token
 never attends to a pad (pads come after it) and positions are 0..T−1 for every row; what the pads
 themselves compute is masked out of the loss.
+
+Packed micro-batches (THD: Megatron passes `packed_seq_params` with cu_seqlens and hands q/k/v as
+[tokens, heads, dim], RoPE already applied per sequence): attention is causal within each sequence
+and never across one, through `packed_attention.packed_causal_attention` (FlashAttention's varlen
+kernel where it runs, else one SDPA call per sequence) — Transformer Engine, Megatron's own THD
+path, is not on our GPU machines.
 """
 
 from __future__ import annotations
@@ -26,15 +32,22 @@ from typing import Any
 SPECS = ("sdpa", "local")
 
 
-def layer_spec(name: str, qk_layernorm: bool) -> Any:
-    """The `ModuleSpec` of one GPT layer: "local" (Megatron's, unfused attention) or "sdpa"."""
+def layer_spec(name: str, qk_layernorm: bool, packed_kernel: str = "auto", num_experts: int | None = None) -> Any:
+    """The `ModuleSpec` of one GPT layer: "local" (Megatron's, unfused attention) or "sdpa";
+    `packed_kernel`: the sdpa spec's attention kernel for packed rows (trainer.packed_attention);
+    `num_experts`: a mixture-of-experts MLP (Megatron's MoE layer: router, token dispatcher, the
+    experts as a sequence of MLPs — grouped GEMMs need Transformer Engine or the grouped_gemm
+    package, neither of which our GPU machines have) instead of the dense one."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     if name not in SPECS:
         raise ValueError(f"trainer.backend.layer_spec must be one of {SPECS}, got {name!r}")
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
+                                    normalization="RMSNorm")
     if name == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = _sdpa_class()
+        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=_sdpa_class(), params={"packed_kernel": packed_kernel})
     return spec
 
 
@@ -49,13 +62,26 @@ def _sdpa_class() -> Any:
     import torch
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    from libra.services.trainer.packed_attention import packed_causal_attention
+
     class SDPAttention(DotProductAttention):
-        """Megatron's core-attention interface over torch SDPA (causal, GQA without copying K/V)."""
+        """Megatron's core-attention interface over torch SDPA (causal, GQA without copying K/V), and
+        over packed rows (THD) with attention kept inside each sequence."""
+
+        def __init__(self, *args, packed_kernel: str = "auto", **kwargs):  # noqa: ANN002, ANN003
+            super().__init__(*args, **kwargs)
+            self.packed_kernel = packed_kernel  # trainer.packed_attention
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None, **unused):  # noqa: ANN001 - Megatron's signature
-            if packed_seq_params is not None or attention_bias is not None:
-                raise ValueError("SDPAttention: packed sequences and attention biases are not supported")
+            if attention_bias is not None:
+                raise ValueError("SDPAttention: attention biases are not supported")
+            if packed_seq_params is not None:
+                if packed_seq_params.qkv_format != "thd" or self.training and self.attention_dropout.p:
+                    raise ValueError("SDPAttention: packed sequences come as THD, without attention dropout")
+                # [tokens, heads, head_dim] in and out; Megatron reshapes to [tokens, 1, hidden]
+                return packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                               packed_seq_params.max_seqlen_q, self.softmax_scale, self.packed_kernel)
             # Megatron hands [s, b, heads, head_dim]; SDPA wants [b, heads, s, head_dim].
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             grouped = self.num_attention_heads_per_partition != self.num_query_groups_per_partition

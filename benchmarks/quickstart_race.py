@@ -1,0 +1,325 @@
+"""Time to first learning: the quickstart against two synchronous baselines, side by side.
+
+    .venv/bin/python benchmarks/quickstart_race.py [--runs 3] [--quick] [--only NAME ...] [--json FILE]
+
+Contenders, each run `--runs` times, one after the other (never two at once):
+
+  quickstart       libra up --config configs/quickstart.yaml (asynchronous GRPO, five services)
+  sync-colocated   libra up --config configs/sync-colocated.yaml (Libra, synchronous: roll out a
+                   whole batch, train, publish, reload in place; nothing overlaps)
+  sync-loop        benchmarks/sync_grpo_loop.py: one process, transformers `generate` + the same
+                   loss, no services
+
+All three start from the same warm-started weights: the model cache's entry for the quickstart's
+recipe, built once before the first run and not timed (`libra up` then copies it into the run
+directory; the plain loop copies it too). Each `libra up` gets free ports and a fresh run directory.
+
+Per run: the step at which the 10-step mean reward first reaches --target (0.65), and when (seconds
+from the process start, and from the start of the first RL step), wall time to the end, peak memory
+of the whole process tree (the sum of PSS over every process of the tree, sampled every 0.2 s; the
+sum of RSS beside it over-counts shared pages), mean busy cores (CPU seconds of the tree / wall
+seconds, over the whole run and over its RL phase) and, for Libra, trajectories thrown away as stale.
+An idle machine is assumed: the figures mean nothing on a machine shared with other work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CONTENDERS = ("quickstart", "sync-colocated", "sync-loop")
+CONFIGS = {"quickstart": "configs/quickstart.yaml", "sync-colocated": "configs/sync-colocated.yaml",
+           "sync-loop": "configs/quickstart.yaml"}
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+SAMPLE_S = 0.2
+WINDOW = 10
+SYNC_LOOP_ARGS: list[str] = []
+
+
+# ---- the process tree: memory and CPU, sampled ------------------------------------------------
+def _parents() -> dict[int, int]:
+    found = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = pathlib.Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            found[int(name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return found
+
+
+def _tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for pid, parent in _parents().items():
+        children.setdefault(parent, []).append(pid)
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo.extend(children.get(pid, ()))
+    return pids
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+
+
+def _memory_kib(pid: int) -> tuple[int, int]:
+    """(PSS, RSS) of one process in KiB (0, 0 when it is gone)."""
+    try:
+        text = pathlib.Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0, 0
+    values = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] in ("Pss:", "Rss:"):
+            values[parts[0]] = int(parts[1])
+    return values.get("Pss:", 0), values.get("Rss:", 0)
+
+
+def component(pid: int) -> str:
+    """What a process of the tree is: a service's name, an engine worker, redis, the launcher."""
+    try:
+        argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return "?"
+    text = " ".join(argv)
+    if "serve" in argv:
+        return argv[argv.index("serve") + 1]
+    for marker, name in (("hf_server", "engine workers"), ("vllm", "engine workers"), ("redis-server", "redis"),
+                         ("libra.cli up", "libra up"), ("sync_grpo_loop", "sync loop")):
+        if marker in text:
+            return name
+    return pathlib.Path(argv[0]).name or "?"
+
+
+class TreeMonitor(threading.Thread):
+    """Samples a process tree every SAMPLE_S: peak summed PSS and RSS, cumulative CPU over time."""
+
+    def __init__(self, root: int):
+        super().__init__(daemon=True)
+        self.root = root
+        self.stopping = threading.Event()
+        self.peak_pss_kib = self.peak_rss_kib = 0
+        self.cpu_by_pid: dict[int, float] = {}  # last seen CPU seconds of every process of the tree
+        self.names: dict[int, str] = {}  # what each process is (component())
+        self.cpu_series: list[tuple[float, float]] = []  # (wall clock, CPU seconds of the tree so far)
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            pss = rss = 0
+            for pid in _tree(self.root):
+                cpu = _cpu_seconds(pid)
+                if cpu is not None:
+                    self.cpu_by_pid[pid] = max(cpu, self.cpu_by_pid.get(pid, 0.0))
+                    if pid not in self.names:
+                        self.names[pid] = component(pid)
+                p, r = _memory_kib(pid)
+                pss, rss = pss + p, rss + r
+            self.peak_pss_kib, self.peak_rss_kib = max(self.peak_pss_kib, pss), max(self.peak_rss_kib, rss)
+            self.cpu_series.append((time.time(), sum(self.cpu_by_pid.values())))
+            self.stopping.wait(SAMPLE_S)
+
+    def cpu_by_component(self) -> dict[str, float]:
+        found: dict[str, float] = {}
+        for pid, cpu in self.cpu_by_pid.items():
+            found[self.names.get(pid, "?")] = round(found.get(self.names.get(pid, "?"), 0.0) + cpu, 1)
+        return dict(sorted(found.items(), key=lambda item: -item[1]))
+
+    def cpu_at(self, when: float) -> float:
+        earlier = [cpu for t, cpu in self.cpu_series if t <= when]
+        return earlier[-1] if earlier else 0.0
+
+
+# ---- one run ----------------------------------------------------------------------------------
+@dataclass
+class Result:
+    contender: str
+    run: int
+    returncode: int
+    wall_s: float
+    rl_start_s: float | None  # seconds from the start to the start of the first RL step
+    reached_step: int | None  # the step whose 10-step mean first reached the target
+    reached_s: float | None  # seconds from the start
+    reached_rl_s: float | None  # seconds from the start of the first RL step
+    peak_pss_gb: float
+    peak_rss_gb: float
+    busy_cores: float
+    busy_cores_rl: float | None
+    steps: int
+    final_mean: float | None  # the 10-step mean at the last step
+    rejected: int = 0
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds by part of the tree
+    rewards: list[float] = field(default_factory=list)
+
+
+def reached(rewards: list[float], target: float) -> int | None:
+    """The first step (1-based) whose trailing WINDOW-step mean reward is >= target."""
+    for end in range(WINDOW, len(rewards) + 1):
+        if statistics.fmean(rewards[end - WINDOW:end]) >= target:
+            return end
+    return None
+
+
+def _free_port() -> int:
+    from libra.redis_server import free_port
+
+    return free_port()
+
+
+def command(contender: str, work: pathlib.Path, steps: int) -> list[str]:
+    config = str(ROOT / CONFIGS[contender])
+    if contender == "sync-loop":
+        extra = ["--steps", str(steps)] if steps else []
+        return [sys.executable, str(ROOT / "benchmarks" / "sync_grpo_loop.py"), "--config", config,
+                "--out", str(work / "steps.jsonl"), *extra, *SYNC_LOOP_ARGS]
+    sets = [f"addresses.{s}=127.0.0.1:{_free_port()}" for s in ("planner", "elastic", "scheduler", "rollout",
+                                                                 "trainer")]
+    sets += ["metrics.base_port=0", "rollout.worker.base_port=0"]
+    if steps:
+        sets.append(f"trainer.steps={steps}")
+    return [sys.executable, "-m", "libra.cli", "up", "--config", config, "--run-dir", str(work / "run"),
+            "--run-id", f"race-{contender}-{os.getpid()}", "--fresh",
+            *[arg for item in sets for arg in ("--set", item)]]
+
+
+def step_rows(contender: str, work: pathlib.Path) -> list[dict]:
+    """Per step: reward, wall clock at its end, its start, trajectories rejected before it."""
+    if contender == "sync-loop":
+        path = work / "steps.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [{"reward": row["reward"], "t": row["t"], "started": row["started"], "rejected": 0}
+                for row in map(json.loads, lines)]
+    from libra.telemetry import record
+
+    try:
+        steps = record.load(work / "run").steps
+    except Exception:  # noqa: BLE001 - a run that died before its first step has no record
+        return []
+    return [{"reward": s["scalars"]["reward/mean"], "t": s["t"], "started": s["t"] - s["scalars"]["time/step_s"],
+             "rejected": int(s["scalars"].get("staleness/rejected_trajectories", 0))} for s in steps]
+
+
+def run_once(contender: str, index: int, args: argparse.Namespace, env: dict[str, str]) -> Result:
+    with tempfile.TemporaryDirectory(prefix=f"race-{contender}-") as scratch:
+        work = pathlib.Path(scratch)
+        log = open(work / "output.log", "w")
+        started = time.time()
+        process = subprocess.Popen(command(contender, work, args.steps), cwd=ROOT, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        monitor = TreeMonitor(process.pid)
+        monitor.start()
+        try:
+            returncode = process.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 15)
+            returncode = process.wait()
+        ended = time.time()
+        monitor.stopping.set()
+        monitor.join()
+        log.close()
+        rows = step_rows(contender, work)
+        if returncode != 0:
+            print(f"  {contender} run {index} exited {returncode}; last lines:\n"
+                  + "\n".join((work / "output.log").read_text(errors="replace").splitlines()[-15:]), flush=True)
+    rewards = [row["reward"] for row in rows]
+    step = reached(rewards, args.target)
+    rl_start = rows[0]["started"] if rows else None
+    cpu_total = sum(monitor.cpu_by_pid.values())
+    busy_rl = None
+    if rl_start is not None and ended > rl_start:
+        busy_rl = (cpu_total - monitor.cpu_at(rl_start)) / (ended - rl_start)
+    return Result(
+        contender, index, returncode, ended - started, rl_start - started if rl_start else None, step,
+        rows[step - 1]["t"] - started if step else None, rows[step - 1]["t"] - rl_start if step else None,
+        monitor.peak_pss_kib / 2**20, monitor.peak_rss_kib / 2**20, cpu_total / (ended - started), busy_rl,
+        len(rows), statistics.fmean(rewards[-WINDOW:]) if rewards else None,
+        sum(row["rejected"] for row in rows), monitor.cpu_by_component(), [round(r, 4) for r in rewards])
+
+
+# ---- the table --------------------------------------------------------------------------------
+def _median(values: list) -> str:
+    present = [v for v in values if v is not None]
+    if not present:
+        return "not reached" if values else "-"
+    text = f"{statistics.median(present):.1f}" if isinstance(present[0], float) else f"{statistics.median(present):g}"
+    return text + (f" ({len(values) - len(present)} not)" if len(present) < len(values) else "")
+
+
+def table(results: list[Result], target: float) -> str:
+    rows = [("", *[c for c in CONTENDERS if any(r.contender == c for r in results)])]
+    names = rows[0][1:]
+    measures = [(f"step reaching {target} (10-step mean)", "reached_step"),
+                (f"s to {target} from start", "reached_s"), (f"s to {target} from first RL step", "reached_rl_s"),
+                ("s from start to first RL step", "rl_start_s"), ("wall s (all steps)", "wall_s"),
+                ("peak tree memory GB (PSS)", "peak_pss_gb"), ("peak tree memory GB (RSS sum)", "peak_rss_gb"),
+                ("busy cores, whole run", "busy_cores"), ("busy cores, RL phase", "busy_cores_rl"),
+                ("final 10-step mean reward", "final_mean"), ("trajectories rejected as stale", "rejected")]
+    for label, key in measures:
+        rows.append((label, *[_median([getattr(r, key) for r in results if r.contender == c]) for c in names]))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(str(cell).ljust(widths[i]) for i, cell in enumerate(row)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n(medians over the runs; 'not reached': runs whose 10-step mean never got there)"
+
+
+def warm_cache(env: dict[str, str]) -> None:
+    """Build the quickstart's warm-started model into the cache once (not timed), so every contender
+    starts from the same cached weights; says how long a first run's warm start takes."""
+    code = ("import sys, tempfile, time, pathlib; sys.path.insert(0, '.');"
+            "from libra.config import load_run_config; from libra.services.trainer.model_state import base_model;"
+            "t = time.time(); d = pathlib.Path(tempfile.mkdtemp()) / 'base';"
+            "hit = base_model(load_run_config('configs/quickstart.yaml'), d);"
+            "print('model cache:', 'hit' if hit else f'built in {time.time() - t:.0f} s (a first run pays this once)')")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="The quickstart against two synchronous baselines.")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each contender")
+    parser.add_argument("--quick", action="store_true", help="a smoke: one run each, 12 steps")
+    parser.add_argument("--only", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
+    parser.add_argument("--steps", type=int, default=0, help="steps of every contender (0: each config's)")
+    parser.add_argument("--target", type=float, default=0.65, help="10-step mean reward to reach")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
+    parser.add_argument("--json", default="", help="write every run's figures here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.runs, args.steps = 1, args.steps or 12
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
+    warm_cache(env)
+    results = []
+    for index in range(1, args.runs + 1):
+        for contender in args.only:  # interleaved, so a drift in the machine touches every contender alike
+            result = run_once(contender, index, args, env)
+            results.append(result)
+            shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in asdict(result).items() if k != "rewards"}
+            print(json.dumps(shown), flush=True)
+    print(table(results, args.target))
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0 if all(r.returncode == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

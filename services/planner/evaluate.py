@@ -1,0 +1,143 @@
+"""How the replanner judges a move from the plan in force to one of the search's candidates.
+
+Two judges, one rule (transition.accept: the gain over `horizon_steps` less the cost of moving
+must be positive and at least `min_gain_ratio` of the time the plan in force would take):
+
+  by_simulation   (the default) plays the recent window of the trace through the cluster
+                  simulator, the asynchronous pipeline as it runs: staleness, the routing policy,
+                  tool latencies, weight syncs. For the plan in force (A), for each candidate held
+                  fixed (B), and for the move itself (C: the plan in force for the window's first
+                  step, then the candidate after its transition: engines drained and started,
+                  turns moved, the trainer resharded). A replay starts from an empty pipeline, so
+                  rates leave out the ramp: they run from the first step's end (where C moves) to
+                  the last's, W - 1 intervals, a whole number of pipeline periods (staleness + 1
+                  steps: with staleness 1 steps come in pairs, a long one and a short one; the
+                  ranker sizes the window so):
+
+                      per step    a = (A_end - A_first) / (W - 1), b likewise from B
+                      move cost   (C_end - C_first) - b (W - 1)           (>= 0: what the move
+                                                                            loses against b)
+                      net gain    (a - b) x horizon - move cost
+
+                  Before ranking, the simulator is calibrated on the same replay: the window's
+                  measured batch rollout spans against A's (`Calibration.observe_pipeline`); A is
+                  played again when that moved the slowdown by more than `REPLAY_TOLERANCE`.
+  by_closed_form  max(T_train, T_rollout) of one synchronous step from the cost model (what the
+                  search ranks by) and the closed-form transition cost; for tests and for runs
+                  without a simulator.
+
+The simulator is behind `Ranker`, so this module (and the replanner) import no simulation code:
+`sim/rank.py` is the implementation, built by whoever drives the replanner.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+from libra.services.planner.calibration import Calibration
+from libra.services.planner.config import ReplanSettings
+from libra.services.planner.cost_rollout import RolloutEfficiency
+from libra.services.planner.cost_train import TrainEfficiency
+from libra.services.planner.search import Candidate
+from libra.services.planner.transition import accept
+
+REPLAY_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class Played:
+    """One replay of the window: when each step finished, and each batch's rollout span."""
+
+    finish_s: tuple[float, ...]
+    rollout_spans: tuple[float, ...]
+    period: int = 1  # steps of one pipeline period (staleness + 1)
+
+    @property
+    def steps(self) -> int:
+        return len(self.finish_s)
+
+    @property
+    def elapsed_s(self) -> float:
+        """The first step's end to the last's: the pipeline once running."""
+        return self.finish_s[-1] - self.finish_s[0]
+
+    @property
+    def per_step_s(self) -> float:
+        return self.elapsed_s / (self.steps - 1)
+
+
+class Ranker(Protocol):
+    """Plays a window of recent steps under a plan (and optionally a move to another)."""
+
+    def window(self, observations: Sequence) -> object | None:
+        """The replayable window of these `StepObservation`s (None: too little to replay)."""
+
+    def play(self, window: object, plan: Candidate, rollout: RolloutEfficiency, train: TrainEfficiency,
+             move_to: Candidate | None = None, transition_s: float = 0.0) -> Played: ...
+
+
+@dataclass
+class Verdict:
+    """What a judge decided about the shortlist: the candidate (if any) and the numbers why."""
+
+    applied: bool
+    reason: str
+    chosen: Candidate | None = None
+    current_s: float = math.nan  # per step, plan in force
+    new_s: float = math.nan  # per step, chosen candidate
+    cost_s: float = 0.0
+    gain_s: float = 0.0
+    ranked: list[tuple[Candidate, float, float]] | None = None  # (candidate, per-step seconds, move cost)
+
+
+def by_simulation(ranker: Ranker, observations: Sequence, current: Candidate, shortlist: Sequence[Candidate],
+                  calibration: Calibration, settings: ReplanSettings, calibrate_from: int,
+                  transition: Callable[[Candidate, Candidate], float]) -> Verdict:
+    """Rank `shortlist` against `current` on the replayed window (module docstring).
+
+    `calibrate_from`: index into `observations` of the first step measured wholly under `current`
+    (steps before it ran through a plan change and would skew the pipeline calibration)."""
+    window = ranker.window(observations)
+    if window is None:
+        return Verdict(False, "not evaluated: too few recent steps to replay")
+    rollout, train = calibration.rollout_efficiency(), calibration.train_efficiency()
+    base = ranker.play(window, current, rollout, train)
+    steps = base.steps
+    measured = [o.rollout_s for o in observations[-steps:]]
+    pairs = [(m, s) for index, (m, s) in enumerate(zip(measured, base.rollout_spans))  # the first period of a
+             if index >= max(base.period, calibrate_from - (len(observations) - steps)) and m > 0]  # replay: no tail
+    if pairs:
+        before = calibration.pipeline_slowdown()
+        calibration.observe_pipeline(sum(m for m, _ in pairs), sum(s for _, s in pairs), before)
+        if abs(calibration.pipeline_slowdown() / before - 1.0) > REPLAY_TOLERANCE:
+            rollout = calibration.rollout_efficiency()
+            base = ranker.play(window, current, rollout, train)
+    a = base.per_step_s
+    ranked = []
+    for candidate in shortlist:
+        b = ranker.play(window, candidate, rollout, train).per_step_s
+        moved = ranker.play(window, current, rollout, train, move_to=candidate,
+                            transition_s=transition(current, candidate))
+        cost = max(0.0, moved.elapsed_s - b * (steps - 1)) if math.isfinite(b) else math.inf
+        ranked.append((candidate, b, cost))
+    if not ranked:
+        return Verdict(False, "not applied: the search found no other plan to simulate", current_s=a)
+    horizon = settings.horizon_steps
+    best = max(ranked, key=lambda row: (a - row[1]) * horizon - row[2] if math.isfinite(row[1]) else -math.inf)
+    if not math.isfinite(best[1]):
+        return Verdict(False, "not applied: no candidate can run the recent steps", current_s=a)
+    if not math.isfinite(a):
+        return Verdict(True, f"the plan in force cannot run the recent steps; moving to {best[0].describe()}",
+                       best[0], a, best[1], best[2], math.inf, ranked)
+    applied, gain, reason = accept(a, best[1], best[2], settings)
+    reason = (f"{reason}; simulated on the last {steps} steps, {len(ranked)} candidates "
+              f"(pipeline slowdown {calibration.pipeline_slowdown():.3f})")
+    return Verdict(applied, reason, best[0], a, best[1], best[2], gain, ranked)
+
+
+def by_closed_form(current_s: float, best: Candidate, cost_s: float, settings: ReplanSettings) -> Verdict:
+    """The synchronous one-step prediction (module docstring)."""
+    applied, gain, reason = accept(current_s, best.step_s, cost_s, settings)
+    return Verdict(applied, reason, best, current_s, best.step_s, cost_s, gain)

@@ -1,0 +1,90 @@
+"""The replanner's `Ranker` (evaluate.py): the recent window of a run replayed through the cluster
+simulator, under one plan or across a move from one plan to another.
+
+    window(observations) ─▶ the last finished batches as a `Trace`: `window_steps`, rounded down to
+        1 + a whole number of pipeline periods (staleness + 1 steps), since rates are taken from
+        the first step's end
+        (their trajectories with turns and tool calls when the observations carry them; else their
+         (prompt, output) lengths as single-turn trajectories, grouped into cohorts of identical
+         copies beyond `max_units` per step, the simulator's resolution knob)
+    play(window, plan, efficiencies[, move_to, transition_s]) ─▶ Played(steps' ends, batch rollout spans)
+        the window from an empty pipeline under `plan` (`run.run_plan`), or under `plan` for its
+        first step and `move_to` after it, ready `transition_s` later
+
+The efficiencies are the calibrated ones, so the replay runs at the speeds the run has shown. A
+plan that cannot run the window (a trajectory no engine holds, a layout out of memory) plays as
+steps that never end: it is never chosen, and a plan in force that cannot run it is moved off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from libra.errors import InvalidArgument
+from libra.services.planner.cost_rollout import RolloutEfficiency
+from libra.services.planner.cost_train import TrainEfficiency
+from libra.services.planner.evaluate import Played
+from libra.services.planner.hardware import GpuSpec, ModelSpec
+from libra.services.planner.search import Candidate, SearchConfig
+from libra.services.planner.sim.cluster import SimConfig
+from libra.traces.spec import Trace, TrajectorySpec, TurnSpec, check
+
+
+class SimRanker:
+    """Replays of the recent window on the cluster simulator (one `Simulator` run per `play`)."""
+
+    def __init__(self, model: ModelSpec, gpu: GpuSpec, search: SearchConfig, sim: SimConfig,
+                 window_steps: int = 4, max_units: int = 1024):
+        period = sim.staleness + 1
+        if window_steps < 1 + period:
+            raise InvalidArgument(f"window_steps must be >= {1 + period} (one step, then a whole pipeline period "
+                                  f"of staleness + 1 steps), got {window_steps}")
+        self.model, self.gpu, self.search, self.sim = model, gpu, search, sim
+        self.window_steps = 1 + (window_steps - 1) // period * period
+        self.max_units = max_units
+        self.plays = 0
+
+    def window(self, observations: Sequence) -> Trace | None:
+        recent = list(observations)[-self.window_steps:]
+        if len(recent) < self.window_steps:
+            return None
+        if all(o.trajectories for o in recent) and len({sum(s.copies for s in o.trajectories) for o in recent}) == 1:
+            steps = [[dataclasses.replace(spec, trajectory_id=f"w{i}-{spec.trajectory_id}", step=i)
+                      for spec in o.trajectories] for i, o in enumerate(recent)]
+        else:
+            batch = min(len(o.lengths) for o in recent)
+            if batch < 1:
+                return None
+            steps = [_cohorts(list(o.lengths)[-batch:], i, self.max_units) for i, o in enumerate(recent)]
+        return check(Trace(tuple(tuple(step) for step in steps), "replay window"))
+
+    def play(self, window: Trace, plan: Candidate, rollout: RolloutEfficiency, train: TrainEfficiency,
+             move_to: Candidate | None = None, transition_s: float = 0.0) -> Played:
+        from libra.services.planner.sim.run import run_plan
+
+        self.plays += 1
+        search = self.search.model_copy(update={"rollout": rollout, "train": train})
+        try:
+            result = run_plan(self.model, self.gpu, window, plan, search, self.sim, move_to=move_to,
+                              transition_s=transition_s)
+        except InvalidArgument:
+            steps = len(window.steps)
+            return Played((0.0,) + (math.inf,) * (steps - 1), (math.inf,) * steps, self.sim.staleness + 1)
+        return Played(tuple(s.time_s for s in result.steps), tuple(s.rollout_s for s in result.steps),
+                      self.sim.staleness + 1)
+
+
+def _cohorts(lengths: list[tuple[int, int]], step: int, max_units: int) -> list[TrajectorySpec]:
+    """Single-turn trajectories of one step's lengths: sorted, and merged into cohorts of `copies`
+    consecutive ones (their mean lengths) when there are more than `max_units`."""
+    lengths = sorted(lengths, key=lambda pair: pair[0] + pair[1])
+    copies = next(c for c in range(1, len(lengths) + 1) if len(lengths) % c == 0 and len(lengths) // c <= max_units)
+    out = []
+    for index in range(0, len(lengths), copies):
+        group = lengths[index:index + copies]
+        prompt = max(1, round(sum(p for p, _ in group) / copies))
+        output = max(1, round(sum(o for _, o in group) / copies))
+        out.append(TrajectorySpec(f"w{step}-r{index}", f"w{step}-r{index}", step, prompt, (TurnSpec(output),), copies))
+    return out

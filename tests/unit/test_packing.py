@@ -1,0 +1,101 @@
+"""Packed micro-batches on CPU: the concatenated layout, the token-budget plan, the attention that
+keeps to each sequence, and the config rules around them. (That packing changes no loss, log-prob
+or gradient in either backend is in test_backend_contract.py; the GPU kernels in tests/gpu.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from libra.config import build_run_config
+from libra.errors import ConfigError
+from libra.services.trainer.backend import TrainBatch, TrainSequence, pack, unpack
+from libra.services.trainer.config import TrainerConfig
+from libra.services.trainer.packed_attention import packed_causal_attention, register_hf
+
+
+def _seq(length: int, prompt: int = 1) -> TrainSequence:
+    response = length - prompt
+    return TrainSequence(list(range(1, length + 1)), prompt, [1] * response, [-1.0] * response, 0.5)
+
+
+def test_concatenated_pack_keeps_every_value_in_its_grid_cell():
+    a = TrainSequence([5, 6, 7, 8, 9], 3, [1, 0], [-1.0, -2.0], 0.5)
+    b = TrainSequence([1, 2, 3], 1, [1, 1], [-3.0, -4.0], -1.0)
+    packed = pack([a, b], concatenate=True)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3]]
+    assert packed.attention_mask is None and packed.cu_seqlens == (0, 5, 8) and packed.max_seqlen == 5
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+    # column 4 would score b's first token from a's last: never a response column
+    assert packed.response_mask.tolist() == [[False, False, True, True, False, True, True]]
+    assert packed.loss_mask.tolist() == [[0, 0, 1, 0, 0, 1, 1]]
+    assert packed.behaviour_logprobs.tolist() == [[0, 0, -1, -2, 0, -3, -4]]
+    assert packed.advantages.tolist() == [[0, 0, 0.5, 0.5, 0, -1, -1]]
+    assert [t.tolist() for t in unpack(torch.arange(7.0)[None], packed)] == [[2.0, 3.0], [5.0, 6.0]]
+    padded = pack([a, b])
+    assert [t.tolist() for t in unpack(padded.behaviour_logprobs, padded)] == [[-1.0, -2.0], [-3.0, -4.0]]
+
+
+def test_token_budget_plan_is_first_fit_decreasing_and_covers_every_sequence_once():
+    lengths = [30, 5, 12, 90, 7, 40, 3, 61, 22, 9]
+    batch = TrainBatch([_seq(n) for n in lengths])
+    plan = batch.plan(4, tokens=64)
+    assert sorted(i for micro in plan for i in micro) == list(range(len(lengths)))
+    for micro in plan:
+        total = sum(lengths[i] for i in micro)
+        assert total <= 64 or len(micro) == 1  # only a sequence longer than the budget stands alone
+    assert plan[0] == [3]  # 90 > 64: its own micro-batch, placed first (longest first)
+    assert plan == batch.plan(4, tokens=64)  # deterministic: every rank computes the same plan
+    assert plan == [[3], [7, 6], [5, 8], [0, 2, 9, 4, 1]]  # 90 | 61+3 | 40+22 | 30+12+9+7+5 = 63
+    assert batch.plan(4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # no budget: consecutive chunks
+    with pytest.raises(ValueError, match="budget"):
+        batch.plan(4, tokens=-1)
+
+
+def _dense_reference(q, k, v, bounds, scale=None):
+    """Attention over the whole row with a block-diagonal causal mask (exact, quadratic in the row)."""
+    total = q.shape[0]
+    owner = torch.zeros(total, dtype=torch.long)
+    for index, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        owner[start:end] = index
+    allowed = (owner[:, None] == owner[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_packed_attention_equals_a_block_diagonal_causal_mask(heads, kv_heads):
+    generator = torch.Generator().manual_seed(0)
+    bounds = [0, 7, 8, 30, 41]
+    q = torch.randn(41, heads, 16, generator=generator)
+    k, v = (torch.randn(41, kv_heads, 16, generator=generator) for _ in range(2))
+    got = packed_causal_attention(q, k, v, torch.tensor(bounds), 22, scale=0.3, kernel="auto")  # CPU: sdpa
+    assert torch.allclose(got, _dense_reference(q, k, v, bounds, 0.3), atol=1e-6)
+    with pytest.raises(ValueError, match="kernel"):
+        packed_causal_attention(q, k, v, torch.tensor(bounds), 22, kernel="flash")
+
+
+def test_padded_forward_through_libra_packed_equals_sdpa(tiny_qwen2_dir):
+    """Registering the packed implementation leaves a padded forward exactly as transformers' SDPA."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    sdpa = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, attn_implementation="sdpa").eval()
+    ours = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, attn_implementation=register_hf()).eval()
+    with torch.no_grad():
+        expected = sdpa(input_ids=ids, attention_mask=mask).logits
+        assert torch.equal(expected, ours(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_packing_settings_refuse_what_they_cannot_do():
+    with pytest.raises(ValueError, match="packed_attention=sdpa applies to packed micro-batches"):
+        TrainerConfig(packed_attention="sdpa")
+    with pytest.raises(ValueError, match="layer_spec: sdpa"):
+        TrainerConfig(micro_batch_tokens=4096, backend={"type": "megatron", "layer_spec": "local"})
+    with pytest.raises(ConfigError, match="micro_batch_tokens=300 cannot hold"):
+        build_run_config({"trainer": {"micro_batch_tokens": 300}, "rollout": {"max_total_tokens": 384}}, env={})
+    config = build_run_config({"trainer": {"micro_batch_tokens": 4096}, "rollout": {"max_total_tokens": 384}}, env={})
+    assert config.trainer.micro_batch_tokens == 4096
