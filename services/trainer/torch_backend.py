@@ -14,6 +14,11 @@ default group and the write-back.
 The model stays in eval mode (no dropout): the policy ratio compares two forward passes of the
 same function, and rollout workers sample without dropout too.
 
+LoRA (`trainer.lora`, services/trainer/lora.py): peft adapters on the targeted linears, every other
+weight frozen — so gradients, the optimizer, the elastic hook's flat gradient and the checkpoint hold
+only the adapters; published weights are the merged ones under the HF model's names
+(`hf_named_tensors`, `save_weights`), so every engine and transport loads plain HF weights.
+
 Micro-batches (`TrainBatch.plan`): `micro_batch_size` right-padded sequences, or with
 `micro_batch_tokens` a token budget of sequences concatenated into one row with no padding; the
 model is then loaded with the `libra_packed` attention implementation (packed_attention.py), so
@@ -70,6 +75,10 @@ class TorchBackend(TrainBackend):
             extra["attn_implementation"] = register_hf(self.config.packed_attention)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra)
         model.config.use_cache = False
+        if self.config.lora is not None:
+            from libra.services.trainer import lora
+
+            model = lora.wrap(model, self.config.lora)
         model.eval()
         self._model, self.model_dir = model, model_dir
         self._optimizer = torch.optim.AdamW(
@@ -88,7 +97,18 @@ class TorchBackend(TrainBackend):
         self.model.to(device)
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        """Parameters of the model (LoRA adapters not counted: the model's size, what a step computes with)."""
+        from libra.services.trainer.lora import is_adapter
+
+        return sum(p.numel() for name, p in self.model.named_parameters() if not is_adapter(name))
+
+    def hf_named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of the weights as published: the parameters, or with LoRA the merged weights."""
+        if self.config.lora is None:
+            return list(self.model.named_parameters())
+        from libra.services.trainer import lora
+
+        return lora.merged_named_tensors(self.model)
 
     # ---- forward ---------------------------------------------------------------------------
     def _forward(self, sequences: list, concatenate: bool = False) -> tuple[Any, torch.Tensor]:
@@ -141,7 +161,15 @@ class TorchBackend(TrainBackend):
         old = self._logprobs(batch, config) if config.recompute_logprobs else None
         self._set_hyper_parameters(config)
         self._optimizer.zero_grad(set_to_none=True)
-        return self._accumulate(batch, config, old, token_count=token_count)
+        if self.config.lora is None or not self.config.lora.dropout:
+            return self._accumulate(batch, config, old, token_count=token_count)
+        from libra.services.trainer import lora
+
+        lora.set_dropout(self.model, True)  # the adapters' dropout in the gradient pass only
+        try:
+            return self._accumulate(batch, config, old, token_count=token_count)
+        finally:
+            lora.set_dropout(self.model, False)
 
     def flat_gradients(self) -> torch.Tensor:
         """The trainable parameters' gradients as one flat float tensor (zeros where none)."""
@@ -161,7 +189,12 @@ class TorchBackend(TrainBackend):
         import torch.distributed as dist
 
         if _distributed():
-            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+            # NCCL reduces device tensors only: the counts travel on the model's device and come back
+            device = next(self.model.parameters()).device
+            moved = values.to(device)
+            dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+            if moved is not values:
+                values.copy_(moved)
         return values
 
     def dp_sum_gradients(self, flat: torch.Tensor) -> torch.Tensor:
@@ -214,7 +247,13 @@ class TorchBackend(TrainBackend):
     # ---- files -----------------------------------------------------------------------------
     def save_weights(self, out_dir: str) -> None:
         if _rank() == 0:  # safetensors: the default (4.x) and only (5.x) format of save_pretrained
-            write_weights_dir(out_dir, self.model_dir, self.model.save_pretrained)
+            if self.config.lora is None:
+                write_weights_dir(out_dir, self.model_dir, self.model.save_pretrained)
+            else:  # the merged weights, saved by the underlying HF model (config and all)
+                merged = dict(self.hf_named_tensors())
+                base = self.model.get_base_model()
+                write_weights_dir(out_dir, self.model_dir, lambda staging: base.save_pretrained(
+                    staging, state_dict=merged))
         _barrier()
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
@@ -223,13 +262,18 @@ class TorchBackend(TrainBackend):
         if _rank() == 0:
             state = {
                 "format": CHECKPOINT_FORMAT,
-                "model": self.model.state_dict(),
+                "model": self._checkpointed_state(),
+                "adapters_only": self.config.lora is not None,
                 "optimizer": self._optimizer.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                 "extra": dict(extra),
             }
             atomic_torch_save(state, path)
         _barrier()
+
+    def _checkpointed_state(self) -> dict[str, Any]:
+        """The whole model, or with LoRA only the adapters (the trainable parameters)."""
+        return self.model.state_dict() if self.config.lora is None else _trainable_state(self.model)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         import torch
@@ -238,11 +282,27 @@ class TorchBackend(TrainBackend):
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-        self.model.load_state_dict(state["model"])
+        adapters_only = bool(state.get("adapters_only", False))
+        if adapters_only != (self.config.lora is not None):
+            raise ValueError(f"{path}: a checkpoint of {'LoRA adapters' if adapters_only else 'full weights'}, but "
+                             f"trainer.lora is {'unset' if adapters_only else 'set'}; resume with the trainer.lora "
+                             "the run was started with")
+        if adapters_only:  # the frozen weights are the model directory's, already loaded
+            missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+            frozen = set(self.model.state_dict()) - set(_trainable_state(self.model))  # tied copies too
+            if unexpected or set(missing) - frozen:
+                raise ValueError(f"{path}: the adapters do not fit this model (trainer.lora.rank or target_modules "
+                                 f"changed?): missing {sorted(set(missing) - frozen)[:5]}, unexpected {unexpected[:5]}")
+        else:
+            self.model.load_state_dict(state["model"])
         self._optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(_as_random_state(state["rng"]["python"]))
         return state["extra"]
+
+
+def _trainable_state(model: Any) -> dict[str, Any]:
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _as_random_state(state: Any) -> tuple:

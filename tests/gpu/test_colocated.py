@@ -81,6 +81,7 @@ def _generate(engine) -> list[int]:
 def test_versions_arrive_through_cuda_ipc(mode, model_dir):
     from libra.services.rollout.engines.hf_engine import HFEngine
     from libra.weights import ipc
+    from libra.services.rollout.engines.hf_weights import _buffer_key
 
     context = multiprocessing.get_context("spawn")
     requests, answers = context.Queue(), context.Queue()
@@ -101,7 +102,7 @@ def test_versions_arrive_through_cuda_ipc(mode, model_dir):
             assert len(_generate(engine)) == 6
             if mode == "share":  # the parameters live in the trainer's buffer of this version
                 _, _, slot, layout, handles = ipc.parse(descriptor)
-                base = engine._colocated_streams[handles[slot]["handle"]].data_ptr()
+                base = engine._colocated_streams[_buffer_key(handles[slot])].data_ptr()
                 offsets = {s.name: s.offset for s in layout.slots}
                 assert all(p.data_ptr() == base + offsets[n] for n, p in engine.model.named_parameters())
                 requests.put(version + 1)  # the next version, into the other buffer: what the engine serves stays

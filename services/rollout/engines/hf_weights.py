@@ -41,7 +41,7 @@ class HFWeightLoads:
     flat_weights: FlatWeights | None = None  # the parameters, once laid out as the weights group's stream
     flat_refused: bool = False  # laying them out ran out of memory once: not tried again
     shared_weights: bool = False  # the parameters are views of the trainer's buffer (weights: colocated, share)
-    _colocated_streams: dict[str, Any]  # the trainer's buffers this engine opened, by IPC handle
+    _colocated_streams: dict[tuple[str, int, int], Any]  # the trainer's buffers this engine opened (_buffer_key)
     refresh_kv: Callable[[], None]  # HFEngine's: recompute the running requests' KV cache under these weights
 
     def label_weights(self, version: int | str) -> dict[str, Any]:
@@ -56,6 +56,7 @@ class HFWeightLoads:
         from safetensors import SafetensorError, safe_open
 
         from libra.services.rollout.engines.vllm_ext import safetensors_files
+        from libra.weights.experts import target  # a MoE checkpoint's per-expert tensors: slices of fused ones
 
         started = time.perf_counter()
         try:
@@ -66,7 +67,8 @@ class HFWeightLoads:
                 with safe_open(str(file), framework="pt") as handle:
                     for name in handle.keys():
                         shape = tuple(handle.get_slice(name).get_shape())
-                        if name not in state or tuple(state[name].shape) != shape:
+                        into = target(state, name)
+                        if into is None or tuple(into.shape) != shape:
                             raise ValueError(f"{file.name}: tensor {name} {list(shape)} does not fit this model")
         except (OSError, ValueError, SafetensorError) as error:
             return {"error": f"{type(error).__name__}: {error}"}
@@ -76,7 +78,7 @@ class HFWeightLoads:
             for file in files:
                 with safe_open(str(file), framework="pt", device=str(self.device)) as handle:
                     for name in handle.keys():
-                        state[name].copy_(handle.get_tensor(name))
+                        target(state, name).copy_(handle.get_tensor(name))
                         count += 1
         self.version = version
         self.dirty = None  # a complete weight set: consistent again after a half-received version
@@ -179,8 +181,8 @@ class HFWeightLoads:
                     for name, view in ipc.views(stream, layout).items():
                         params[name].copy_(view)
         torch.cuda.synchronize(self.device)  # done with the buffer before the trainer hears back
-        self._colocated_streams = {h["handle"]: self._colocated_streams[h["handle"]] for h in handles
-                                   if h["handle"] in self._colocated_streams}  # closes a restarted trainer's
+        keys = {_buffer_key(h) for h in handles}  # forgets (closes) a restarted trainer's buffers
+        self._colocated_streams = {k: s for k, s in self._colocated_streams.items() if k in keys}
         self.version, self.dirty = version, None
         self.refresh_kv()
         return {"version": version, "seconds": time.perf_counter() - started, "tensors": len(params), "mode": mode}
@@ -190,9 +192,11 @@ class HFWeightLoads:
         from libra.weights import ipc
 
         streams = self.__dict__.setdefault("_colocated_streams", {})
-        if handle["handle"] not in streams:
-            streams[handle["handle"]] = ipc.open_handle(handle)
-        return streams[handle["handle"]]
+        key = _buffer_key(handle)
+        if key not in streams:
+            streams[key] = ipc.open_handle(handle)
+        return streams[key]
+
 
     def own_weights(self) -> None:
         """Parameters that are views of the trainer's buffer (share) get memory of their own again."""
@@ -211,3 +215,10 @@ def _check_version(version: int | str) -> int:
     if value < 0:
         raise ValueError(f"policy version must be >= 0, got {value}")
     return value
+
+
+def _buffer_key(handle: dict[str, Any]) -> tuple[str, int, int]:
+    """What tells two export buffers apart: the CUDA IPC handle names the allocator's whole segment,
+    and the caching allocator may put both buffers in one segment (seen on an H200: the second
+    version's buffer opened as the first's), so the offsets into it belong to the key."""
+    return handle["handle"], handle["storage_offset"], handle["offset"]
