@@ -13,6 +13,9 @@
 #   packing     packed vs padded micro-batches, useful tokens/s and MFU, ~1B model, long-tailed batch (~5 min)
 #   colocated   time per version through CUDA IPC handles, 1B and 7B, share and copy           (~2 min)
 #   gpu-tests   pytest -m gpu tests/gpu (two-GPU tests skip on one GPU)                         (~2 min)
+#   moe         MFU (active parameters) of a small Qwen3-MoE-shaped model next to its dense twin, Megatron (~2 min)
+#   lora        LoRA vs full fine-tuning, ~1B model: peak memory and step time, Megatron and torch (~3 min)
+#   moe-lora-tests  pytest -m gpu of tests/unit/test_moe.py and test_lora.py (bf16, DDP, checkpoints) (~1 min)
 #   and the earlier ones: tests gputests sync syncdirect syncbuckets mfu mfu16 profile pp elastic elastic-megatron e2e
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -71,6 +74,10 @@ for item in "$@"; do
         colocated) step colocated 300 python3 benchmarks/gpu_colocated.py --sets 1b,7b --versions 5 --out "$OUT" ;;
         gpu-tests) step gpu-tests 420 python3 -m pytest -q -p no:cacheprovider tests/gpu \
                        tests/unit/test_packing.py tests/unit/test_colocated.py ;;
+        moe) step moe 240 python3 benchmarks/gpu_moe_lora.py --only moe --out "$OUT" --run-timeout 150 ;;
+        lora) step lora 240 python3 benchmarks/gpu_moe_lora.py --only lora --out "$OUT" --run-timeout 130 ;;
+        moe-lora-tests) step moe-lora-tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_moe.py \
+                            tests/unit/test_lora.py ;;
         *) echo "unknown item $item" ;;
     esac
 done
@@ -82,5 +89,8 @@ for item in "$@"; do
         packing) table packing 7 ;;
         colocated) table colocated 5 ;;
         gpu-tests) table gpu-tests 6 ;;
+        moe) table moe 3 ;;
+        lora) table lora 5 ;;
+        moe-lora-tests) table moe-lora-tests 3 ;;
     esac
 done

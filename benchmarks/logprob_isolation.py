@@ -15,9 +15,12 @@ vLLM's 128-token CPU blocks). `--updates` weight updates land while requests run
 equal share of the turns; each version adds Gaussian noise (1% of each tensor's std, a training
 step's worth) to the quickstart's tiny model. In-place and salt swap under pause(keep) without
 clearing (their labels are exact; only the KV differs). Reported per mode (median over `--repeats`
-interleaved runs): prefix-cache hit rate (Δ hits / Δ queried tokens, vLLM's /metrics), preempted
-requests, generated tokens per wall second, and the behaviour log-prob gap: mean |engine − trainer|
-per generated token, the trainer (fp32, plain transformers) holding the token's own version.
+interleaved runs), from vLLM's /metrics: prefix-cache hit rate of the requests' own prefills (Δ hits
+/ Δ queried tokens), tokens computed (prefill and decode, `iteration_tokens_total`) per generated
+token, preempted requests (vLLM counts their recompute in neither of the first two); generated
+tokens per wall second and the engine's CPU milliseconds per generated token (its process group,
+/proc); and the behaviour log-prob gap: mean |engine − trainer| per generated token, the trainer
+(fp32, plain transformers) holding the token's own version.
 
     python benchmarks/logprob_isolation.py [--groups 4 --samples 8 --turns 3 --updates 4 --repeats 2]
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import statistics
 import sys
@@ -90,12 +94,30 @@ async def swap(client, mode: str, path: Path, version: int) -> None:
 
 async def metrics(client) -> dict[str, float]:
     text = (await client._http.get("/metrics")).text
-    names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:num_preemptions_total")
+    names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:num_preemptions_total",
+             "vllm:iteration_tokens_total_sum")
     return {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
             for name in names}
 
 
-async def run_mode(client, mode: str, versions: list[Path], args) -> tuple[dict, list]:
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) of every process in process group `pgid`: the worker's server,
+    engine core and model worker (Linux /proc)."""
+    ticks = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid:  # fields after the name: state ppid pgrp ... utime (11) stime (12)
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+async def run_mode(client, mode: str, versions: list[Path], args, pgid: int) -> tuple[dict, list]:
     """One pass of the workload under `mode`; its figures and the conversations it produced."""
     await swap(client, "isolated", versions[0], 0)  # every run starts from v0 and an empty cache
     known = {"version": 0}
@@ -126,19 +148,22 @@ async def run_mode(client, mode: str, versions: list[Path], args) -> tuple[dict,
             await swap(client, mode, versions[version], version)
             known["version"] = version
 
-    before, started = await metrics(client), time.perf_counter()
+    before, started, cpu = await metrics(client), time.perf_counter(), group_cpu_seconds(pgid)
     update_task = asyncio.create_task(updater())
     conversations = await asyncio.gather(*(conversation(g, s) for g in range(args.groups)
                                            for s in range(args.samples)))
     seconds = time.perf_counter() - started
     due.set()
     await update_task
+    cpu = group_cpu_seconds(pgid) - cpu
     after = await metrics(client)
     queried = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
+    hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
     tokens = sum(len(out.token_ids) for _, _, turns in conversations for _, out in turns)
-    figures = {"hit_rate": (after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"])
-               / max(queried, 1), "preempted": after["vllm:num_preemptions_total"]
-               - before["vllm:num_preemptions_total"], "tokens_per_s": tokens / seconds, "tokens": tokens,
+    computed = after["vllm:iteration_tokens_total_sum"] - before["vllm:iteration_tokens_total_sum"]
+    figures = {"hit_rate": hits / max(queried, 1), "computed_per_token": computed / tokens,
+               "preempted": after["vllm:num_preemptions_total"] - before["vllm:num_preemptions_total"],
+               "tokens_per_s": tokens / seconds, "cpu_ms_per_token": 1000 * cpu / tokens, "tokens": tokens,
                "updates": known["version"]}
     return figures, conversations
 
@@ -183,7 +208,7 @@ async def main_async(args) -> int:
         async with EngineClient(worker.base_url, timeout_s=300) as client:
             for repeat in range(args.repeats):
                 for mode in args.modes:
-                    figures, conversations = await run_mode(client, mode, versions, args)
+                    figures, conversations = await run_mode(client, mode, versions, args, worker.process.pid)
                     figures["gap"] = behaviour_gap(conversations, versions)
                     results[mode].append(figures)
                     print(f"run {repeat + 1} {mode:9s} " + " ".join(f"{k} {v:.4g}" for k, v in figures.items()),
@@ -196,15 +221,16 @@ async def main_async(args) -> int:
     shutil.rmtree(root, ignore_errors=True)
     print(f"\n{args.groups} groups x {args.samples} samples x {args.turns} turns, {args.updates} updates in flight, "
           f"prompt {args.prompt} tokens; medians of {args.repeats} runs")
-    print(f"{'mode':10s} {'prefix hit rate':>16s} {'preempted':>10s} {'tokens/s':>10s} {'vs ' + args.modes[0]:>12s} "
-          f"{'|engine - trainer| per token':>30s}")
-    baseline = statistics.median(r["tokens_per_s"] for r in results[args.modes[0]])
+    print(f"{'mode':10s} {'prefix hit rate':>16s} {'computed/token':>15s} {'preempted':>10s} {'tokens/s':>9s} "
+          f"{'engine CPU ms/token':>20s} {'|engine - trainer|':>19s}")
     for mode in args.modes:
         rows = results[mode]
-        rate = statistics.median(r["tokens_per_s"] for r in rows)
-        print(f"{mode:10s} {statistics.median(r['hit_rate'] for r in rows):16.1%} "
-              f"{statistics.median(r['preempted'] for r in rows):10.0f} {rate:10.0f} {rate / baseline:12.2f} "
-              f"{statistics.median(r['gap'] for r in rows):30.1e}")
+
+        def median(key: str) -> float:
+            return statistics.median(r[key] for r in rows)
+
+        print(f"{mode:10s} {median('hit_rate'):16.1%} {median('computed_per_token'):15.2f} {median('preempted'):10.0f} "
+              f"{median('tokens_per_s'):9.0f} {median('cpu_ms_per_token'):20.2f} {median('gap'):19.1e}")
     return 0
 
 

@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -236,6 +237,9 @@ def run_once(contender: str, index: int, args: argparse.Namespace, env: dict[str
         monitor.join()
         log.close()
         rows = step_rows(contender, work)
+        if args.keep:  # logs and run records, not the weights
+            shutil.copytree(work, pathlib.Path(args.keep) / f"{contender}-{index}", dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("weights", "checkpoints", "model", "redis", "snapshots"))
         if returncode != 0:
             print(f"  {contender} run {index} exited {returncode}; last lines:\n"
                   + "\n".join((work / "output.log").read_text(errors="replace").splitlines()[-15:]), flush=True)
@@ -259,7 +263,8 @@ def _median(values: list) -> str:
     present = [v for v in values if v is not None]
     if not present:
         return "not reached" if values else "-"
-    text = f"{statistics.median(present):.1f}" if isinstance(present[0], float) else f"{statistics.median(present):g}"
+    middle = statistics.median(present)
+    text = (f"{middle:.2f}" if middle < 10 else f"{middle:.1f}") if isinstance(present[0], float) else f"{middle:g}"
     return text + (f" ({len(values) - len(present)} not)" if len(present) < len(values) else "")
 
 
@@ -294,15 +299,16 @@ def warm_cache(env: dict[str, str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="The quickstart against two synchronous baselines.")
     parser.add_argument("--runs", type=int, default=3, help="runs of each contender")
-    parser.add_argument("--quick", action="store_true", help="a smoke: one run each, 12 steps")
+    parser.add_argument("--quick", action="store_true", help="a smoke: one run each, 20 steps")
     parser.add_argument("--only", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
     parser.add_argument("--steps", type=int, default=0, help="steps of every contender (0: each config's)")
     parser.add_argument("--target", type=float, default=0.65, help="10-step mean reward to reach")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
     parser.add_argument("--json", default="", help="write every run's figures here")
+    parser.add_argument("--keep", default="", help="keep each run's logs and run record under this directory")
     args = parser.parse_args(argv)
     if args.quick:
-        args.runs, args.steps = 1, args.steps or 12
+        args.runs, args.steps = 1, args.steps or 20
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)

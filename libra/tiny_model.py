@@ -110,11 +110,80 @@ def _pin_tokenizer_class(out_dir: pathlib.Path) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def load_tokenizer(path: str | pathlib.Path) -> Any:
-    """The tokenizer of a model directory, offline (the same ids rollout and trainer use)."""
+def load_tokenizer(path: str | pathlib.Path, light: bool = False) -> Any:
+    """The tokenizer of a model directory, offline (the same ids rollout and trainer use).
+
+    `light`: where the directory holds a generic fast tokenizer (what `create_tiny_model` saves:
+    tokenizer.json, class PreTrainedTokenizerFast), a `LightTokenizer` on the `tokenizers` library
+    alone, without importing transformers (and so torch): the rollout gateway's choice, which only
+    encodes and decodes (~300 MB and seconds of start-up less). Any other tokenizer: transformers'.
+    """
+    path = pathlib.Path(path)
+    if light:
+        found = LightTokenizer.load(path)
+        if found is not None:
+            return found
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+class LightTokenizer:
+    """The part of a transformers fast tokenizer that the agent runner and the OpenAI gateway use
+    (encode with or without special tokens, decode, token <-> id), on a `tokenizers.Tokenizer`.
+
+    Only for directories whose tokenizer is the generic PreTrainedTokenizerFast: that class adds
+    no rules of its own to tokenizer.json (its post-processor puts ``<bos>`` first), so the ids and
+    texts are the same as transformers' (tests/unit/test_tiny_model.py compares them).
+    """
+
+    def __init__(self, tokenizer: Any, special: dict[str, str]):
+        self._tokenizer = tokenizer
+        for role in ("bos", "eos", "pad", "unk"):
+            token = special.get(f"{role}_token")
+            setattr(self, f"{role}_token", token)
+            setattr(self, f"{role}_token_id", tokenizer.token_to_id(token) if token else None)
+
+    @classmethod
+    def load(cls, path: pathlib.Path) -> "LightTokenizer | None":
+        """The directory's tokenizer, or None where it is not a generic fast tokenizer."""
+        try:
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if config.get("tokenizer_class") != "PreTrainedTokenizerFast" or not (path / "tokenizer.json").is_file() \
+                or config.get("clean_up_tokenization_spaces") or config.get("chat_template"):
+            return None
+        from tokenizers import Tokenizer
+
+        special = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return cls(Tokenizer.from_file(str(path / "tokenizer.json")), special)
+
+    def __len__(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_tokens_to_ids(self, tokens: Any) -> Any:
+        if isinstance(tokens, str):
+            found = self._tokenizer.token_to_id(tokens)
+            return self.unk_token_id if found is None else found
+        return [self.convert_tokens_to_ids(token) for token in tokens]
+
+    def convert_ids_to_tokens(self, ids: Any) -> Any:
+        if isinstance(ids, int):
+            return self._tokenizer.id_to_token(ids)
+        return [self._tokenizer.id_to_token(int(i)) for i in ids]
+
+
+def _token_text(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
 
 
 def stop_token_ids(tokenizer: Any, workload: Workload) -> list[int]:

@@ -254,15 +254,19 @@ def _run(config: RunConfig, printer: ProgressPrinter, signals: StopSignals, firs
     finally:
         if signals.first is not None:
             code = 128 + signals.first
-        _stop_all(children, redis, token, printer, signals)
-    if code == 0:
-        printer.finish(run_path)
-    report.write_at_end(run_path, printer.info)
+        stopped = _stop_all(children, redis, token, printer, signals)
+        try:
+            if code == 0:
+                printer.finish(run_path)
+            report.write_at_end(run_path, printer.info)
+        finally:
+            printer.info(stopped)  # the last line says that nothing of the run is left
     return code
 
 
 def _stop_all(children: Children, redis: PrivateRedis | None, token: str, printer: ProgressPrinter,
-              signals: StopSignals) -> None:
+              signals: StopSignals) -> str:
+    """Stop every service and Redis; the line that says so, for the caller to print last."""
     started, before = time.monotonic(), len(signals.received)
     if signals.first is not None:
         printer.info(f"{signal.Signals(signals.first).name} received: stopping every service of the run (at most "
@@ -280,4 +284,4 @@ def _stop_all(children: Children, redis: PrivateRedis | None, token: str, printe
         redis.stop()
     killed = procs.sweep(MARKER, token)
     left = f"; killed {len(killed)} leftover processes ({', '.join(map(str, killed))})" if killed else ""
-    printer.info(f"stopped in {time.monotonic() - started:.0f}s: nothing of this run is running{left}")
+    return f"stopped in {time.monotonic() - started:.0f}s: nothing of this run is running{left}"

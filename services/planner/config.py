@@ -28,7 +28,7 @@ class ReplanSettings(Section):
     recheck_s: float = Field(60.0, ge=0, le=1e7, description="no new search this long after one that was rejected")
     horizon_steps: int = Field(50, ge=1, le=10_000_000, description="steps a new plan is expected to run "
                                                                    "(the gain is counted over them)")
-    min_gain_ratio: float = Field(0.05, ge=0, le=1, description="net gain / predicted time over the horizon "
+    min_gain_ratio: float = Field(0.03, ge=0, le=1, description="net gain / predicted time over the horizon "
                                                                "below which a plan is not applied")
     trace_window: int = Field(1024, ge=1, le=1_000_000, description="most recent lengths kept for the search")
     batch_sequences: int = Field(0, ge=0, le=10_000_000, description="sequences per training batch the search "
@@ -40,13 +40,17 @@ class ReplanSettings(Section):
         "simulate", description="simulate: rank the search's shortlist by playing the recent window through the "
                                 "cluster simulator (the asynchronous pipeline, the move itself included); "
                                 "closed_form: one synchronous step of the cost model")
-    shortlist: int = Field(4, ge=1, le=32, description="candidates (distinct splits) simulated per decision")
-    confirm: int = Field(2, ge=1, le=100, description="rank simulate: a move is applied only when the same plan "
-                                                       "wins this many evaluations in a row (replays of a short "
+    shortlist: int = Field(3, ge=1, le=32, description="the search's best distinct splits simulated per decision")
+    neighbours: int = Field(6, ge=0, le=32, description="also simulated: the best plans one engine exchange away "
+                                                        "from the plan in force (same split, TP mix changed)")
+    confirm: int = Field(2, ge=1, le=100, description="rank simulate: a move is applied only when this many "
+                                                       "evaluations in a row call for one (replays of a short "
                                                        "window are noisy; 1: at once)")
-    sim_window_steps: int = Field(5, ge=2, le=64, description="recent steps replayed per candidate: 1 + a "
-                                                             "whole number of pipeline periods (staleness + 1 "
-                                                             "steps) is used, rounding down")
+    sim_window_steps: int = Field(9, ge=2, le=64, description="recent steps whose replay is measured per "
+                                                             "candidate: 1 + a whole number of pipeline periods "
+                                                             "(staleness + 1 steps) is used, rounding down")
+    sim_warmup_steps: int = Field(4, ge=0, le=64, description="steps replayed before those, to fill the pipeline "
+                                                             "and let the routing policy learn (not measured)")
     drain_s: float = Field(30.0, ge=0, le=86_400, description="seconds to drain a GPU that changes role")
     process_start_s: float = Field(60.0, ge=0, le=86_400, description="seconds to start a new worker or trainer")
     load_gbps: float = Field(5.0, gt=0, le=10_000, description="GB/s per GPU when loading weights or state")
@@ -59,9 +63,9 @@ class ReplanSettings(Section):
             raise ValueError(f"time_ratio_high must be 0 (off) or > 1, got {self.time_ratio_high}")
         if self.pressure_steps > self.window_steps:
             raise ValueError(f"pressure_steps ({self.pressure_steps}) must be <= window_steps ({self.window_steps})")
-        if self.sim_window_steps > self.window_steps:
-            raise ValueError(f"sim_window_steps ({self.sim_window_steps}) must be <= window_steps "
-                             f"({self.window_steps})")
+        if self.sim_window_steps + self.sim_warmup_steps > self.window_steps:
+            raise ValueError(f"sim_window_steps + sim_warmup_steps ({self.sim_window_steps} + {self.sim_warmup_steps}) "
+                             f"must be <= window_steps ({self.window_steps})")
         return self
 
 

@@ -1,4 +1,5 @@
-"""How the replanner judges a move from the plan in force to one of the search's candidates.
+"""How the replanner judges a move from the plan in force to one of its candidates (the search's
+best distinct splits, and the plans one engine exchange away from the plan in force).
 
 Two judges, one rule (transition.accept: the gain over `horizon_steps` less the cost of moving
 must be positive and at least `min_gain_ratio` of the time the plan in force would take):
@@ -6,21 +7,25 @@ must be positive and at least `min_gain_ratio` of the time the plan in force wou
   by_simulation   (the default) plays the recent window of the trace through the cluster
                   simulator, the asynchronous pipeline as it runs: staleness, the routing policy,
                   tool latencies, weight syncs. For the plan in force (A), for each candidate held
-                  fixed (B), and for the move itself (C: the plan in force for the window's first
-                  step, then the candidate after its transition: engines drained and started,
-                  turns moved, the trainer resharded). A replay starts from an empty pipeline, so
-                  rates leave out the ramp: they run from the first step's end (where C moves) to
-                  the last's, W - 1 intervals, a whole number of pipeline periods (staleness + 1
-                  steps: with staleness 1 steps come in pairs, a long one and a short one; the
-                  ranker sizes the window so):
+                  fixed (B), and, for the `MOVES_PLAYED` fastest of those, for the move itself (C:
+                  the plan in force for the window's first step, then the candidate after its
+                  transition: engines drained and started,
+                  turns moved, the trainer resharded). A replay starts cold: an empty pipeline and
+                  a routing policy that has learned nothing (C-MLFQ's prefix forest), and a short
+                  cold replay misranks plans whose worth is in the long tail. So the first
+                  `warmup` steps of the window only warm it up; rates run from the end of step
+                  `warmup` (where C moves) to the last step's end, n intervals, a whole number of
+                  pipeline periods (staleness + 1 steps: with staleness 1 the steps come in pairs,
+                  a long one and a short one; the ranker sizes the window so):
 
-                      per step    a = (A_end - A_first) / (W - 1), b likewise from B
-                      move cost   (C_end - C_first) - b (W - 1)           (>= 0: what the move
+                      per step    a = (A_end - A_warm) / n, b likewise from B
+                      move cost   (C_end - C_warm) - b n                  (>= 0: what the move
                                                                             loses against b)
                       net gain    (a - b) x horizon - move cost
 
                   Before ranking, the simulator is calibrated on the same replay: the window's
-                  measured batch rollout spans against A's (`Calibration.observe_pipeline`); A is
+                  measured batch rollout spans after the warm-up against A's
+                  (`Calibration.observe_pipeline`); A is
                   played again when that moved the slowdown by more than `REPLAY_TOLERANCE`.
   by_closed_form  max(T_train, T_rollout) of one synchronous step from the cost model (what the
                   search ranks by) and the closed-form transition cost; for tests and for runs
@@ -44,6 +49,7 @@ from libra.services.planner.search import Candidate
 from libra.services.planner.transition import accept
 
 REPLAY_TOLERANCE = 0.02
+MOVES_PLAYED = 2  # candidates (fastest held fixed) whose move is replayed too
 
 
 @dataclass(frozen=True)
@@ -52,20 +58,24 @@ class Played:
 
     finish_s: tuple[float, ...]
     rollout_spans: tuple[float, ...]
-    period: int = 1  # steps of one pipeline period (staleness + 1)
+    warm: int = 0  # the step whose end the rates start from (the move, if any, came after it)
 
     @property
     def steps(self) -> int:
         return len(self.finish_s)
 
     @property
+    def intervals(self) -> int:
+        return self.steps - 1 - self.warm
+
+    @property
     def elapsed_s(self) -> float:
-        """The first step's end to the last's: the pipeline once running."""
-        return self.finish_s[-1] - self.finish_s[0]
+        """The warm step's end to the last's: the pipeline once running."""
+        return self.finish_s[-1] - self.finish_s[self.warm]
 
     @property
     def per_step_s(self) -> float:
-        return self.elapsed_s / (self.steps - 1)
+        return self.elapsed_s / self.intervals
 
 
 class Ranker(Protocol):
@@ -106,8 +116,8 @@ def by_simulation(ranker: Ranker, observations: Sequence, current: Candidate, sh
     base = ranker.play(window, current, rollout, train)
     steps = base.steps
     measured = [o.rollout_s for o in observations[-steps:]]
-    pairs = [(m, s) for index, (m, s) in enumerate(zip(measured, base.rollout_spans))  # the first period of a
-             if index >= max(base.period, calibrate_from - (len(observations) - steps)) and m > 0]  # replay: no tail
+    pairs = [(m, s) for index, (m, s) in enumerate(zip(measured, base.rollout_spans))  # warm replayed steps, run
+             if index > max(base.warm, calibrate_from - (len(observations) - steps) - 1) and m > 0]  # under `current`
     if pairs:
         before = calibration.pipeline_slowdown()
         calibration.observe_pipeline(sum(m for m, _ in pairs), sum(s for _, s in pairs), before)
@@ -115,12 +125,15 @@ def by_simulation(ranker: Ranker, observations: Sequence, current: Candidate, sh
             rollout = calibration.rollout_efficiency()
             base = ranker.play(window, current, rollout, train)
     a = base.per_step_s
+    fixed = sorted(((ranker.play(window, candidate, rollout, train).per_step_s, index, candidate)
+                    for index, candidate in enumerate(shortlist)), key=lambda row: row[:2])
     ranked = []
-    for candidate in shortlist:
-        b = ranker.play(window, candidate, rollout, train).per_step_s
-        moved = ranker.play(window, current, rollout, train, move_to=candidate,
-                            transition_s=transition(current, candidate))
-        cost = max(0.0, moved.elapsed_s - b * (steps - 1)) if math.isfinite(b) else math.inf
+    for order, (b, _, candidate) in enumerate(fixed):  # the move itself is played for the fastest few
+        cost = math.inf
+        if order < MOVES_PLAYED and math.isfinite(b):
+            moved = ranker.play(window, current, rollout, train, move_to=candidate,
+                                transition_s=transition(current, candidate))
+            cost = max(0.0, moved.elapsed_s - b * moved.intervals)
         ranked.append((candidate, b, cost))
     if not ranked:
         return Verdict(False, "not applied: the search found no other plan to simulate", current_s=a)
@@ -132,8 +145,8 @@ def by_simulation(ranker: Ranker, observations: Sequence, current: Candidate, sh
         return Verdict(True, f"the plan in force cannot run the recent steps; moving to {best[0].describe()}",
                        best[0], a, best[1], best[2], math.inf, ranked)
     applied, gain, reason = accept(a, best[1], best[2], settings)
-    reason = (f"{reason}; simulated on the last {steps} steps, {len(ranked)} candidates "
-              f"(pipeline slowdown {calibration.pipeline_slowdown():.3f})")
+    reason = (f"{reason}; simulated on the last {steps} steps ({base.warm + 1} to warm up), {len(ranked)} "
+              f"candidates (pipeline slowdown {calibration.pipeline_slowdown():.3f})")
     return Verdict(applied, reason, best[0], a, best[1], best[2], gain, ranked)
 
 

@@ -45,7 +45,8 @@ from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.evaluate import Ranker, Verdict, by_closed_form, by_simulation
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.observation import StepObservation, candidate_from_plan, check_step
-from libra.services.planner.search import Candidate, SearchConfig, search
+from libra.services.planner.search import Candidate, SearchConfig, SearchResult, search
+from libra.services.planner.shortlist import shortlist
 from libra.services.planner.transition import same_plan, transition_cost_s
 
 TRIGGERS = ("interval", "queue", "active", "rejected", "ratio")
@@ -85,7 +86,7 @@ class Replanner:
         self._current = current
         self.ranker = ranker if settings.rank == "simulate" else None
         self._applied_at_step = 0  # steps_observed when the plan in force was applied
-        self._winner: tuple[object, int] = (None, 0)  # the plan the simulated judge chose last, and how often in a row
+        self._calls = 0  # simulated evaluations in a row that called for a move
         self.window: deque[StepObservation] = deque(maxlen=settings.window_steps)
         self.lengths: deque[tuple[int, int]] = deque(maxlen=settings.trace_window)
         self.steps_observed = 0
@@ -283,35 +284,35 @@ class Replanner:
             base.reason = f"the plan in force cannot run the recent trace; moving to {best.describe()}"
             return base
         if self.ranker is not None:
-            return self._judged(base, self._confirmed(self._simulated(result.alternatives)))
+            return self._judged(base, self._confirmed(self._simulated(result, trace, config)))
         if same_plan(self._current, best):
             base.reason = f"not applied: the plan in force is already the best ({best.step_s:.2f}s per step)"
             return base
         cost = transition_cost_s(self._current, best, self.model, self.settings)
         return self._judged(base, by_closed_form(current[2], best, cost, self.settings))
 
-    def _simulated(self, alternatives: Sequence[Candidate]) -> Verdict:
-        shortlist = [c for c in alternatives if not same_plan(c, self._current)][:self.settings.shortlist]
+    def _simulated(self, result: SearchResult, trace, config: SearchConfig) -> Verdict:
+        candidates = shortlist(result, self.model, self.gpu, trace, config, self._current, self.settings.shortlist,
+                               self.settings.neighbours)
         observations = list(self.window)
         first = self.steps_observed - len(observations) + 1  # the step number of observations[0]
         calibrate_from = max(0, self._applied_at_step + 3 - first)  # steps wholly run on the plan in force
-        return by_simulation(self.ranker, observations, self._current, shortlist, self.calibration, self.settings,
+        return by_simulation(self.ranker, observations, self._current, candidates, self.calibration, self.settings,
                              calibrate_from, lambda old, new: transition_cost_s(old, new, self.model, self.settings))
 
     def _confirmed(self, verdict: Verdict) -> Verdict:
-        """A simulated move waits until the same plan has won `confirm` evaluations in a row."""
+        """A simulated move waits until `confirm` evaluations in a row have called for one (it goes
+        to the latest one's choice): a single replay of a short window can be an outlier."""
         if not verdict.applied or verdict.chosen is None:
-            self._winner = (None, 0)
+            self._calls = 0
             return verdict
-        key = (verdict.chosen.layout, tuple(sorted(verdict.chosen.rollout)))
-        wins = self._winner[1] + 1 if self._winner[0] == key else 1
-        self._winner = (key, wins)
-        if wins < self.settings.confirm and math.isfinite(verdict.current_s):
+        self._calls += 1
+        if self._calls < self.settings.confirm and math.isfinite(verdict.current_s):
             verdict.applied = False
-            verdict.reason = (f"not applied yet: {wins} of {self.settings.confirm} evaluations in a row chose it "
-                              f"({verdict.reason.removeprefix('applied: ')})")
+            verdict.reason = (f"not applied yet: {self._calls} of {self.settings.confirm} evaluations in a row "
+                              f"call for a move ({verdict.reason.removeprefix('applied: ')})")
         else:
-            self._winner = (None, 0)
+            self._calls = 0
         return verdict
 
     def _judged(self, base: ReplanDecision, verdict: Verdict) -> ReplanDecision:

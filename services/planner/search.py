@@ -286,7 +286,7 @@ def _search(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]], co
     rejected = Rejections()
     layouts = _train_layouts(model, gpu, batch, seq_len, config, whole, rejected)
     packing = placement.Packing(config.total_gpus, gpu.gpus_per_node, config.tp_choices)
-    table = _RolloutTable(trace, _rollout_instances(model, gpu, config, rejected), config, packing, rejected)
+    table = _RolloutTable(trace, rollout_instances(model, gpu, config, rejected), config, packing, rejected)
     top: list[Candidate] = []
     evaluated = 0
     for index, (train_s, layout) in enumerate(layouts):
@@ -307,7 +307,7 @@ def _search(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]], co
     return _result(top, rejected, evaluated, 0, batch, config, gpu, whole)
 
 
-def _rollout_instances(model: ModelSpec, gpu: GpuSpec, config: SearchConfig,
+def rollout_instances(model: ModelSpec, gpu: GpuSpec, config: SearchConfig,
                        rejected: Rejections) -> dict[int, cost_rollout.Instance]:
     out = {}
     for tp in config.tp_choices:

@@ -111,7 +111,7 @@ class PlannerService(Service):
         # the replay runs the loop as this run does: its staleness bound and its routing policy
         sim = SimConfig(staleness=min(trainer.max_staleness, 64), policy=scheduler.policy.type,
                         per_worker_cap_tokens=scheduler.per_worker_cap_tokens)
-        ranker = SimRanker(model, gpu, search_config, sim, settings.sim_window_steps)
+        ranker = SimRanker(model, gpu, search_config, sim, settings.sim_window_steps, settings.sim_warmup_steps)
         self.replanner = Replanner(model, gpu, cluster.gpus, settings, search_config,
                                    candidate_from_plan(await self.store.get_plan()), ranker)
         blob = await self.store.load_blob(ONLINE_BLOB)

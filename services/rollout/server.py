@@ -95,7 +95,7 @@ class RolloutService(Service):
             planner_pb2.GetPlanRequest(run_id=self.run_id), timeout=10))
         version, path = await self._wait_for_weights()
         workload = build_workload(self.config.workload)
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_tokenizer(path, light=True)  # no transformers (nor torch) in the gateway where it can
         router = SchedulerRouter(self._channel("scheduler", wait_for_ready=True), self.run_id)  # it may restart
         if self.cfg.record_trace:
             self.trace = TraceWriter(self.config.run_path / "trace.jsonl")
@@ -307,7 +307,8 @@ class RolloutService(Service):
         """Bring the workers to `version` (WeightDelivery: from `path`, over the weights-group
         generation `group`, or from the trainer's buffer that `colocated` describes); every target's
         ack and the serving workers afterwards."""
-        self._starting()
+        if self.membership is None:  # routing is not set up yet: no worker could be told apart
+            raise Unavailable("rollout is still starting its workers; retry shortly")
         delivered = await self.weights.deliver(version, path, group, colocated)
         await self._sync_membership()
         _log.info("weights updated", version=version, ok=sum(a.ok for a in delivered.acks),

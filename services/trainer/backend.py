@@ -236,7 +236,7 @@ class TrainBackend(abc.ABC):
 
     @abc.abstractmethod
     def num_parameters(self) -> int:
-        """Number of trainable parameters of the full model."""
+        """Number of parameters of the full model (LoRA adapters not counted: what a step computes with)."""
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".safetensors.index.json", ".bin.index.json")

@@ -107,7 +107,7 @@ class RolloutProbe(Probe):
         n = await self._do_async("submit")
         return n, 0, n
 
-    async def update_weights(self, version, path, group):
+    async def update_weights(self, version, path, group, colocated=""):
         n = await self._do_async("update_weights")
         return SimpleNamespace(acks=[rollout_pb2.WorkerAck(worker_id=f"w{n}", version=version, ok=True)],
                                serving=_Listed(0), group_unusable="")

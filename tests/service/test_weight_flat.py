@@ -108,6 +108,10 @@ def test_an_engine_without_room_for_the_flat_copy_keeps_unpacking(monkeypatch):
     class Engine(HFWeightLoads):
         def __init__(self) -> None:
             self.model, self.device, self.version, self.dirty = torch.nn.Linear(8, 4), "cpu", 0, None
+            self.refreshes = 0
+
+        def refresh_kv(self) -> None:  # HFEngine's; no request is running here
+            self.refreshes += 1
 
     torch.manual_seed(0)
     engine, trainer_model = Engine(), torch.nn.Linear(8, 4)
@@ -134,5 +138,6 @@ def test_an_engine_without_room_for_the_flat_copy_keeps_unpacking(monkeypatch):
     second = engine.receive_weights(2)
     thread.join(30)
     assert first["version"] == 1 and second == {**second, "version": 2, "in_place": False}
+    assert engine.refreshes == 2  # every version that arrived refreshed the running requests' KV
     assert attempts == [1] and engine.flat_refused and engine.flat_weights is None and engine.dirty is None
     assert torch.equal(engine.model.weight, trainer_model.weight) and sorted(sent) == [1, 2]

@@ -1,10 +1,13 @@
 """Mixture-of-experts models on the Megatron backend, on tiny random Qwen3-MoE / Qwen2-MoE models (CPU).
 
 Covers: HF ↔ Megatron conversion with equal log-probs (top-k renormalised or not, a gated shared
-expert), the published weights reloading in transformers, the routers' load-balancing loss —
-its reported value equal to Megatron's formula applied to the HF model's router logits, and its
-gradient equal to the HF model's gradient of that loss at the weight the step gives it — expert
-parallelism over two gloo ranks equal to one rank, and the configs it refuses, naming the field.
+expert), the published weights reloading in transformers and in the transformers rollout engine
+(fused experts in memory), the routers' load-balancing loss — its reported value equal to
+Megatron's formula applied to the HF model's router logits, and its gradient equal to the HF
+model's gradient of that loss at the weight the step gives it — expert parallelism over two gloo
+ranks and pipeline parallelism over two stages equal to one rank, the configs it refuses (naming
+the field), the GPU path (bf16, DDP, checkpoint; where CUDA is), and the planner's cost model
+(active parameters for compute, total for memory).
 """
 
 from __future__ import annotations
@@ -133,6 +136,42 @@ def test_a_trained_moe_publishes_weights_transformers_reloads(moe_dirs, tmp_path
         assert torch.allclose(ours, reloaded, atol=1e-5)
 
 
+def test_the_transformers_engine_loads_a_published_moe_version(moe_dirs, tmp_path):
+    """The hf rollout engine holds transformers 5's fused experts; the published version has one
+    tensor per expert (libra/weights/experts.py maps them): after the load it samples from exactly
+    the trainer's weights."""
+    from libra.services.rollout.engines.hf_engine import HFEngine
+
+    backend = _megatron(moe_dirs["qwen3_moe"])
+    batch = _batch()
+    backend.train_step(batch, backend.config)
+    out = str(tmp_path / "v1")
+    backend.save_weights(out)
+    engine = HFEngine(moe_dirs["qwen3_moe"], device="cpu")
+    try:
+        before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        reply = engine.load_from_disk(out, 1)
+        assert reply.get("version") == 1, reply
+        after = engine.model.state_dict()
+        assert all(not torch.equal(before[k], after[k]) for k in after if k.endswith("experts.gate_up_proj"))
+        for seq, ours in zip(batch.sequences, backend.compute_logprobs(batch)):
+            ids = torch.tensor([seq.token_ids])
+            with torch.no_grad():
+                logits = engine.model(input_ids=ids).logits[0, :-1]
+            served = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0][seq.prompt_length - 1:]
+            assert torch.allclose(ours, served, atol=1e-5)
+        bad = tmp_path / "bad"
+        bad.mkdir()
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(os.path.join(out, "model.safetensors"))
+        tensors["model.layers.0.mlp.experts.9.up_proj.weight"] = torch.zeros(16, 32)  # there are 4 experts
+        save_file(tensors, str(bad / "model.safetensors"))
+        assert "experts.9.up_proj" in engine.load_from_disk(str(bad), 2)["error"]
+    finally:
+        engine.stop()
+
+
 def _switch_loss(router_logits: torch.Tensor, topk: int) -> torch.Tensor:
     """Megatron's load-balancing loss of one layer and micro-batch from its router logits [T, E]:
     E / (k·T²) · Σ_e (Σ_t softmax(logits)_te) · (tokens routed to e)."""
@@ -255,6 +294,48 @@ def test_expert_parallel_two_ranks_equal_one_rank(moe_dirs, tmp_path):
     assert all(torch.equal(result["weights"][k], source[k]) for k in source)
 
 
+def _pp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        backend = _megatron(model_dir, ranks=2, pipeline_parallel=2)
+        batch = _batch()
+        logprobs = backend.compute_logprobs(batch)
+        metrics = backend.train_step(batch, backend.config)
+        weights = backend.hf_state_dict()
+        if rank == 0:
+            torch.save({"logprobs": logprobs, "metrics": metrics, "weights": weights,
+                        "parameters": backend.num_parameters()}, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_two_stages_equal_one_stage(moe_dirs, tmp_path):
+    """PP=2 (one MoE layer per stage, micro-batches of different widths through the 1F1B schedule
+    with the all-to-all dispatcher): the same log-probs, loss, router loss (each stage's layers
+    summed over the pipeline) and gradient norm as one stage, and the whole model published."""
+    import torch.multiprocessing as mp
+
+    port, out, model_dir = free_port(), str(tmp_path / "pp2.pt"), moe_dirs["qwen3_moe"]
+    mp.start_processes(_pp_rank, args=(port, model_dir, out), nprocs=2, join=True, start_method="spawn")
+    result = torch.load(out, weights_only=True)
+    single, batch = _megatron(model_dir), _batch()
+    for a, b in zip(result["logprobs"], single.compute_logprobs(batch)):
+        assert torch.allclose(a, b, atol=1e-6)
+    metrics = single.train_step(batch, single.config)
+    for name in ("loss", "router_aux_loss", "grad_norm", "kl", "tokens"):
+        assert result["metrics"][name] == pytest.approx(metrics[name], rel=1e-5), name
+    from safetensors.torch import load_file
+
+    source = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert set(result["weights"]) == set(source) and result["parameters"] == single.num_parameters()
+
+
 def test_moe_configs_the_backend_cannot_run_are_refused_by_field(moe_dirs):
     from transformers import AutoConfig, LlamaConfig, Qwen3MoeConfig
 
@@ -280,3 +361,61 @@ def test_moe_configs_the_backend_cannot_run_are_refused_by_field(moe_dirs):
         TrainerConfig(backend={"type": "torch", "expert_parallel": 2})
     with pytest.raises(ValueError, match="expert_parallel=3 does not divide config.json num_experts=4"):
         _megatron(moe_dirs["qwen3_moe"], ranks=3, expert_parallel=3)
+
+
+# ---- the planner's cost model: active parameters for compute, total for memory -----------------
+
+def test_planner_costs_moe_compute_by_active_and_memory_by_total_parameters():
+    """Qwen3-30B-A3B against a dense model of its active size (each layer's routed MLP as one MLP of
+    width k · moe_intermediate, no router): training and prefill compute scale with the active
+    parameters; weights, gradients, optimizer states and the rollout's weight reads with the total."""
+    from libra.services.planner import cost_rollout as cr
+    from libra.services.planner import cost_train as ct
+    from libra.services.planner.hardware import gpu_named, model_named
+
+    moe = model_named("qwen3-30b-a3b")
+    dense = moe.model_copy(update={"name": "dense-a3b", "experts": 0, "active_experts": 0,
+                                   "intermediate_size": moe.active_experts * moe.intermediate_size})
+    router = moe.layers * moe.hidden_size * moe.experts
+    assert moe.active_params == dense.active_params + router == pytest.approx(3.3e9, rel=0.03)
+    assert moe.total_params == pytest.approx(30.5e9, rel=0.02) and dense.total_params == dense.active_params
+    gpu, eff = gpu_named("h200-141g"), ct.TrainEfficiency()
+    layout = ct.Layout(tp=2, pp=2, dp=2, micro_batch=1)
+    a, b = (ct.step_time(m, gpu, layout, 16, 2048, eff) for m in (moe, dense))
+    assert a.compute_s / b.compute_s == pytest.approx(moe.active_params / dense.active_params, rel=1e-12)
+    per_param = (moe.bytes_per_param + 4.0 + 12.0 / layout.dp) / (layout.tp * layout.pp)  # weights, grads, Adam
+    grown = ct.memory_bytes(moe, layout, 2048, eff) - ct.memory_bytes(dense, layout, 2048, eff)
+    assert grown == pytest.approx((moe.total_params - dense.total_params) * per_param, rel=1e-12)
+    rollout = cr.RolloutEfficiency()
+    one, other = cr.instance(moe, gpu, 2, rollout), cr.instance(dense, gpu, 2, rollout)
+    assert one.weight_bytes_per_gpu == pytest.approx(moe.total_params * moe.bytes_per_param / 2)
+    assert one.prefill_seconds(4096) / other.prefill_seconds(4096) == pytest.approx(
+        moe.active_params / dense.active_params, rel=1e-12)
+    # A decode step of one sequence reads the dense weights and its k experts; a large batch, all of them.
+    assert one.decode_step_seconds(1, 0) < one.decode_step_seconds(4096, 0)
+    assert cr._expert_read_fraction(moe, 100_000) == pytest.approx(1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 Megatron path, DDP + distributed optimizer)")
+def test_gpu_bf16_moe_step_and_checkpoint(moe_dirs, tmp_path):
+    """The GPU path of a MoE model: bf16 log-probs near HF's, two steps that lower the loss with the
+    router loss reported, and a distributed checkpoint that restores the weights exactly."""
+    backend = _megatron(moe_dirs["qwen3_moe"])
+    batch = _batch()
+    for ours, expected in zip(backend.compute_logprobs(batch), _reference(moe_dirs["qwen3_moe"], batch)):
+        assert torch.allclose(ours, expected, atol=5e-2)  # bf16 weights and activations
+    first = backend.train_step(batch, backend.config)
+    path = str(tmp_path / "step1.pt")
+    backend.save_checkpoint(path, {"step": 1})
+    saved = {k: v.clone() for k, v in backend.model.state_dict().items() if not k.endswith("_extra_state")}
+    second = backend.train_step(batch, backend.config)
+    assert second["loss"] < first["loss"] and first["router_aux_loss"] > 0
+    assert backend.load_checkpoint(path) == {"step": 1}
+    now = backend.model.state_dict()
+    assert all(torch.equal(saved[k], now[k]) for k in saved)
+
+
+def test_a_router_loss_weight_for_a_dense_model_is_refused(tiny_qwen2_dir):
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.01 applies to mixture-of-experts models"):
+        _megatron(tiny_qwen2_dir, router_aux_loss_coef=0.01)

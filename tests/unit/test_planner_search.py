@@ -181,3 +181,22 @@ def test_search_is_fast_at_cluster_scale():
     result = search(model_named("qwen3-14b"), gpu_named("h200-141g"), trace,
                     SearchConfig(total_gpus=512, group_size=16))
     assert result.best.layout.gpus % 8 == 0 and result.pruned + result.evaluated > 0
+
+
+def test_neighbours_trade_the_fewest_engines_that_exchange_evenly():
+    from libra.services.planner.cost_train import Layout
+    from libra.services.planner.search import Candidate
+    from libra.services.planner.shortlist import neighbours
+
+    model, gpu = model_named("qwen2.5-7b"), gpu_named("h200-141g")
+    plan = Candidate(Layout(1, 4, 4, 1), ((1, 8), (4, 6)), math.nan, math.nan)
+    near = neighbours(model, gpu, _trace(2, 16, 8), SearchConfig(total_gpus=48), plan, keep=10)
+    mixes = {c.rollout for c in near}
+    assert ((1, 4), (4, 7)) in mixes  # four TP1 engines -> one TP4
+    assert ((1, 12), (4, 5)) in mixes  # one TP4 -> four TP1
+    assert ((1, 8), (2, 2), (4, 5)) in mixes and ((1, 6), (2, 1), (4, 6)) in mixes
+    assert not any(tp == 8 for c in near for tp, _ in c.rollout)  # 28 heads: no TP8 engine for this model
+    assert all(c.layout == plan.layout and c.rollout_gpus == 32 for c in near)
+    steps = [c.step_s for c in near]
+    assert steps == sorted(steps) and len(neighbours(model, gpu, _trace(2, 16, 8), SearchConfig(total_gpus=48),
+                                                     plan, keep=2)) == 2

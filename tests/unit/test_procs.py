@@ -66,7 +66,7 @@ def test_a_child_dies_when_its_parent_is_sigkilled(tmp_path, death_signal):
 
 def test_stop_group_kills_what_the_leader_leaves_behind():
     # The leader starts a grandchild in its group that ignores SIGTERM, then exits on SIGTERM itself.
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import signal, subprocess, sys, time
         grandchild = subprocess.Popen([sys.executable, "-c",
             "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(120)"],

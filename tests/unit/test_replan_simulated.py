@@ -64,10 +64,10 @@ def test_a_move_is_applied_when_the_simulated_gain_beats_the_simulated_move():
     ranker = ScriptedRanker({8: 100.0}, move_extra=50.0)
     ranker.per_step.update({g: 80.0 for g in range(1, 16) if g != 8})  # every other split is 20% faster
     r = observed(ranker, horizon_steps=50)
-    first = r.consider(10.0)  # the same plan must win two evaluations in a row (confirm: 2)
+    first = r.consider(10.0)  # two evaluations in a row must call for a move (confirm: 2)
     assert not first.applied and first.reason.startswith("not applied yet: 1 of 2 evaluations"), first.reason
     d = r.consider(20.0)
-    assert d.applied and "simulated on the last 4 steps" in d.reason, d.reason
+    assert d.applied and "simulated on the last 4 steps (1 to warm up)" in d.reason, d.reason
     assert d.predicted_current_s == pytest.approx(100.0) and d.predicted_new_s == pytest.approx(80.0)
     assert d.transition_cost_s == pytest.approx(50.0)  # C - B - (A - B) / W: the scripted extra, exactly
     assert d.gain_s == pytest.approx(20.0 * 50)
@@ -87,7 +87,7 @@ def test_no_move_within_the_minimum_gain_or_when_the_move_costs_more():
 
 def test_the_replay_calibrates_the_pipeline_and_plays_again_when_it_moved():
     ranker = ScriptedRanker({8: 100.0}, move_extra=0.0, span_factor=2.0)  # batches took 2x the replay
-    r = observed(ranker, shortlist=1, confirm=1)
+    r = observed(ranker, shortlist=1, neighbours=0, confirm=1)
     r.consider(10.0)
     assert r.calibration.pipeline_slowdown() == pytest.approx(2.0)
     assert ranker.plays == 1 + 1 + 2  # current, current again at the new speed, one candidate fixed and moved
@@ -104,13 +104,13 @@ SMALL = SearchConfig(total_gpus=16, group_size=4, exact_multiset_limit=64)
 def test_the_replanner_does_not_replan_on_a_stationary_trace():
     """Drift 0, a decision after every step, starting from the best fixed plan the simulator finds
     (with hindsight, among a shortlist wider than the replanner's): every decision keeps it."""
-    trace = synthetic.drifting(12, 16, 4, seed=3, drift=0.0)
+    trace = synthetic.drifting(14, 16, 4, seed=3, drift=0.0)
     shortlist = search(MODEL, GPU, trace.pairs(0), SMALL.model_copy(update={"top_k": 8, "distinct_splits": True,
                                                                            "fleets_per_split": 2}))
     fixed = {c: sim_run.run_plan(MODEL, GPU, trace, c, SMALL) for c in shortlist.alternatives}
     best = max(fixed, key=lambda c: fixed[c].trajectories_per_s)
     settings = ReplanSettings(**{**EVERY_STEP, "batch_sequences": 0, "min_history_samples": 1,
-                                 "sim_window_steps": 5})
+                                 "sim_window_steps": 5, "sim_warmup_steps": 2})
     online = control.Online(MODEL, GPU, SMALL, settings, SimConfig(), first=best)
     result = Simulator(MODEL, GPU, trace, online, SMALL).run()
     judged = [reason for _, _, reason in online.decisions if "simulated on the last" in reason]
@@ -127,18 +127,19 @@ def test_the_replanner_moves_off_a_plan_that_falls_behind():
     poor = Candidate(Layout(1, 1, 8, 1), ((1, 4), (4, 1)), math.nan, math.nan)
     fixed = sim_run.run_plan(MODEL, GPU, trace, poor, SMALL)
     settings = ReplanSettings(**{**EVERY_STEP, "batch_sequences": 0, "min_history_samples": 1,
-                                 "sim_window_steps": 5, "horizon_steps": 10, "drain_s": 5, "process_start_s": 10})
+                                 "sim_window_steps": 5, "sim_warmup_steps": 2, "horizon_steps": 10, "drain_s": 5,
+                                 "process_start_s": 10})
     online = control.Online(MODEL, GPU, SMALL, settings, SimConfig(), first=poor)
     result = Simulator(MODEL, GPU, trace, online, SMALL).run()
     assert len(result.plan_changes) == 1 and result.plan_changes[0].transition_s > 0, online.decisions
     applied = [reason for _, taken, reason in online.decisions if taken][0]
-    assert "simulated on the last 5 steps" in applied and "transition 0.0s" not in applied, applied
+    assert "simulated on the last 7 steps (3 to warm up)" in applied and "transition 0.0s" not in applied, applied
     assert result.trajectories_per_s > fixed.trajectories_per_s
 
 
 def test_the_window_replays_trajectories_or_single_turn_lengths():
     trace = synthetic.drifting(4, 4, 4, seed=1, drift=0.5)
-    ranker = SimRanker(MODEL, GPU, SMALL, SimConfig(), window_steps=3, max_units=4)
+    ranker = SimRanker(MODEL, GPU, SMALL, SimConfig(), window_steps=3, warmup_steps=0, max_units=4)
     obs = [StepObservation(s, 10.0, 9.0, 5.0, lengths=trace.pairs(s), trajectories=trace.steps[s]) for s in range(4)]
     window = ranker.window(obs)
     assert [len(step) for step in window.steps] == [16, 16, 16]

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from libra.errors import ConfigError
+from libra.services.rollout.engines.client import Generation
 from libra.redis_server import free_port
 from libra.workloads.base import FinalAnswer, Malformed, ToolCall, ToolStatus, TurnBudget, build_workload
 from libra.workloads.config import RetrieverConfig, SearchR1Config
@@ -189,7 +190,8 @@ def test_runner_records_a_hung_tool_as_timeout_and_a_malformed_call_as_failure(m
 
     async def generate(decision, ids, budget, seed):
         out = tokenizer(next(script), add_special_tokens=False).input_ids
-        return type("Generation", (), {"token_ids": out, "logprobs": [-0.1] * len(out), "finish_reason": "stop"})()
+        return Generation(token_ids=out, logprobs=[-0.1] * len(out), finish_reason="stop", seconds=0.0,
+                          versions=[1] * len(out))  # sampled by version 1, the version the worker holds
 
     monkeypatch.setattr("libra.services.rollout.agent.TOOL_GRACE_S", 0.05)
     runner = AgentRunner(hung, tokenizer, Router(), generate, lambda w: 1, RolloutConfig(tool_timeout_s=0.1),

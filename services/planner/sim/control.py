@@ -93,7 +93,8 @@ class Online(SearchOnce):
                                                     "trace_window": max(self.settings.trace_window, trace.batch),
                                                     "min_history_samples": min(trace.batch,
                                                                                self.settings.min_history_samples)})
-        ranker = SimRanker(self.model, self.gpu, self.config, self.sim, settings.sim_window_steps)
+        ranker = SimRanker(self.model, self.gpu, self.config, self.sim, settings.sim_window_steps,
+                           settings.sim_warmup_steps)
         self.replanner = Replanner(self.model, self.gpu, self.config.total_gpus, settings, self.config, best, ranker)
         self.trace = trace
         return best

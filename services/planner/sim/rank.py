@@ -1,15 +1,16 @@
 """The replanner's `Ranker` (evaluate.py): the recent window of a run replayed through the cluster
 simulator, under one plan or across a move from one plan to another.
 
-    window(observations) ─▶ the last finished batches as a `Trace`: `window_steps`, rounded down to
-        1 + a whole number of pipeline periods (staleness + 1 steps), since rates are taken from
-        the first step's end
+    window(observations) ─▶ the last finished batches as a `Trace`: `warmup_steps` that warm the
+        replay up (the pipeline fills, the routing policy learns), then `window_steps` measured,
+        rounded down to 1 + a whole number of pipeline periods (staleness + 1 steps), since rates
+        run from the end of the last warm-up step
         (their trajectories with turns and tool calls when the observations carry them; else their
          (prompt, output) lengths as single-turn trajectories, grouped into cohorts of identical
          copies beyond `max_units` per step, the simulator's resolution knob)
     play(window, plan, efficiencies[, move_to, transition_s]) ─▶ Played(steps' ends, batch rollout spans)
-        the window from an empty pipeline under `plan` (`run.run_plan`), or under `plan` for its
-        first step and `move_to` after it, ready `transition_s` later
+        the window from an empty pipeline under `plan` (`run.run_plan`), or under `plan` until the
+        end of the warm-up and `move_to` after it, ready `transition_s` later
 
 The efficiencies are the calibrated ones, so the replay runs at the speeds the run has shown. A
 plan that cannot run the window (a trajectory no engine holds, a layout out of memory) plays as
@@ -36,13 +37,15 @@ class SimRanker:
     """Replays of the recent window on the cluster simulator (one `Simulator` run per `play`)."""
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, search: SearchConfig, sim: SimConfig,
-                 window_steps: int = 4, max_units: int = 1024):
+                 window_steps: int = 9, warmup_steps: int = 4, max_units: int = 1024):
         period = sim.staleness + 1
-        if window_steps < 1 + period:
+        if window_steps < 1 + period or warmup_steps < 0:
             raise InvalidArgument(f"window_steps must be >= {1 + period} (one step, then a whole pipeline period "
-                                  f"of staleness + 1 steps), got {window_steps}")
+                                  f"of staleness + 1 steps) and warmup_steps >= 0, got {window_steps} and "
+                                  f"{warmup_steps}")
         self.model, self.gpu, self.search, self.sim = model, gpu, search, sim
-        self.window_steps = 1 + (window_steps - 1) // period * period
+        self.warm = warmup_steps  # index of the step whose end the rates start from
+        self.window_steps = warmup_steps + 1 + (window_steps - 1) // period * period
         self.max_units = max_units
         self.plays = 0
 
@@ -68,12 +71,12 @@ class SimRanker:
         search = self.search.model_copy(update={"rollout": rollout, "train": train})
         try:
             result = run_plan(self.model, self.gpu, window, plan, search, self.sim, move_to=move_to,
-                              transition_s=transition_s)
+                              transition_s=transition_s, move_after=self.warm)
         except InvalidArgument:
             steps = len(window.steps)
-            return Played((0.0,) + (math.inf,) * (steps - 1), (math.inf,) * steps, self.sim.staleness + 1)
-        return Played(tuple(s.time_s for s in result.steps), tuple(s.rollout_s for s in result.steps),
-                      self.sim.staleness + 1)
+            return Played((0.0,) * (self.warm + 1) + (math.inf,) * (steps - 1 - self.warm), (math.inf,) * steps,
+                          self.warm)
+        return Played(tuple(s.time_s for s in result.steps), tuple(s.rollout_s for s in result.steps), self.warm)
 
 
 def _cohorts(lengths: list[tuple[int, int]], step: int, max_units: int) -> list[TrajectorySpec]:

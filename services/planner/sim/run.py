@@ -88,13 +88,14 @@ def simulate(model: ModelSpec, gpu: GpuSpec, gpus: int, trace: Trace, planner: s
 
 def run_plan(model: ModelSpec, gpu: GpuSpec, trace: Trace, candidate: Candidate, search: SearchConfig,
              sim: SimConfig | None = None, instance_model: InstanceModel | None = None,
-             move_to: Candidate | None = None, transition_s: float = 0.0) -> SimResult:
+             move_to: Candidate | None = None, transition_s: float = 0.0, move_after: int = 0) -> SimResult:
     """Play `trace` (e.g. the recent window of a run) under `candidate`, held for the whole trace:
     what the asynchronous pipeline does with that plan. `search` supplies the efficiencies and the
     TP degrees the engines are built for; `instance_model` replaces the cost model's engines. With
-    `move_to`, the plan changes to it after the first step, ready `transition_s` later (the move
+    `move_to`, the plan changes to it after step `move_after`, ready `transition_s` later (the move
     as the simulator plays it: engines drained and started, turns moved, the trainer resharded)."""
-    changes = {0: control.PlanChange(move_to, transition_s, "replay of a move")} if move_to is not None else {}
+    changes = ({move_after: control.PlanChange(move_to, transition_s, "replay of a move")}
+               if move_to is not None else {})
     controller = control.Scripted(candidate, changes)
     try:
         return Simulator(model, gpu, trace, controller, search, sim or SimConfig(), instance_model).run()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import time
 from typing import Any, Callable
 
 from libra.security.http import bearer_middleware
@@ -228,6 +229,23 @@ def _error(status: int, message: str) -> Any:
 
 
 # ---- command line: build the engine, serve build_app -----------------------------------------
+class StartPhases:
+    """Wall and CPU seconds of each start-up phase, and CPU seconds since the interpreter started
+    (its own start and the imports before main: `cpu_total_s`)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._wall, self._cpu = time.monotonic(), time.process_time()
+        self.seconds["cpu_before_main_s"] = round(self._cpu, 2)
+
+    def done(self, phase: str) -> None:
+        wall, cpu = time.monotonic(), time.process_time()
+        self.seconds[f"{phase}_s"] = round(wall - self._wall, 2)
+        self.seconds[f"{phase}_cpu_s"] = round(cpu - self._cpu, 2)
+        self.seconds["cpu_total_s"] = round(cpu, 2)
+        self._wall, self._cpu = wall, cpu
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Serve a transformers-based rollout engine behind vLLM's HTTP "
                                                  "surface.")
@@ -244,12 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args(argv)
     key = key_from_environment()
+    phases = StartPhases()  # start-up, phase by phase, in the "hf engine serving" line
     import torch
     from aiohttp import web
 
     from libra import log as liblog
 
     liblog.configure("rollout-hf-engine")
+    phases.done("import_torch")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -260,10 +280,12 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     except (OSError, ValueError):
         pass  # token ids in and out work without one; text and chat do not
+    phases.done("tokenizer")
     engine = HFEngine(args.model, args.device, args.dtype, args.max_model_len, args.max_num_seqs,
                       args.logprobs_mode, args.policy_version, args.tensor_parallel_size)
+    phases.done("model")
     liblog.get("libra.rollout.hf_engine").info("hf engine serving", model=args.model, device=args.device,
-                                               port=args.port, version=args.policy_version)
+                                               port=args.port, version=args.policy_version, **phases.seconds)
     try:
         web.run_app(build_app(engine, tokenizer, key), host=args.host, port=args.port, print=None,
                     access_log=None, handle_signals=True)

@@ -129,6 +129,9 @@ class MegatronBackend(TrainBackend):
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         shape = convert.model_shape(hf_config)
         convert.check_parallel(shape, settings.tensor_parallel, settings.pipeline_parallel, settings.expert_parallel)
+        if settings.router_aux_loss_coef is not None and not shape.moe:
+            raise ValueError(f"trainer.backend.router_aux_loss_coef={settings.router_aux_loss_coef} applies to "
+                             "mixture-of-experts models; this one is dense (config.json has no num_experts): remove it")
         self._cuda = torch.cuda.is_available()
         if not self._cuda:
             torch.set_num_threads(self.config.torch_threads)

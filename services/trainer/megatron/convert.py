@@ -19,19 +19,7 @@ Layouts (H hidden, d head dim, nq query heads, ng key/value groups, I intermedia
     HF q_norm / k_norm [d] (Qwen3)                 ─▶  q_layernorm / k_layernorm (replicated)
     norms                                          ─▶  input_layernorm, pre_mlp_layernorm, final_layernorm
 
-Mixture of experts (E experts, each of width I_e; `ep` expert-parallel ranks, rank k holding experts
-k·E/ep … (k+1)·E/ep − 1 as its local experts 0 … E/ep − 1):
-
-    HF mlp.gate [E, H] (router)                    ─▶  mlp.router.weight (every rank)
-    HF mlp.experts.{e}.gate_proj, up_proj [I_e, H] ─▶  mlp.experts.local_experts.{e − k·E/ep}.linear_fc1 [2·I_e, H]
-    HF mlp.experts.{e}.down_proj [H, I_e]          ─▶  mlp.experts.local_experts.{…}.linear_fc2
-    HF mlp.shared_expert.* (Qwen2-MoE)             ─▶  mlp.shared_experts.linear_fc1 / linear_fc2
-    HF mlp.shared_expert_gate [1, H] (Qwen2-MoE)   ─▶  mlp.shared_experts.gate_weight
-
-The HF names are those of the checkpoint on disk (one tensor per expert: what `save_pretrained`
-writes and vLLM loads), not transformers 5's fused in-memory `experts.gate_up_proj`. Routing:
-softmax over all experts then top-k (`norm_topk_prob: false`) is Megatron's pre-softmax router;
-top-k then renormalised (`true`) is its default (softmax over the top-k logits), the same numbers.
+A mixture-of-experts layer's router, experts and shared expert map as `megatron.convert_moe` says.
 
 Tied embeddings (`tie_word_embeddings`) map to `share_embeddings_and_output_weights`: there is no
 `output_layer.weight` then, and no `lm_head.weight` is written back.
@@ -41,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from libra.services.trainer.megatron import convert_moe
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -108,25 +98,8 @@ def model_shape(hf_config: Any) -> Shape:
         head_dim=head_dim, intermediate=hf_config.intermediate_size, vocab=hf_config.vocab_size,
         qkv_bias=qkv_bias, qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        **(_moe_shape(hf_config) if model_type in MOE_MODEL_TYPES else {}),
+        **(convert_moe.moe_shape(hf_config) if model_type in MOE_MODEL_TYPES else {}),
     )
-
-
-def _moe_shape(hf_config: Any) -> dict[str, Any]:
-    """The MoE fields of `Shape`, refusing the layer patterns Megatron's uniform blocks cannot hold."""
-    if getattr(hf_config, "decoder_sparse_step", 1) != 1:
-        raise ValueError(f"config.json decoder_sparse_step={hf_config.decoder_sparse_step}: the Megatron backend maps "
-                         "models whose every layer is a mixture of experts (decoder_sparse_step=1)")
-    if getattr(hf_config, "mlp_only_layers", None):
-        raise ValueError(f"config.json mlp_only_layers={hf_config.mlp_only_layers}: the Megatron backend maps models "
-                         "whose every layer is a mixture of experts (mlp_only_layers=[])")
-    experts, topk = hf_config.num_experts, hf_config.num_experts_per_tok
-    if not 1 <= topk <= experts:
-        raise ValueError(f"config.json num_experts_per_tok={topk} must be in 1..num_experts={experts}")
-    return dict(experts=experts, topk=topk, expert_intermediate=hf_config.moe_intermediate_size,
-                shared_intermediate=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0,
-                normalise_topk=bool(getattr(hf_config, "norm_topk_prob", False)),
-                aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0))
 
 
 def check_parallel(shape: Shape, tp: int, pp: int, ep: int = 1) -> None:
@@ -181,22 +154,9 @@ def transformer_config(hf_config: Any, tp: int = 1, pp: int = 1, bf16: bool = Fa
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
     if shape.moe:
-        settings.update(moe_settings(shape, ep, shape.aux_loss_coef if aux_loss_coef is None else aux_loss_coef))
+        settings.update(convert_moe.moe_settings(shape, ep, shape.aux_loss_coef if aux_loss_coef is None
+                                                 else aux_loss_coef))
     return TransformerConfig(**{**settings, **overrides})
-
-
-def moe_settings(shape: Shape, ep: int, aux_loss_coef: float) -> dict[str, Any]:
-    """Megatron's MoE fields for `shape`: dropless top-k routing in fp32 as HF routes, the
-    load-balancing loss, and the all-to-all dispatcher (the one that takes expert parallelism and
-    micro-batches of varying width through a pipeline)."""
-    return dict(
-        num_moe_experts=shape.experts, moe_router_topk=shape.topk, moe_ffn_hidden_size=shape.expert_intermediate,
-        moe_router_pre_softmax=not shape.normalise_topk, moe_router_score_function="softmax",
-        moe_router_dtype="fp32", moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=aux_loss_coef,
-        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep, moe_grouped_gemm=False,
-        moe_shared_expert_intermediate_size=shape.shared_intermediate or None,
-        moe_shared_expert_gate=bool(shape.shared_intermediate),
-    )
 
 
 def rope_theta(hf_config: Any) -> float:
@@ -240,7 +200,7 @@ def hf_to_megatron(hf: dict[str, Tensor], shape: Shape, tp: int = 1, rank: int =
             out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
         out[dst + "self_attention.linear_proj.weight"] = _columns(hf[attn + "o_proj.weight"], tp, rank)
         if shape.moe:
-            out.update(_experts_to_megatron(hf, src + "mlp.", dst + "mlp.", shape, ep, ep_rank))
+            out.update(convert_moe.experts_to_megatron(hf, src + "mlp.", dst + "mlp.", shape, ep, ep_rank))
             continue
         mlp = src + "mlp."
         out[dst + "mlp.linear_fc1.weight"] = torch.cat(
@@ -287,7 +247,7 @@ def megatron_to_hf(shards: list[dict[str, Tensor]], shape: Shape, layer_offset: 
             hf[attn + "k_norm.weight"] = rank0[src + "self_attention.k_layernorm.weight"]
         hf[attn + "o_proj.weight"] = torch.cat([s[src + "self_attention.linear_proj.weight"] for s in shards], dim=1)
         if shape.moe:
-            hf.update(_experts_to_hf(rank0, src + "mlp.", dst + "mlp.", shape))
+            hf.update(convert_moe.experts_to_hf(rank0, src + "mlp.", dst + "mlp.", shape))
             continue
         fc1 = [s[src + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
         hf[dst + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in fc1])
@@ -299,41 +259,6 @@ def megatron_to_hf(shards: list[dict[str, Tensor]], shape: Shape, layer_offset: 
             hf["lm_head.weight"] = torch.cat([s["output_layer.weight"] for s in shards])
     assert tp >= 1
     return {k: v.contiguous() for k, v in hf.items()}
-
-
-def _experts_to_megatron(hf: Any, src: str, dst: str, shape: Shape, ep: int, ep_rank: int) -> dict[str, Tensor]:
-    """One MoE layer's router, this expert-parallel rank's experts and the shared expert (TP = 1)."""
-    import torch
-
-    out = {dst + "router.weight": hf[src + "gate.weight"]}
-    local = shape.experts // ep
-    for index in range(local):
-        expert, target = f"{src}experts.{ep_rank * local + index}.", f"{dst}experts.local_experts.{index}."
-        out[target + "linear_fc1.weight"] = torch.cat([hf[expert + "gate_proj.weight"], hf[expert + "up_proj.weight"]])
-        out[target + "linear_fc2.weight"] = hf[expert + "down_proj.weight"]
-    if shape.shared_intermediate:
-        shared = src + "shared_expert."
-        out[dst + "shared_experts.linear_fc1.weight"] = torch.cat(
-            [hf[shared + "gate_proj.weight"], hf[shared + "up_proj.weight"]])
-        out[dst + "shared_experts.linear_fc2.weight"] = hf[shared + "down_proj.weight"]
-        out[dst + "shared_experts.gate_weight"] = hf[src + "shared_expert_gate.weight"]
-    return out
-
-
-def _experts_to_hf(megatron: dict[str, Tensor], src: str, dst: str, shape: Shape) -> dict[str, Tensor]:
-    """Inverse of `_experts_to_megatron` over every expert (numbered globally in `megatron`)."""
-    hf = {dst + "gate.weight": megatron[src + "router.weight"]}
-    for index in range(shape.experts):
-        expert, target = f"{src}experts.local_experts.{index}.", f"{dst}experts.{index}."
-        gate, up = megatron[expert + "linear_fc1.weight"].chunk(2)
-        hf[target + "gate_proj.weight"], hf[target + "up_proj.weight"] = gate, up
-        hf[target + "down_proj.weight"] = megatron[expert + "linear_fc2.weight"]
-    if shape.shared_intermediate:
-        gate, up = megatron[src + "shared_experts.linear_fc1.weight"].chunk(2)
-        hf[dst + "shared_expert.gate_proj.weight"], hf[dst + "shared_expert.up_proj.weight"] = gate, up
-        hf[dst + "shared_expert.down_proj.weight"] = megatron[src + "shared_experts.linear_fc2.weight"]
-        hf[dst + "shared_expert_gate.weight"] = megatron[src + "shared_experts.gate_weight"]
-    return hf
 
 
 def _rows(t: Tensor, tp: int, rank: int) -> Tensor:

@@ -219,13 +219,15 @@ def finish_model_parallel_grads(model: Any, main_grad: bool) -> None:
 
     if ps.get_tensor_model_parallel_world_size() > 1 and model.config.qk_layernorm:
         for name, p in model.named_parameters():
-            if "q_layernorm" in name or "k_layernorm" in name:
+            if ("q_layernorm" in name or "k_layernorm" in name) and p.requires_grad:  # frozen under LoRA
                 grad = p.main_grad if main_grad else p.grad
                 if grad is not None:
                     dist.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
     if rt.pp_size() == 1 or not model.share_embeddings_and_output_weights or not ps.is_rank_in_embedding_group():
         return
     weight = model.shared_embedding_or_output_weight()
+    if not weight.requires_grad:  # frozen under LoRA
+        return
     if main_grad:
         grad = weight.main_grad
     else:

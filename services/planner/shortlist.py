@@ -1,0 +1,82 @@
+"""What the replanner simulates at a decision: the search's best distinct splits, and the plans one
+engine exchange away from the plan in force.
+
+The closed-form search ranks one synchronous step; the asynchronous pipeline can rank plans
+differently, most of all the rollout fleet's TP mix at a given split (two batches share the
+engines, and the router sends the long tail to the wide engines). So next to the search's best
+splits (one or two fleets each) the shortlist holds the plan in force's neighbours: the same
+training layout, some GPUs of the engines of one TP degree given to engines of another. Pure:
+candidates and their closed-form times, no simulation here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from libra.services.planner import cost_rollout, cost_train, placement
+from libra.services.planner.cost_rollout import Infeasible
+from libra.services.planner.cost_train import Layout
+from libra.services.planner.hardware import GpuSpec, ModelSpec
+from libra.services.planner.rejections import Rejections
+from libra.services.planner.search import Candidate, Multiset, SearchConfig, SearchResult, rollout_instances
+from libra.services.planner.transition import same_plan
+
+
+def shortlist(result: SearchResult, model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]],
+              config: SearchConfig, current: Candidate, splits: int, near: int) -> list[Candidate]:
+    """The search's `splits` best candidates other than `current`, then `near` of its neighbours."""
+    out = [c for c in result.alternatives if not same_plan(c, current)][:splits]
+    for candidate in neighbours(model, gpu, trace, config, current, near):
+        if not any(same_plan(candidate, c) for c in out):
+            out.append(candidate)
+    return out
+
+
+def neighbours(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]], config: SearchConfig,
+               plan: Candidate, keep: int = 2) -> list[Candidate]:
+    """Plans one exchange away from `plan`: its training layout, and its rollout fleet with some GPUs
+    of the engines of one TP degree given to engines of another: the fewest that trade evenly (the
+    lcm of the two degrees), and about an eighth of the fleet (in lcm units). The `keep` best by
+    the closed-form rollout time on `trace`: the replanner simulates them next to the search's
+    shortlist, which holds one or two fleets per split."""
+    if not trace or not plan.rollout:
+        return []
+    rejected = Rejections()
+    try:
+        instances = rollout_instances(model, gpu, config, rejected)
+        batch = len(trace)
+        seq_len = max(1, round(sum(p + o for p, o in trace) / batch))
+        train_s = cost_train.step_time(model, gpu, plan.layout, batch, seq_len, config.train).seconds
+    except Infeasible:
+        return []
+    packing = placement.Packing(config.total_gpus, gpu.gpus_per_node, config.tp_choices)
+    counts = dict(plan.rollout)
+    found: dict[Multiset, Candidate | None] = {}
+    for source, have in counts.items():
+        for target in instances:
+            if target == source or source not in instances:
+                continue
+            unit = math.lcm(source, target)
+            for gpus in sorted({unit, max(unit, plan.rollout_gpus // 8 // unit * unit)}):
+                if have * source < gpus:
+                    continue
+                mix = dict(counts)
+                mix[source] -= gpus // source
+                mix[target] = mix.get(target, 0) + gpus // target
+                fleet_mix = tuple(sorted((tp, n) for tp, n in mix.items() if n))
+                if fleet_mix not in found:
+                    found[fleet_mix] = _costed(plan.layout, train_s, fleet_mix, instances, trace, packing)
+    ranked = sorted((c for c in found.values() if c is not None), key=lambda c: (c.step_s, c.rollout_s))
+    return ranked[:keep]
+
+
+def _costed(layout: Layout, train_s: float, fleet_mix: Multiset, instances: dict, trace,
+            packing: placement.Packing) -> Candidate | None:
+    if not packing.fits(layout.tp, layout.pp * layout.dp, fleet_mix):
+        return None
+    try:
+        rollout_s = cost_rollout.rollout_time(trace, [instances[tp] for tp, n in fleet_mix for _ in range(n)])
+    except Infeasible:
+        return None
+    return Candidate(layout, fleet_mix, train_s, rollout_s)
