@@ -182,11 +182,6 @@ class Keys:
         return self.blob("scheduler.tree")
 
     @property
-    def scheduler_loads(self) -> str:
-        """The scheduler's per-worker load table (a blob named `scheduler.loads`)."""
-        return self.blob("scheduler.loads")
-
-    @property
     def scheduler_live(self) -> str:
         """Hash: trajectory id -> JSON of its routing state (placement, level, recent replies), for
         every trajectory the scheduler routed and that has not finished."""

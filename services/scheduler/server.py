@@ -26,6 +26,7 @@ from libra import log as liblog
 from libra.config import RunConfig
 from libra.replay import MemoryReplies
 from libra.routing.policy import Decision, Turn, Worker
+from libra.routing.prefix_tree import PrefixForest
 from libra.routing.registry import make_policy
 from libra.runtime import Service, serve as run_service
 from libra.service_base import connect_store
@@ -70,8 +71,6 @@ class SchedulerService(Service):
             self.policy.register(Worker(**item))
         saved = await self.store.load_routing()
         if saved.tree and getattr(self.policy, "forest", None) is not None:
-            from libra.routing.prefix_tree import PrefixForest
-
             self.policy.forest = PrefixForest.from_bytes(saved.tree)
         replies = self.live.restore(saved.tree_learned, saved.learned, saved.live)
         for scope, request_id, reply in replies:
