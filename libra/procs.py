@@ -60,7 +60,12 @@ def with_parent_death_signal(argv: list[str], sig: int) -> list[str]:
     `sweep` reclaim children, and `libra up` says so at start (`PARENT_DEATH`)."""
     if SETPRIV is None:
         return list(argv)
-    return [SETPRIV, "--pdeathsig", signal.Signals(sig).name.removeprefix("SIG"), "--", *argv]
+    # The signal is armed only once setpriv runs; a parent that died before that (a SIGKILL right
+    # after the start, on a loaded machine) would leave the child running for good. So the shell
+    # that setpriv starts checks, after arming, that its parent is still the process starting it.
+    check = f'[ "$PPID" = {os.getpid()} ] || exit 143; exec "$@"'
+    return [SETPRIV, "--pdeathsig", signal.Signals(sig).name.removeprefix("SIG"), "--", "/bin/sh", "-c", check,
+            "sh", *argv]
 
 
 PARENT_DEATH = SETPRIV is not None

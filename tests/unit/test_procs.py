@@ -101,3 +101,20 @@ def test_sweep_kills_marked_processes_wherever_they_went(tmp_path):
     finally:
         unmarked.kill()
         unmarked.wait()
+
+
+def test_a_child_whose_parent_died_before_the_signal_was_armed_does_not_run_on():
+    # The parent exits the moment the child is forked, before setpriv can arm the parent-death
+    # signal: the child must notice (its parent is no longer its launcher) and not run its command.
+    code = textwrap.dedent("""
+        import os, subprocess, sys
+        from libra import procs
+        child = subprocess.Popen(procs.with_parent_death_signal(
+            [sys.executable, "-c", "import time; time.sleep(120)"], 15), start_new_session=True)
+        print(child.pid, flush=True)
+        os._exit(0)
+    """)
+    for _ in range(5):
+        parent = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        child = int(parent.stdout)
+        assert _gone(child, 10), "the child outlived the parent that died while it started"
