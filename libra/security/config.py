@@ -80,7 +80,7 @@ class Limits(Section):
                                description="largest gRPC message a service receives or sends (bytes)")
     max_gpus: int = Field(16_384, ge=2, le=1_000_000,
                           description="most GPUs a request may name: Preflight's gpus, the GPUs of a plan "
-                                      "sent to ApplyPlan")
+                                      "set with SetPlan or sent to ApplyPlan")
     preflight_timeout_s: float = Field(120.0, gt=0, le=3600,
                                        description="a Preflight search past this is stopped (DEADLINE_EXCEEDED)")
     max_workers: int = Field(1024, ge=1, le=100_000,

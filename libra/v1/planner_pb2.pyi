@@ -98,6 +98,18 @@ class ObserveHistoryRequest(_message.Message):
     records: _containers.RepeatedCompositeFieldContainer[_common_pb2.HistoryRecord]
     def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., records: _Optional[_Iterable[_Union[_common_pb2.HistoryRecord, _Mapping]]] = ...) -> None: ...
 
+class SetPlanRequest(_message.Message):
+    __slots__ = ("meta", "buckets", "training", "reason")
+    META_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    meta: _common_pb2.RequestMeta
+    buckets: _containers.RepeatedCompositeFieldContainer[_common_pb2.BucketSpec]
+    training: _common_pb2.TrainingLayout
+    reason: str
+    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., buckets: _Optional[_Iterable[_Union[_common_pb2.BucketSpec, _Mapping]]] = ..., training: _Optional[_Union[_common_pb2.TrainingLayout, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class ExplainRequest(_message.Message):
     __slots__ = ("run_id", "limit")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -55,6 +55,11 @@ class PlannerStub:
                 request_serializer=libra_dot_v1_dot_planner__pb2.ExplainRequest.SerializeToString,
                 response_deserializer=libra_dot_v1_dot_planner__pb2.ExplainResponse.FromString,
                 _registered_method=True)
+        self.SetPlan = channel.unary_unary(
+                '/libra.v1.Planner/SetPlan',
+                request_serializer=libra_dot_v1_dot_planner__pb2.SetPlanRequest.SerializeToString,
+                response_deserializer=libra_dot_v1_dot_common__pb2.Plan.FromString,
+                _registered_method=True)
 
 
 class PlannerServicer:
@@ -88,6 +93,14 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetPlan(self, request, context):
+        """A plan made by hand: checked, stored as the next generation (the planner is the plan record's
+        only writer), recorded as a decision and sent to the elastic coordinator. Returns the stored plan.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +123,11 @@ def add_PlannerServicer_to_server(servicer, server):
                     servicer.Explain,
                     request_deserializer=libra_dot_v1_dot_planner__pb2.ExplainRequest.FromString,
                     response_serializer=libra_dot_v1_dot_planner__pb2.ExplainResponse.SerializeToString,
+            ),
+            'SetPlan': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPlan,
+                    request_deserializer=libra_dot_v1_dot_planner__pb2.SetPlanRequest.FromString,
+                    response_serializer=libra_dot_v1_dot_common__pb2.Plan.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +238,33 @@ class Planner:
             '/libra.v1.Planner/Explain',
             libra_dot_v1_dot_planner__pb2.ExplainRequest.SerializeToString,
             libra_dot_v1_dot_planner__pb2.ExplainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/libra.v1.Planner/SetPlan',
+            libra_dot_v1_dot_planner__pb2.SetPlanRequest.SerializeToString,
+            libra_dot_v1_dot_common__pb2.Plan.FromString,
             options,
             channel_credentials,
             insecure,

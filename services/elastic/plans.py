@@ -1,19 +1,21 @@
 """Executing plans: the diff between the pool and a plan, run in the order of the swap rule.
 
 ```
- ApplyPlan(gen) ─▶ stale gen? ABORTED ─▶ store plan ─▶ diff ─▶ progress blob ─▶ reply (at once)
-                                                              │
+ ApplyPlan(gen) ─▶ stale gen? ABORTED ─▶ not the stored plan? FAILED_PRECONDITION ─▶ diff ─▶ progress ─▶ reply
+                                                                                            │
  executor task:  cancel the older plan's task (its joins roll back) ─▶ diff again on the live pool
                  phase 0 (frees GPUs):  release hybrids ‖ drain rollout workers   (all finish first)
                  phase 1 (takes GPUs):  join hybrids    ‖ start rollout workers
                  every action's state is saved in the progress blob as it changes (GetPlanProgress)
 ```
 
-Generations advance by the planner's sequence: the planner stores plan g (g = the stored one + 1)
-and then applies it, so an ApplyPlan names the stored generation (and must then be the stored plan
-itself), or goes at most GENERATION_STEP past the newest one known (plans sent by hand, racing
-plans); one that jumps further is refused (FAILED_PRECONDITION), so no request can push the
-generation out of the planner's reach (e.g. to 2^64 - 1, which would lock out every later plan).
+The planner is the plan record's only writer: it stores plan g (the stored one + 1: a replan, or
+one set by hand with Planner.SetPlan) and then sends it here. The coordinator never writes the
+record; it applies only the stored plan, i.e. a request of the stored generation and the stored
+content. Anything else (a newer generation, other content, no plan stored) is FAILED_PRECONDITION
+naming the fix; an older generation than the stored one or the one in force is ABORTED (a newer
+plan won). So no request can move the generation at all (it once could, up to 2^64 - 1, which
+locked out every later plan).
 
 Growing training therefore drains and stops rollout workers before any replica joins, and
 shrinking it releases replicas before any rollout worker starts: correct with no spare GPUs. A
@@ -42,24 +44,21 @@ S = pb.MemberState
 PROGRESS_BLOB = "elastic.plan_progress"
 FINAL = ("applied", "failed", "superseded")
 STOPPED_EARLY = "its replica task stopped early (another writer, or see the coordinator log)"
-GENERATION_STEP = 16
-"""How far past the newest known plan (stored or in force) an ApplyPlan's generation may go."""
+SET_PLAN = "plans are stored by the planner; send one of your own with Planner.SetPlan"
 
 
-def _check_sequence(message: common_pb2.Plan, stored: common_pb2.Plan | None, current: pb.PlanProgress | None) -> None:
-    """The planner's sequence (see the module docstring); `stored`: the plan in Redis, `current`: the
-    progress of the plan in force."""
-    if stored is not None and stored.generation == message.generation:
-        if stored.SerializeToString(deterministic=True) != message.SerializeToString(deterministic=True):
-            raise FailedPrecondition(f"plan generation {message.generation} is stored with other content (the "
-                                     f"planner's plan); apply the stored plan, or a new one as generation "
-                                     f"{message.generation + 1}")
-        return
-    newest = max(stored.generation if stored is not None else 0, current.generation if current is not None else 0)
-    if message.generation > newest + GENERATION_STEP:
-        raise FailedPrecondition(f"plan generation {message.generation} skips ahead of the planner's sequence: the "
-                                 f"newest plan is generation {newest}, a new one may be at most "
-                                 f"{newest + GENERATION_STEP}")
+def check_stored(message: common_pb2.Plan, stored: common_pb2.Plan | None) -> None:
+    """`message` must be `stored`, the plan in Redis (see the module docstring); older generations
+    are refused before this, as a Conflict."""
+    if stored is None:
+        raise FailedPrecondition(f"plan generation {message.generation} is not the stored plan: no plan is "
+                                 f"stored yet; {SET_PLAN}")
+    if stored.generation != message.generation:
+        raise FailedPrecondition(f"plan generation {message.generation} is not the stored plan (generation "
+                                 f"{stored.generation}); {SET_PLAN}")
+    if stored.SerializeToString(deterministic=True) != message.SerializeToString(deterministic=True):
+        raise FailedPrecondition(f"plan generation {message.generation} differs from the stored plan of that "
+                                 f"generation; {SET_PLAN}")
 
 
 class PlanRunner:
@@ -114,17 +113,15 @@ class PlanRunner:
             if current is not None and message.generation < current.generation:
                 raise Conflict(f"plan generation {message.generation} is older than the plan in force "
                                f"(generation {current.generation}); a newer plan won")
+            stored = await self.store.get_plan()
+            if stored is not None and stored.generation > message.generation:
+                raise Conflict(f"plan generation {message.generation} is older than the stored plan "
+                               f"(generation {stored.generation}); a newer plan won")
+            check_stored(message, stored)
             if current is not None and message.generation == current.generation:
                 return current  # the same plan again: its progress
-            previous_plan = await self.store.get_plan()
-            if previous_plan is not None and previous_plan.generation > message.generation:
-                raise Conflict(f"plan generation {message.generation} is older than the stored plan "
-                               f"(generation {previous_plan.generation}); a newer plan won")
-            _check_sequence(message, previous_plan, current)
-            if previous_plan is None or previous_plan.generation < message.generation:
-                await self.store.put_plan(message)  # the planner usually stored it already (then: as is)
             plan = from_proto(message)
-            actions = await self._diff(plan, previous_plan)
+            actions = await self._diff(plan, stored)
             progress = pb.PlanProgress(generation=plan.generation, state="applying", started_at=self.clock(),
                                        actions=[core.action_proto(a) for a in actions],
                                        detail=plan.reason or f"plan {plan.generation}")
@@ -132,7 +129,7 @@ class PlanRunner:
             previous = self.task
             if previous is not None and not previous.done():
                 self._superseded_by[previous] = plan.generation
-            self.task = self._spawn(self._execute(plan, progress, previous, previous_plan), plan.generation)
+            self.task = self._spawn(self._execute(plan, progress, previous, stored), plan.generation)
             _log.info("plan accepted", generation=plan.generation,
                       actions=[f"{a.kind}:{a.target}" for a in actions])
             return progress

@@ -13,6 +13,12 @@ The cursor and the Replanner's state are written together, so a restarted planne
 where the last one stopped and never counts a history record twice. A plan whose ApplyPlan did
 not get through stays `pending_apply` in that blob and is sent again on the next tick.
 
+The planner is the plan record's only writer. A plan made by hand comes through `SetPlan`
+(manual.py: checked, stored as generation + 1, recorded); it is then sent like an applied replan,
+in the background: in mode online under the tick lock, the replanner adopting it as the plan in
+force (its next decision may replace it) and the plan `pending_apply` until it got through; in mode
+static once, and again when a restarted planner finds a hand-made plan stored.
+
 The plan in force is also kept in memory: a Redis that comes back without it (no persistence)
 gets it again (`redis_back`), and GetPlan answers it meanwhile; GetPlan says "no plan yet" only
 before the planner first stored one (and the planner is not SERVING then).
@@ -24,25 +30,22 @@ import asyncio
 import json
 import time
 
-import grpc
 from prometheus_client import Counter, Gauge
 
 from libra import log as liblog
 from libra.config import RunConfig
 from libra.errors import Conflict, FailedPrecondition, InvalidArgument
 from libra.plans import Plan, from_proto, to_proto
-from libra.rpc import channel
 from libra.runtime import Service, serve as run_service
 from libra.service_base import connect_store
-from libra.services.planner import core
+from libra.services.planner import core, delivery, manual
 from libra.services.planner.servicer import PlannerServicer
 from libra.services.planner.telemetry import planner_probe
-from libra.v1 import common_pb2, elastic_pb2, elastic_pb2_grpc, planner_pb2, planner_pb2_grpc
+from libra.v1 import common_pb2, planner_pb2, planner_pb2_grpc
 
 _log = liblog.get("libra.planner")
 ONLINE_BLOB = "planner.online"
 HISTORY_BATCH = 5000
-APPLY_TIMEOUT_S = 10.0
 PREDICTED = Gauge("libra_planner_predicted_step_seconds", "step time the calibrated model predicts (EWMA)")
 MEASURED = Gauge("libra_planner_measured_step_seconds", "measured step time (EWMA)")
 EFFICIENCY = Gauge("libra_planner_efficiency", "calibrated efficiency of the cost model", ["name"])
@@ -63,6 +66,7 @@ class PlannerService(Service):
         self.plan: common_pb2.Plan | None = None  # the plan in force, as last read or written
         self.clock = time.time
         self._tick_lock = asyncio.Lock()
+        self._handovers: set[asyncio.Task] = set()  # hand-made plans being sent (SetPlan)
 
     def service_names(self) -> list[str]:
         return [planner_pb2.DESCRIPTOR.services_by_name["Planner"].full_name]
@@ -84,6 +88,8 @@ class PlannerService(Service):
             _log.info("plan resumed from redis", plan=core.describe(from_proto(existing)))
         if self.config.planner.mode == "online":
             await self._start_online()
+        if existing is not None and existing.source == manual.SOURCE:  # maybe not sent before a restart
+            self._hand_over(existing)  # a replay at the coordinator if it was
 
     async def _record_decision(self, plan: Plan, applied: bool, reason: str) -> None:
         decision = planner_pb2.PlanDecision(
@@ -191,31 +197,57 @@ class PlannerService(Service):
         return record
 
     async def _send_pending(self) -> None:
-        """Send the plan in force to the elastic coordinator. gRPC retries UNAVAILABLE within the
-        call (the channel's service config); a coordinator still unreachable keeps the plan pending
-        and the next tick sends it again, with the same request id (a replay if it got through)."""
+        """Send the plan in force to the elastic coordinator (delivery.py); a coordinator still
+        unreachable keeps the plan pending and the next tick sends it again, with the same request
+        id (a replay if it got through)."""
         plan = await self.store.get_plan()
         generation = self.online["pending_apply"]
         if plan is None or plan.generation != generation:
             self.online.pop("pending_apply", None)  # superseded: a newer plan is in force
             await self._save_online()
             return
-        request = elastic_pb2.ApplyPlanRequest(meta=common_pb2.RequestMeta(
-            request_id=f"planner-apply-gen{generation}", run_id=self.run_id), plan=plan)
-        try:
-            async with channel(self.config.address_of("elastic")) as chan:
-                stub = elastic_pb2_grpc.ElasticCoordinatorStub(chan)
-                progress = await stub.ApplyPlan(request, timeout=APPLY_TIMEOUT_S)
-            _log.info("plan sent to the elastic coordinator", generation=generation, state=progress.state)
-        except grpc.aio.AioRpcError as error:
-            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                _log.warning("elastic coordinator unavailable; the next tick sends the plan again",
-                             generation=generation, code=error.code().name)
-                return
-            _log.error("elastic coordinator refused the plan", generation=generation,
-                       code=error.code().name, detail=error.details())
+        if await delivery.send_plan(self.config.address_of("elastic"), self.run_id, plan) is None:
+            return
         self.online.pop("pending_apply", None)
         await self._save_online()
+
+    # -- plans made by hand (manual.py) ------------------------------------------------------
+    async def set_plan(self, requested: common_pb2.Plan) -> common_pb2.Plan:
+        """Planner.SetPlan: store `requested` (checked by the servicer) as the next generation and
+        record it; it is sent to the elastic coordinator in the background."""
+        plan, previous = await manual.store_next(self.store, requested)
+        self.plan = plan
+        record = manual.decision(plan, previous, self.clock())
+        await self.store.append_plan_decision(record.SerializeToString())
+        planner_probe(self.config).decision(record)
+        _log.info("plan set by hand", plan=core.describe(from_proto(plan)), reason=plan.reason)
+        self._hand_over(plan)
+        return plan
+
+    def _hand_over(self, plan: common_pb2.Plan) -> None:
+        task = asyncio.create_task(self._send_hand_made(plan), name=f"planner-set-plan-{plan.generation}")
+        self._handovers.add(task)
+        task.add_done_callback(self._handed_over)
+
+    def _handed_over(self, task: asyncio.Task) -> None:
+        self._handovers.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # e.g. Redis down: a restart sends it
+            _log.error("could not send the plan set by hand", task=task.get_name(), error=repr(task.exception()))
+
+    async def _send_hand_made(self, plan: common_pb2.Plan) -> None:
+        if self.replanner is None:  # mode static: once (a restarted planner sends it again)
+            await delivery.send_plan(self.config.address_of("elastic"), self.run_id, plan)
+            return
+        from libra.services.planner.observation import candidate_from_plan
+
+        async with self._tick_lock:  # never while a decision runs in its thread
+            stored = await self.store.get_plan()
+            if stored is None or stored.generation != plan.generation:
+                return  # superseded meanwhile: the newer plan is sent by its own writer
+            self.replanner.adopt(candidate_from_plan(plan))
+            self.online["pending_apply"] = plan.generation
+            await self._save_online()
+            await self._send_pending()
 
     async def _save_online(self) -> None:
         self.online["replanner"] = self.replanner.state()
@@ -253,7 +285,7 @@ class PlannerService(Service):
             message = self.plan
         if message is None:
             raise FailedPrecondition("no plan yet: the planner is still starting")
-        self.plan = message  # another writer (the coordinator's ApplyPlan) may have stored a newer one
+        self.plan = message  # a newer one may have been stored meanwhile (another planner process)
         return from_proto(message)
 
     async def preflight(self, request) -> planner_pb2.PlanDecision:
@@ -279,6 +311,9 @@ class PlannerService(Service):
         return [planner_pb2.PlanDecision.FromString(blob) for blob in raw]
 
     async def close(self) -> None:
+        for task in list(self._handovers):
+            task.cancel()
+        await asyncio.gather(*self._handovers, return_exceptions=True)
         if self.store is not None:
             await self.store.close()
 

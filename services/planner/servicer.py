@@ -6,6 +6,7 @@ from __future__ import annotations
 from libra.boundary import rpc
 from libra.errors import InvalidArgument
 from libra.plans import to_proto
+from libra.services.planner.manual import requested_plan
 from libra.v1 import common_pb2, planner_pb2_grpc
 
 
@@ -37,3 +38,8 @@ class PlannerServicer(planner_pb2_grpc.PlannerServicer):
         if request.limit > 1000:
             raise InvalidArgument(f"limit must be <= 1000 (decisions kept), got {request.limit}")
         return await self.service.explain(request.limit or 20)
+
+    @rpc(mutating=True)
+    async def SetPlan(self, request, context):
+        plan = requested_plan(request, self.service.config.security.limits.max_gpus, self.service.clock())
+        return await self.service.set_plan(plan)

@@ -151,8 +151,16 @@ class SchedulerProbe(Probe):
 
 
 class PlannerProbe(Probe):
+    clock = staticmethod(lambda: 1000.0)  # the servicer stamps a hand-made plan with the service's clock
+
     async def observe(self, records) -> bool:
         return await self._do_async("observe") % 2 == 1
+
+    async def set_plan(self, plan):
+        stored = common_pb2.Plan()
+        stored.CopyFrom(plan)
+        stored.generation = await self._do_async("set_plan")
+        return stored
 
 
 class ElasticProbe(Probe):

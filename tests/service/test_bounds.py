@@ -1,5 +1,5 @@
-"""Inputs are bounded (docs/operations.md, "Security"): plan generations advance by the planner's
-sequence, Preflight is capped in GPUs, size and time (and a SIGTERM still stops the planner),
+"""Inputs are bounded (docs/operations.md, "Security"): the coordinator applies only the plan the
+planner stored, Preflight is capped in GPUs, size and time (and a SIGTERM still stops the planner),
 StartWorkers by security.limits.max_workers, and requests that once crashed a service or locked
 it up get INVALID_ARGUMENT instead. Real services and servicers, real gRPC, real Redis."""
 
@@ -18,7 +18,6 @@ import yaml
 
 from libra.redis_server import free_port
 from libra.rpc import wire_services
-from libra.services.elastic.plans import GENERATION_STEP
 from libra.services.elastic.server import ElasticService
 from libra.services.planner.server import PlannerService
 from libra.services.scheduler.server import SchedulerService
@@ -40,11 +39,12 @@ def _bucket(**fields) -> common_pb2.BucketSpec:
     return common_pb2.BucketSpec(**{"name": "short", "tp": 1, "max_tokens": 64, "replicas": 1, **fields})
 
 
-def test_plan_generations_advance_by_the_planners_sequence(redis_url, run_id, tmp_path, arun):
+def test_the_coordinator_applies_only_the_plan_the_planner_stored(redis_url, run_id, tmp_path, arun):
     config = run_config(redis_url, run_id, tmp_path, elastic={"hybrid_command": []},
                         addresses={"trainer": f"127.0.0.1:{free_port()}", "rollout": f"127.0.0.1:{free_port()}"})
     running, chan = arun(start(ElasticService(config)))
     stub = elastic_pb2_grpc.ElasticCoordinatorStub(chan)
+    store = running.service.store
 
     def apply(rid: str, **plan) -> grpc.StatusCode:
         try:
@@ -53,18 +53,27 @@ def test_plan_generations_advance_by_the_planners_sequence(redis_url, run_id, tm
             return error.code()
         return CODES.OK
 
+    def planner_stores(generation: int, **plan) -> None:
+        arun(store.put_plan(common_pb2.Plan(generation=generation, **plan)))  # the planner: the only writer
+
     try:
         assert apply("lockout", generation=2**64 - 1) == CODES.FAILED_PRECONDITION  # once locked out every plan
-        assert apply("far", generation=GENERATION_STEP + 1) == CODES.FAILED_PRECONDITION
+        assert apply("first", generation=2, buckets=[_bucket()]) == CODES.FAILED_PRECONDITION  # nothing stored
+        assert arun(store.get_plan()) is None
+        planner_stores(2, buckets=[_bucket()])
         assert apply("g2", generation=2, buckets=[_bucket()]) == CODES.OK
-        assert apply("g3", generation=2 + GENERATION_STEP, buckets=[_bucket()]) == CODES.OK  # a hand-made jump
-        assert apply("older", generation=3) == CODES.ABORTED
-        stored = arun(running.service.store.get_plan())
-        assert stored.generation == 2 + GENERATION_STEP
+        assert apply("g3", generation=3, buckets=[_bucket()]) == CODES.FAILED_PRECONDITION  # a hand-made jump
+        assert apply("far", generation=2**63, buckets=[_bucket()]) == CODES.FAILED_PRECONDITION
+        planner_stores(3, buckets=[_bucket()], source="replan")
+        assert apply("g3-stored", generation=3, buckets=[_bucket()], source="replan") == CODES.OK
+        assert apply("older", generation=2, buckets=[_bucket()]) == CODES.ABORTED
+        stored = arun(store.get_plan())
+        assert stored.generation == 3
         planner_next = common_pb2.Plan(generation=stored.generation + 1, buckets=[_bucket(replicas=2)], source="replan")
-        arun(running.service.store.put_plan(planner_next))  # the planner stores its plan, then applies it
+        arun(store.put_plan(planner_next))  # the planner stores its plan, then applies it
         assert apply("other", generation=planner_next.generation, buckets=[_bucket(replicas=3)]) == \
             CODES.FAILED_PRECONDITION  # the stored generation with other content
+        assert arun(store.get_plan()) == planner_next
         assert apply("planner", generation=planner_next.generation, buckets=[_bucket(replicas=2)],
                      source="replan") == CODES.OK
         for bad in ({"buckets": [_bucket(replicas=10**6)]}, {"buckets": [_bucket(tp=1000)]},

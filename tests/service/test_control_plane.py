@@ -118,6 +118,7 @@ def test_elastic_membership_transitions_and_plan_races(redis_url, run_id, tmp_pa
     missing = epb.TransitionRequest(meta=meta("t4"), member_id="ghost", target=epb.MEMBER_STATE_JOINING)
     assert code_of(arun, stub.Transition(missing)) == grpc.StatusCode.NOT_FOUND
     plan = common_pb2.Plan(generation=5, buckets=[common_pb2.BucketSpec(name="short", tp=1, max_tokens=9, replicas=1)])
+    arun(running.service.store.put_plan(plan))  # the planner stores a plan, then sends it
     progress = arun(stub.ApplyPlan(epb.ApplyPlanRequest(meta=meta("p5"), plan=plan)))
     assert progress.generation == 5 and progress.steps_total == 1
     older = common_pb2.Plan(generation=4)

@@ -174,9 +174,21 @@ class Pool:
             await self.stub.RegisterMember(epb.RegisterMemberRequest(meta=meta(f"reg-{worker}"), member=epb.Member(
                 member_id=worker, role=epb.ROLE_ROLLOUT, bucket=bucket)))
 
-    async def apply(self, generation: int, dp: int, short: int, rid: str = "") -> epb.PlanProgress:
-        plan = common_pb2.Plan(generation=generation, training=common_pb2.TrainingLayout(dp=dp, tp=1, pp=1),
+    @staticmethod
+    def plan(generation: int, dp: int, short: int) -> common_pb2.Plan:
+        return common_pb2.Plan(generation=generation, training=common_pb2.TrainingLayout(dp=dp, tp=1, pp=1),
                                buckets=[common_pb2.BucketSpec(name="short", tp=1, max_tokens=64, replicas=short)])
+
+    async def store_plan(self, plan: common_pb2.Plan) -> None:
+        """Store `plan` as the planner does (its only writer), when it is newer than the stored one."""
+        stored = await self.running.service.store.get_plan()
+        if stored is None or stored.generation < plan.generation:
+            await self.running.service.store.put_plan(plan)
+
+    async def apply(self, generation: int, dp: int, short: int, rid: str = "") -> epb.PlanProgress:
+        """What the planner does with a new plan: store it, then send it to ApplyPlan."""
+        plan = self.plan(generation, dp, short)
+        await self.store_plan(plan)
         return await self.stub.ApplyPlan(epb.ApplyPlanRequest(meta=meta(rid or f"plan-{generation}"), plan=plan))
 
     async def member(self, member_id: str) -> epb.Member | None:
@@ -362,6 +374,9 @@ def test_racing_plans_the_newer_generation_wins(pool, arun):
         arun(late)
     assert refused.value.code() == grpc.StatusCode.ABORTED and "newer plan won" in refused.value.details()
     assert arun(pool.apply(4, dp=1, short=2, rid="again-4")).generation == 4
+
+    arun(pool.store_plan(pool.plan(5, dp=1, short=2)))  # the planner stores 5, then 6; the two ApplyPlans race
+    arun(pool.store_plan(pool.plan(6, dp=1, short=2)))
 
     async def race():
         return await asyncio.gather(pool.apply(6, dp=1, short=2), pool.apply(5, dp=1, short=2),

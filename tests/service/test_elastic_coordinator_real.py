@@ -172,9 +172,12 @@ def test_end_to_end_a_real_hybrid_process_joins_the_real_trainer_and_is_released
         coordinator, chan = await start(ElasticService(config, GrpcReplicaDriver(*channels, run_id, processes)))
         stub = rollout_double.elastic = elastic_pb2_grpc.ElasticCoordinatorStub(chan)
         try:
-            def plan(generation: int, dp: int) -> epb.ApplyPlanRequest:
-                return epb.ApplyPlanRequest(meta=meta(f"p{generation}"), plan=common_pb2.Plan(
+            async def plan(generation: int, dp: int) -> epb.ApplyPlanRequest:
+                """As the planner does: store the plan (its only writer), then send it to ApplyPlan."""
+                request = epb.ApplyPlanRequest(meta=meta(f"p{generation}"), plan=common_pb2.Plan(
                     generation=generation, training=common_pb2.TrainingLayout(dp=dp, tp=1, pp=1)))
+                await coordinator.service.store.put_plan(request.plan)
+                return request
 
             async def wait_plan(generation: int) -> epb.PlanProgress:
                 deadline = time.monotonic() + 180
@@ -185,7 +188,7 @@ def test_end_to_end_a_real_hybrid_process_joins_the_real_trainer_and_is_released
                     assert time.monotonic() < deadline, f"plan {generation} stuck: {progress}"
                     await asyncio.sleep(0.2)
 
-            await stub.ApplyPlan(plan(2, dp=2))
+            await stub.ApplyPlan(await plan(2, dp=2))
             joined = await wait_plan(2)
             hybrid = joined.replicas[0]
             assert joined.state == "applied", joined
@@ -193,7 +196,7 @@ def test_end_to_end_a_real_hybrid_process_joins_the_real_trainer_and_is_released
                 S.MEMBER_STATE_JOINING, S.MEMBER_STATE_FETCHING_STATE, S.MEMBER_STATE_ALIGNED, S.MEMBER_STATE_ACTIVE]
             view = await GrpcReplicaDriver(*channels, run_id, processes).view()
             assert hybrid.member_id in view.active and view.hybrids[hybrid.member_id].state == "active"
-            await stub.ApplyPlan(plan(3, dp=1))
+            await stub.ApplyPlan(await plan(3, dp=1))
             released = await wait_plan(3)
             assert released.state == "applied", released
             back = released.replicas[0]

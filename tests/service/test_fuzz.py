@@ -26,6 +26,7 @@ import grpc
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from libra.redis_server import free_port
 from libra.rpc import wire_services
 from libra.runtime import RunningService
 from libra.security import Security, install
@@ -79,15 +80,17 @@ class Fleet:
         for name in ("Trainer", "Rollout"):
             self.probes[name] = await Harness(self.services[name], self.run_id, self.store, self.tmp_path,
                                               SECURITY).__aenter__()
+        elastic_port = free_port()  # the planner sends the plans set by hand (SetPlan) to this coordinator
         config = run_config(self.redis_url, self.run_id, self.tmp_path,
                             elastic={"hybrid_command": [], "poll_interval_s": 0.5},
                             addresses={"trainer": f"127.0.0.1:{self.probes['Trainer'].port}",
-                                       "rollout": f"127.0.0.1:{self.probes['Rollout'].port}"},
+                                       "rollout": f"127.0.0.1:{self.probes['Rollout'].port}",
+                                       "elastic": f"127.0.0.1:{elastic_port}"},
                             security={"limits": {"preflight_timeout_s": 3}})
         self.running = {}
-        for name, service in (("Planner", PlannerService(config)), ("Scheduler", SchedulerService(config)),
-                              ("ElasticCoordinator", ElasticService(config))):
-            self.running[name] = await RunningService(service, 0, "127.0.0.1", SECURITY).start()
+        for name, service, port in (("Planner", PlannerService(config), 0), ("Scheduler", SchedulerService(config), 0),
+                                    ("ElasticCoordinator", ElasticService(config), elastic_port)):
+            self.running[name] = await RunningService(service, port, "127.0.0.1", SECURITY).start()
         self.ports = {**{n: h.port for n, h in self.probes.items()}, **{n: r.port for n, r in self.running.items()}}
         self.channels = {n: grpc.aio.insecure_channel(f"127.0.0.1:{p}") for n, p in self.ports.items()}
         return self

@@ -50,6 +50,8 @@ SAMPLES = {
                                                                  address="http://127.0.0.1:1")},
     "Scheduler.DeregisterWorker": {"worker_id": "w-a"},
     "Planner.ObserveHistory": {"records": [common_pb2.HistoryRecord(kind="turn")]},
+    "Planner.SetPlan": {"buckets": [common_pb2.BucketSpec(name="short", tp=1, max_tokens=64, replicas=1)],
+                        "training": common_pb2.TrainingLayout(dp=1, tp=1, pp=1), "reason": "by hand"},
     "ElasticCoordinator.RegisterMember": {"member": elastic_pb2.Member(member_id="m1", role=elastic_pb2.ROLE_ROLLOUT)},
     "ElasticCoordinator.Transition": {"member_id": "m1", "target": elastic_pb2.MEMBER_STATE_JOINING},
     "ElasticCoordinator.ApplyPlan": {"plan": common_pb2.Plan(generation=2)},
