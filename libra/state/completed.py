@@ -35,6 +35,11 @@ return acked
 """
 
 
+ACK_CHUNK = 1000
+"""Entries acknowledged per script call: each call is atomic (its acks and CONSUMED marks together);
+one call for thousands of entries would exceed what Lua's unpack can hold."""
+
+
 class CompletedEntry(NamedTuple):
     """One entry of the completed stream."""
 
@@ -127,19 +132,23 @@ class CompletedStream(StoreBase):
         return entries, last_id
 
     async def ack_completed(self, entry_ids: list[str]) -> int:
-        """Acknowledge entries and mark their trajectories CONSUMED, atomically; how many acked."""
+        """Acknowledge entries and mark their trajectories CONSUMED, atomically per ACK_CHUNK entries;
+        how many acked."""
         if not entry_ids:
             return 0
         redis = await self._ready()
-        async with redis.pipeline(transaction=False) as pipe:
-            for entry_id in entry_ids:
-                pipe.xrange(self.keys.completed, entry_id, entry_id, count=1)
-            found = await pipe.execute()
-        trajectories = [self.keys.trajectory(text(rows[0][1][b"trajectory_id"])) for rows in found if rows]
-        args = [self.keys.completed_group, repr(self._clock()), *entry_ids]
-        acked = int(await self._eval(ACK_COMPLETED, [self.keys.completed, *trajectories], args))
-        for cursor in self._cursors.values():
-            cursor.delivered.difference_update(entry_ids)
+        acked = 0
+        for start in range(0, len(entry_ids), ACK_CHUNK):  # Lua's unpack holds a few thousand values
+            chunk = entry_ids[start:start + ACK_CHUNK]
+            async with redis.pipeline(transaction=False) as pipe:
+                for entry_id in chunk:
+                    pipe.xrange(self.keys.completed, entry_id, entry_id, count=1)
+                found = await pipe.execute()
+            trajectories = [self.keys.trajectory(text(rows[0][1][b"trajectory_id"])) for rows in found if rows]
+            args = [self.keys.completed_group, repr(self._clock()), *chunk]
+            acked += int(await self._eval(ACK_COMPLETED, [self.keys.completed, *trajectories], args))
+            for cursor in self._cursors.values():
+                cursor.delivered.difference_update(chunk)
         return acked
 
     async def claim_stale(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[CompletedEntry]:

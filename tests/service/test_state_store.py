@@ -98,6 +98,19 @@ def test_restarted_consumer_gets_its_pending_entries_back(store: StateStore, new
     assert arun(arun(new_store()).read_completed("trainer-0", count=10, block_ms=10)) == []
 
 
+def test_thousands_of_entries_are_acked_in_one_call(store: StateStore, arun) -> None:
+    # A trainer discarding a long backlog at once (seen: 1,156 stale groups) acks more entries than
+    # one Lua unpack holds; every one is acked and its trajectory marked CONSUMED.
+    ids = [f"t{i}" for i in range(9000)]
+    arun(complete_all(store, ids))
+    entries = arun(store.read_completed("trainer-0", count=len(ids)))
+    assert len(entries) == len(ids)
+    assert arun(store.ack_completed([entry.entry_id for entry in entries])) == len(ids)
+    assert arun(store.pending_count()) == 0
+    statuses = {t.status for t in arun(store.get_trajectories([ids[0], ids[4500], ids[-1]]))}
+    assert statuses == {S.TRAJECTORY_STATUS_CONSUMED}
+
+
 def test_live_consumer_claims_a_dead_consumers_entries(store: StateStore, new_store, arun) -> None:
     arun(complete_all(store, ["t0", "t1"]))
     dead = arun(store.read_completed("trainer-dead", count=10))
