@@ -1,0 +1,390 @@
+"""The cluster simulator against real runs: replay benchmarks/headline_cpu.py's runs and compare.
+
+    .venv/bin/python benchmarks/sim_vs_real.py --keep-runs DIR [--plot benchmarks/results/sim_vs_real.png]
+        [--json FILE]
+
+DIR is what `headline_cpu.py --keep-runs DIR` left: runs.json and, per run, its record (telemetry,
+trace.jsonl, the resolved config.yaml) and history.jsonl, the Redis streams history:turn and
+history:step the online planner reads. No run is started here.
+
+Per run, with nothing taken from the run but what the planner could know:
+
+1. Calibrate: every turn record of the history goes to the planner's own `Calibration.observe_turn`
+   (prefill/decode efficiency), every step record to `observe_train` (training MFU), as the online
+   planner feeds them (services/planner/core.py), with the run's calibration settings (an EWMA;
+   `--calibration mean`: a plain mean over the run instead). The cost model needs a model and a
+   device: the run's tiny model (model.* of its config, fp32) and one CPU core as a nominal
+   "device" (CPU_CORE below); the calibration corrects the nominal speeds, so their values only
+   set where it starts. A weight sync costs the run's median publish time (time/publish_s).
+2. Replay: the run's own trajectories (RUN_DIR/trace.jsonl, regrouped by GRPO group in release
+   order) through `cluster.Simulator` with the run's plan (the trainer and the rollout workers it
+   had; for an online run, each plan the planner applied, from the step it was applied), staleness,
+   routing policy, per-worker cap and turn budget; the synchronous design (max_staleness 0) is
+   played as the simulator plays it (colocated: rollout, then training, then the reload).
+3. Compare, predicted (simulated) against measured, over the RL phase (first step's start to the
+   last step's end): mean step time (steps 2..N: the first includes the workers' start), turn
+   latency p50 / p90 (measured: the rollout gateway's turn seconds, route to reply; simulated: a
+   turn's arrival at its engine to its last token), busy fraction per pool (training: training
+   seconds / span; rollout: per worker, the fraction of the span it had a request in flight
+   (measured from the rollout service's samples of in-flight requests; simulated: the engine's
+   busy time), averaged over the workers).
+
+Prints one JSON line per run (both sides of every figure, the calibrated slowdowns, turns per
+bucket measured and simulated, training seconds measured and simulated, and turn seconds per
+generated token by the worker's batch beside the calibrated cost model's decode step), a table per
+design (median over its runs: predicted, measured, their ratio, within 10% or not), the same table
+for a what-if replay that charges no prefill, and a plot of predicted / measured per figure and
+design against the 10% band. What the misses point to is in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import statistics
+import sys
+from collections import Counter
+from dataclasses import dataclass
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from headline_cpu import DESIGNS  # noqa: E402
+from libra.config import load_run_config  # noqa: E402
+from libra.routing.registry import make_policy  # noqa: E402
+from libra.services.planner import cost_rollout  # noqa: E402
+from libra.services.planner.calibration import Calibration  # noqa: E402
+from libra.services.planner.cost_rollout import RolloutEfficiency  # noqa: E402
+from libra.services.planner.cost_train import Layout, TrainEfficiency  # noqa: E402
+from libra.services.planner.hardware import GpuSpec, ModelSpec  # noqa: E402
+from libra.services.planner.search import Candidate, SearchConfig  # noqa: E402
+from libra.services.planner.sim import control  # noqa: E402
+from libra.services.planner.sim.cluster import SimConfig, Simulator  # noqa: E402
+from libra.services.planner.sim.engines import CostModelEngines  # noqa: E402
+from libra.telemetry import record as run_record  # noqa: E402
+from libra.traces import files  # noqa: E402
+
+# One core of this machine as the cost model's "device": nominal figures (fp32 on a 2-core VM);
+# the calibration corrects the efficiencies that scale them.
+CPU_CORE = GpuSpec(name="cpu-core", source="nominal: one core of the dev machine, fp32", memory_gib=8.0,
+                   hbm_gbps=10.0, bf16_tflops=0.05, nvlink_gbps=0.0, internode_gbps=10.0, gpus_per_node=2)
+FIGURES = ("step_s", "turn_p50_s", "turn_p90_s", "busy_train", "busy_rollout")
+LABELS = {"step_s": "step time (s)", "turn_p50_s": "turn latency p50 (s)", "turn_p90_s": "turn latency p90 (s)",
+          "busy_train": "busy fraction, training", "busy_rollout": "busy fraction, rollout workers"}
+PLAN = re.compile(r"train (\d+) GPU tp(\d+) pp(\d+) dp(\d+) \| (.*)$")
+BUCKET = re.compile(r"tp(\d+)x(\d+)")
+
+
+def tiny_model(config) -> ModelSpec:
+    m = config.model
+    return ModelSpec(name="tiny", source="the run's model.* section (fp32)", hidden_size=m.hidden_size,
+                     layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, head_dim=m.hidden_size // m.heads,
+                     intermediate_size=m.intermediate_size, vocab_size=m.vocab_size, bytes_per_param=4.0,
+                     kv_bytes_per_value=4.0)
+
+
+# ---- what the run measured ----------------------------------------------------------------------
+@dataclass
+class Loaded:
+    name: str
+    design: str
+    config: object
+    record: run_record.RunRecord
+    turns: list[dict]
+    steps: list[dict]  # history step records
+    trace: pathlib.Path
+
+
+def load(keep: pathlib.Path, entry: dict) -> Loaded:
+    base = keep / entry["dir"]
+    run_dir = base / "run"
+    history = [json.loads(line) for line in (base / "history.jsonl").read_text().splitlines() if line.strip()]
+    return Loaded(entry["dir"], entry["design"], load_run_config(str(run_dir / "config.yaml")),
+                  run_record.load(run_dir), [h for h in history if h["kind"] == "turn"],
+                  [h for h in history if h["kind"] == "step"], run_dir / "trace.jsonl")
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def measured(run: Loaded) -> dict[str, float]:
+    steps = run.record.steps
+    ends = [s["t"] for s in steps]
+    start = ends[0] - steps[0]["scalars"]["time/step_s"]
+    span = ends[-1] - start
+    lat = [t["seconds"] for t in run.turns]
+    busy = {}  # worker -> [samples with a request in flight, samples]
+    for sample in run.record.rollout:
+        if start <= sample["t"] <= ends[-1]:
+            for worker in sample.get("workers", []):
+                if worker.get("state") in ("serving", "draining"):
+                    seen = busy.setdefault(worker["id"], [0, 0])
+                    seen[0] += worker.get("inflight", 0) > 0
+                    seen[1] += 1
+    return {"step_s": statistics.fmean(b - a for a, b in zip(ends, ends[1:])),
+            "turn_p50_s": percentile(lat, 50), "turn_p90_s": percentile(lat, 90),
+            "busy_train": sum(s["scalars"]["time/train_s"] for s in steps) / span,
+            "busy_rollout": statistics.fmean(a / n for a, n in busy.values() if n) if busy else float("nan")}
+
+
+# ---- calibrate and replay -----------------------------------------------------------------------
+def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma") -> Calibration:
+    """The planner's calibration fed the run's history, record by record, as core.py feeds it.
+    how: "ewma": the run config's settings (the online planner's: an EWMA that follows the last few
+    samples); "mean": each estimator a plain mean of every sample of the run (alpha 1/n, with
+    min_samples above any run's count)."""
+    settings = run.config.planner.replan.calibration
+    if how == "mean":
+        settings = settings.model_copy(update={"alpha": 1e-9, "min_samples": 10_000})
+    cal = Calibration(model, CPU_CORE, RolloutEfficiency(), TrainEfficiency(), settings)
+    for turn in run.turns:
+        cal.observe_turn(max(1, turn["tp"]), turn["prompt_tokens"], turn["output_tokens"], turn["seconds"],
+                         turn["batch"])
+    for step in run.steps:
+        lengths = list(zip(step["prompt_lengths"], step["output_lengths"]))
+        if lengths and step["train_seconds"] > 0:
+            cal.observe_train(layout, lengths, step["train_seconds"])
+    return cal
+
+
+def plans(run: Loaded, first: Candidate) -> dict[int, control.PlanChange]:
+    """The plans an online run's planner applied after its first, by the step they came in at."""
+    changes = {}
+    for decision in run.record.decisions:
+        match = PLAN.search(decision.get("plan", "")) if decision.get("applied") else None
+        if not match or decision.get("trigger") == "config":
+            continue
+        gpus, tp, pp, dp, fleet = match.groups()
+        rollout = tuple(sorted((int(a), int(b)) for a, b in BUCKET.findall(fleet)))
+        layout = Layout(int(tp), int(pp), int(dp), first.layout.micro_batch)
+        version = run.record.trainer_version_at(decision["t"]) or 1  # policy version v: steps 0..v-2 done
+        step = max(0, version - 2)
+        changes[step] = control.PlanChange(Candidate(layout, rollout, 0.0, 0.0), 0.0, decision.get("reason", ""))
+    return changes
+
+
+class Timed:
+    """An engine that remembers when each turn arrived and how long it took to its last token."""
+
+    def __init__(self, inner, latencies: list[float]):
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_arrived", {})
+        object.__setattr__(self, "_latencies", latencies)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._inner, name, value)
+
+    def enqueue(self, unit) -> None:
+        self._arrived[id(unit)] = self._inner.last  # the simulator advanced the engine to now just before
+        self._inner.enqueue(unit)
+
+    def complete(self):
+        unit = self._inner.complete()
+        arrived = self._arrived.pop(id(unit), None)
+        if arrived is not None:
+            self._latencies.append(self._inner.last - arrived)
+        return unit
+
+    def evict(self):
+        units = self._inner.evict()
+        for unit in units:
+            self._arrived.pop(id(unit), None)
+        return units
+
+
+class TimedEngines:
+    """Timed engines, named into the run's own buckets in the order the simulator creates them."""
+
+    def __init__(self, inner: CostModelEngines, buckets: list[str] | None = None):
+        self.inner, self.latencies, self.engines, self.buckets = inner, [], [], buckets
+
+    def holds(self, tp: int) -> bool:
+        return self.inner.holds(tp)
+
+    def max_context_tokens(self) -> float:
+        return self.inner.max_context_tokens()
+
+    def instance(self, wid: str, bucket: str, tp: int, replicas: int, up_at: float):
+        if self.buckets and len(self.engines) < len(self.buckets):
+            bucket = self.buckets[len(self.engines)]
+        engine = Timed(self.inner.instance(wid, bucket, tp, replicas, up_at), self.latencies)
+        self.engines.append(engine)
+        return engine
+
+
+class RunBuckets(Simulator):
+    """The simulator routing onto the run's own buckets (planner.buckets: names, limits, replicas),
+    where it would derive one bucket per TP degree from the plan (preflight.to_plan); used while
+    the run's plan stays the config's."""
+
+    run_buckets: list[tuple[str, int]] = []
+
+    def _new_policy(self, candidate, lengths) -> None:
+        self.rollout.policy = make_policy(self.routing, self.run_buckets)
+
+
+def replay(run: Loaded, free_prefill: bool = False, how: str = "ewma") -> tuple[dict[str, float], dict]:
+    """The run replayed in the calibrated simulator: predicted figures and how it was calibrated.
+    `free_prefill`: the what-if that charges no prefill (prefill efficiency 1), to show how much
+    of a miss the per-turn prefill stall explains."""
+    config, trainer = run.config, run.config.trainer
+    model = tiny_model(config)
+    steps = len(run.record.steps)
+    batch = trainer.groups_per_step * trainer.group_size
+    workers = sum(b.replicas for b in config.planner.buckets)
+    layout = Layout(1, 1, 1, trainer.micro_batch_size)
+    cal = calibrate(run, model, layout, how)
+    rollout = cal.rollout_efficiency()
+    if free_prefill:
+        rollout = rollout.model_copy(update={"prefill_mfu": 1.0})
+    search = SearchConfig(total_gpus=1 + workers, group_size=trainer.group_size, tp_choices=(1,),
+                          rollout=rollout, train=cal.train_efficiency())
+    first = Candidate(layout, ((1, workers),), 0.0, 0.0)
+    changes = plans(run, first) if config.planner.mode == "online" else {}
+    publish = statistics.median(s["scalars"].get("time/publish_s", 0.0) for s in run.record.steps)
+    colocated = trainer.max_staleness == 0
+    sim = SimConfig(staleness=trainer.max_staleness, policy=config.scheduler.policy.type,
+                    per_worker_cap_tokens=config.scheduler.per_worker_cap_tokens,
+                    turn_budget_tokens=config.rollout.max_new_tokens, sync_gbps=100_000.0, sync_latency_s=publish,
+                    colocated=colocated, host_gbps=10_000.0, batching="in_order" if colocated else "first_complete",
+                    core_replicas=config.elastic.core_replicas if changes else 0, steps=steps)
+    specs = sorted(files.read(run.trace), key=_group_order)
+    trace = files.batches(specs, steps + steps // 10 + 2, batch, str(run.trace))
+    own = [b for b in config.planner.buckets for _ in range(b.replicas)]
+    engines = TimedEngines(CostModelEngines(model, CPU_CORE, (1,), search.rollout),
+                           None if changes else [b.name for b in own])
+    kind = Simulator if changes else type("Run", (RunBuckets,), {"run_buckets": [
+        (b.name, b.max_tokens) for b in config.planner.buckets]})
+    simulator = kind(model, CPU_CORE, trace, control.Scripted(first, changes), search, sim, engines)
+    result = simulator.run()
+    records = result.steps
+    span = records[-1].time_s
+    lat = engines.latencies
+    predicted = {"step_s": statistics.fmean(r.interval_s for r in records[1:]),
+                 "turn_p50_s": percentile(lat, 50), "turn_p90_s": percentile(lat, 90),
+                 "busy_train": sum(r.train_s for r in records) / span,
+                 "busy_rollout": statistics.fmean(min(1.0, e.busy_s / span) for e in engines.engines)}
+    snap = cal.snapshot()
+    notes = {"slowdowns": {k: v["slowdown"] for k, v in snap["estimators"].items()},
+             "rejected": snap["rejected"], "plan_changes": len(result.plan_changes),
+             "sim_usage": {k: round(v, 3) for k, v in simulator.usage.fractions().items()},
+             "sim_train_s": statistics.fmean(r.train_s for r in records),
+             "real_train_s": statistics.fmean(s["scalars"]["time/train_s"] for s in run.record.steps),
+             "sync_s": publish,
+             "turns_per_bucket": {"measured": dict(Counter(t["bucket"] for t in run.turns)),
+                                  "simulated": dict(Counter(e.bucket for e in engines.engines
+                                                            for _ in range(e.routed)))},
+             "s_per_token_by_batch": per_token(run.turns, cost_rollout.instance(model, CPU_CORE, 1, rollout))}
+    return predicted, notes
+
+
+BATCHES = ((1, 4), (5, 16), (17, 64))
+
+
+def per_token(turns: list[dict], engine) -> dict[str, list[float]]:
+    """Turn seconds per generated token by the worker's batch (measured), beside the calibrated
+    cost model's decode step at that batch (context 30 tokens a sequence): is the step's cost
+    flat in the batch, as on a CPU running a tiny model, or growing, as the cost model says?"""
+    found = {}
+    for lo, hi in BATCHES:
+        chosen = [t for t in turns if lo <= t["batch"] <= hi]
+        tokens = sum(t["output_tokens"] for t in chosen)
+        if tokens:
+            middle = (lo + hi) // 2
+            found[f"{lo}-{hi}"] = [round(sum(t["seconds"] for t in chosen) / tokens, 4),
+                                   round(engine.decode_step_seconds(middle, middle * 30), 4)]
+    return found
+
+
+def _group_order(spec) -> tuple:
+    """Trajectory ids are g{group}-s{sample}: the order groups were released in."""
+    match = re.match(r"g(\d+)-s(\d+)", spec.trajectory_id)
+    return (int(match.group(1)), int(match.group(2))) if match else (1 << 30, spec.trajectory_id)
+
+
+# ---- report -------------------------------------------------------------------------------------
+def table(rows: dict[str, dict[str, tuple[float, float]]]) -> str:
+    lines = [f"{'design':<18} {'figure':<32} {'predicted':>10} {'measured':>10} {'pred/meas':>9}  within 10%"]
+    for design, figures in rows.items():
+        for figure in FIGURES:
+            p, m = figures[figure]
+            ratio = p / m if m else float("nan")
+            lines.append(f"{design:<18} {LABELS[figure]:<32} {p:>10.3f} {m:>10.3f} {ratio:>9.2f}  "
+                         f"{'yes' if abs(ratio - 1) <= 0.10 else 'NO'}")
+    return "\n".join(lines)
+
+
+def plot(rows: dict[str, dict[str, tuple[float, float]]], out: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(8.5, 4.2))
+    width = 0.8 / max(1, len(rows))
+    for index, (design, figures) in enumerate(rows.items()):
+        ratios = [figures[f][0] / figures[f][1] if figures[f][1] else float("nan") for f in FIGURES]
+        xs = [i + (index - (len(rows) - 1) / 2) * width for i in range(len(FIGURES))]
+        bars = axis.bar(xs, ratios, width, label=design)
+        for x, r in zip(xs, ratios):
+            axis.text(x, r, f"{r:.2f}", ha="center", va="bottom", fontsize=7, color=bars[0].get_facecolor())
+    axis.axhspan(0.9, 1.1, color="tab:green", alpha=0.15, label="within 10%")
+    axis.axhline(1.0, color="0.3", lw=1)
+    axis.set_xticks(range(len(FIGURES)), [LABELS[f] for f in FIGURES], fontsize=8, rotation=12)
+    axis.set_ylabel("simulated / measured")
+    axis.set_title("Calibrated simulator replaying real `libra up` runs (median over runs; 1.0 = exact)", fontsize=10)
+    axis.grid(axis="y", alpha=0.3)
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Replay headline_cpu.py's runs in the calibrated simulator.")
+    parser.add_argument("--keep-runs", required=True, help="the directory headline_cpu.py --keep-runs wrote")
+    parser.add_argument("--plot", default=str(ROOT / "benchmarks/results/sim_vs_real.png"))
+    parser.add_argument("--json", default="", help="every run's figures, predicted and measured")
+    parser.add_argument("--calibration", choices=("ewma", "mean"), default="ewma",
+                        help="ewma: the online planner's settings (default); mean: each estimator over the whole run")
+    args = parser.parse_args(argv)
+    keep = pathlib.Path(args.keep_runs)
+    index = keep / "runs.json"
+    if not index.exists():
+        parser.error(f"--keep-runs: no {index}; run benchmarks/headline_cpu.py --keep-runs {keep} first")
+    entries = [e for e in json.loads(index.read_text())["runs"] if e.get("dir") and e["returncode"] == 0]
+    per_run, by_design = [], {}
+    for entry in entries:
+        run = load(keep, entry)
+        predicted, notes = replay(run, how=args.calibration)
+        free, _ = replay(run, free_prefill=True, how=args.calibration)
+        real = measured(run)
+        per_run.append({"run": run.name, "predicted": predicted, "measured": real, "free_prefill": free, **notes})
+        print(json.dumps({"run": run.name, **{f: [round(predicted[f], 3), round(real[f], 3)] for f in FIGURES},
+                          **notes}), flush=True)
+        by_design.setdefault(f"({run.design}) {DESIGNS[run.design][0]}", []).append((predicted, real, free))
+    rows = {design: {f: (statistics.median(p[f] for p, _, _ in runs), statistics.median(m[f] for _, m, _ in runs))
+                     for f in FIGURES} for design, runs in by_design.items()}
+    what_if = {design: {f: (statistics.median(w[f] for _, _, w in runs), statistics.median(m[f] for _, m, _ in runs))
+                        for f in FIGURES} for design, runs in by_design.items()}
+    print(table(rows))
+    print("\nwhat-if, the same replay charging no prefill (prefill efficiency 1):")
+    print(table(what_if))
+    plot(rows, pathlib.Path(args.plot))
+    print(f"plot: {args.plot}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(per_run, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

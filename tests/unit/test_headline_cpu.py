@@ -1,0 +1,100 @@
+"""benchmarks/headline_cpu.py and sim_vs_real.py without a run: every design's `libra up` command
+is a valid config with its overrides applied, the reward helpers, the plan parsing and the
+engine wrapper that times turns in the simulator."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import yaml
+
+from libra.config import load_run_config
+from libra.services.planner.cost_train import Layout
+from libra.services.planner.search import Candidate
+from libra.services.planner.sim.simple import SimpleModel
+from libra.services.planner.sim.instance import Unit
+from libra.traces.spec import TrajectorySpec, TurnSpec
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import headline_cpu  # noqa: E402
+import sim_vs_real  # noqa: E402
+
+
+def _config_of(argv: list[str]):
+    sets = {}
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "--set":
+            key, _, raw = value.partition("=")
+            sets[key] = yaml.safe_load(raw)
+    return load_run_config(argv[argv.index("--config") + 1], sets)
+
+
+def test_every_design_command_is_a_valid_config_with_the_cap(tmp_path):
+    for design in headline_cpu.DESIGNS:
+        config = _config_of(headline_cpu.command(design, tmp_path / design, f"t-{design}", 7))
+        assert config.trainer.steps == 7
+        assert config.telemetry.sample_s == 1
+        assert config.trainer.groups_per_step * config.trainer.group_size == 64
+    d = _config_of(headline_cpu.command("d", tmp_path / "d", "t-d", 7))
+    assert d.planner.mode == "online" and d.planner.cluster.gpus == 3 and d.planner.cluster.tp_choices == (1,)
+    assert d.planner.training.gpus == 1
+    a = _config_of(headline_cpu.command("a", tmp_path / "a", "t-a", 7))
+    assert a.trainer.max_staleness == 0 and a.planner.cluster.gpus == 48  # (a) runs as written
+
+
+def test_smoothed_is_a_trailing_mean():
+    assert headline_cpu.smoothed([0.0, 1.0, 1.0]) == [0.0, 0.5, 2 / 3]
+    rewards = [float(i) for i in range(15)]
+    assert headline_cpu.smoothed(rewards)[-1] == sum(rewards[-10:]) / 10
+
+
+class _Record:
+    def __init__(self, versions):
+        self.versions = versions
+
+    def trainer_version_at(self, t):
+        return self.versions[t]
+
+
+class _Run:
+    def __init__(self, decisions, versions):
+        self.record = _Record(versions)
+        self.record.decisions = decisions
+
+
+def test_applied_plans_become_scripted_changes_after_the_step_they_followed():
+    first = Candidate(Layout(1, 1, 1, 16), ((1, 2),), 0.0, 0.0)
+    decisions = [{"t": 0, "applied": True, "trigger": "config", "plan": "gen 1: train 1 GPU tp1 pp1 dp1 | short tp1x1"},
+                 {"t": 1, "applied": False, "trigger": "ratio", "plan": ""},
+                 {"t": 2, "applied": True, "trigger": "ratio", "reason": "gain",
+                  "plan": "gen 2: train 2 GPU tp1 pp1 dp2 | tp1 tp1x1"}]
+    changes = sim_vs_real.plans(_Run(decisions, {0: 1, 1: 3, 2: 5}), first)
+    assert list(changes) == [3]  # version 5 at the decision: steps 0..3 done
+    change = changes[3]
+    assert change.candidate.layout == Layout(1, 1, 2, 16) and change.candidate.rollout == ((1, 1),)
+
+
+def test_timed_engine_records_arrival_to_last_token():
+    latencies: list[float] = []
+    engine = sim_vs_real.Timed(SimpleModel().instance("w", "b", 1, 1, 0.0), latencies)
+    spec = TrajectorySpec("t0", "p", 0, 4, (TurnSpec(10),))
+    unit = Unit(spec, 1, 4.0, 0, 10.0, 4.0)
+    engine.advance(2.0)
+    engine.enqueue(unit)
+    engine.admit()
+    done = engine.next_completion()
+    engine.advance(done)
+    assert engine.complete() is unit
+    assert latencies == [done - 2.0] and done > 2.0
+    engine.up = True  # attributes the simulator sets land on the engine itself
+    assert engine._inner.up is True
+
+
+def test_timed_engines_take_the_runs_bucket_names_in_creation_order():
+    engines = sim_vs_real.TimedEngines(SimpleModel(), ["short", "long"])
+    names = [engines.instance(f"w{i}", "tp1", 1, 1, 0.0).bucket for i in range(3)]
+    assert names == ["short", "long", "tp1"]  # past the run's buckets: the plan's own name
+    assert len(engines.engines) == 3
