@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from libra.errors import FailedPrecondition, InvalidArgument, NotFound
 
 
+NO_WORKER = "no serving worker to route to"
+"""How a route with no serving worker at all begins (FAILED_PRECONDITION): the gateway waits on it."""
+
+
 @dataclass
 class Worker:
     worker_id: str
@@ -99,7 +103,7 @@ class Policy(abc.ABC):
         candidates = [w for w in self.state.workers.values() if w.serving and w.worker_id not in turn.exclude]
         if not candidates:
             known = len(self.state.workers)
-            raise FailedPrecondition(f"no serving worker to route to ({known} registered, "
+            raise FailedPrecondition(f"{NO_WORKER} ({known} registered, "
                                      f"{len(turn.exclude)} excluded): start rollout workers first")
         placement = self.state.placements.setdefault(turn.trajectory_id, Placement())
         worker, reason = self.choose(turn, placement, candidates)

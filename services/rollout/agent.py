@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
-from libra.errors import Unavailable
+from libra.errors import FailedPrecondition, Unavailable
+from libra.routing.policy import NO_WORKER
 from libra.services.rollout.config import RolloutConfig
 from libra.v1 import common_pb2
 from libra.workloads.base import Episode, FinalAnswer, Malformed, ToolCall, ToolResult, ToolStatus, TurnBudget, Workload
@@ -160,8 +161,7 @@ class AgentRunner:
         `play` and the OpenAI gateway (an external harness's turns) both generate through it."""
         exclude: list[str] = []
         for attempt in range(self.config.turn_retries + 1):
-            decision = await self.router.route(trajectory.trajectory_id, trajectory.prompt_id, turn, len(state.ids),
-                                               budget, exclude)
+            decision = await self._route(trajectory, turn, len(state.ids), budget, exclude)
             started = time.monotonic()
             try:  # a worker this gateway does not know (any more) is Unavailable too: retried elsewhere
                 acknowledged = self.version_of(decision.worker_id)
@@ -187,6 +187,20 @@ class AgentRunner:
                 await self.on_turn(outcome, len(state.ids))
             return outcome
         raise Unavailable(f"turn {turn} of {trajectory.trajectory_id} failed on {len(exclude)} workers: {exclude}")
+
+    async def _route(self, trajectory, turn: int, prompt_tokens: int, budget: int, exclude: list[str]):
+        """The scheduler's decision; while no worker serves at all (a plan is restarting them), ask
+        again with backoff for up to `no_worker_wait_s` instead of failing the trajectory."""
+        deadline, pause = time.monotonic() + self.config.no_worker_wait_s, 0.2
+        while True:
+            try:
+                return await self.router.route(trajectory.trajectory_id, trajectory.prompt_id, turn, prompt_tokens,
+                                               budget, exclude)
+            except FailedPrecondition as error:
+                if NO_WORKER not in str(error) or exclude or time.monotonic() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 5.0)
 
     async def _tool_turn(self, trajectory, state: Playback, turn: int, action, version: int,
                          episode: Episode) -> None:

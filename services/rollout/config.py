@@ -148,6 +148,10 @@ class RolloutConfig(Section):
     max_total_tokens: int = Field(384, ge=8, le=10_000_000, description="tokens per trajectory, prompt included")
     turn_timeout_s: float = Field(120.0, gt=0, le=86400, description="time limit of one model turn")
     turn_retries: int = Field(3, ge=0, le=100, description="retries of a turn on another worker when one fails")
+    no_worker_wait_s: float = Field(
+        300.0, ge=0, le=86_400,
+        description="how long a turn waits for a serving worker when none serves (a plan restarting the "
+                    "workers) before its trajectory fails; 0: fail at once")
     tool_timeout_s: float = Field(5.0, gt=0, le=3600, description="time limit of one tool call")
     record_trace: bool = Field(True, description="append one line per finished trajectory (turn lengths, tool "
                                "outcomes, no text) to RUN_DIR/trace.jsonl, for `libra sim` and the scheduler "

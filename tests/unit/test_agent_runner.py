@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from libra.errors import Unavailable
+from libra.errors import FailedPrecondition, Unavailable
+from libra.routing.policy import NO_WORKER
 from libra.services.rollout.agent import AgentRunner
 from libra.services.rollout.config import RolloutConfig
 from libra.tiny_model import stop_token_ids, train_tokenizer, wrap_tokenizer
@@ -177,3 +178,35 @@ def test_a_worker_reporting_a_version_older_than_it_acknowledged_is_retried_else
     traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g5-s0", prompt_id="2", group_id="g5")))
     assert router.events[:3] == [("route", 0, ()), ("done", "w0", True), ("route", 0, ("w0",))]
     assert set(traj.versions) == {7} and traj.reward == 1.0
+
+
+class RestartingRouter(FakeRouter):
+    """No worker serves for the first `gaps` routes (a plan is restarting them)."""
+
+    def __init__(self, workers, gaps: int):
+        super().__init__(workers)
+        self.gaps = gaps
+
+    async def route(self, trajectory_id, prompt_id, turn, prompt_tokens, max_new_tokens, exclude):
+        if self.gaps:
+            self.gaps -= 1
+            raise FailedPrecondition(f"{NO_WORKER} (0 registered, 0 excluded): start rollout workers first")
+        return await super().route(trajectory_id, prompt_id, turn, prompt_tokens, max_new_tokens, exclude)
+
+
+@pytest.mark.parametrize("wait_s", [30.0, 0.0])
+def test_a_turn_waits_for_workers_a_plan_is_restarting(setup, wait_s):
+    workload, _ = setup
+    prompt = workload.prompt(0)
+    runner, _, _, _ = runner_for(setup, [f"<answer>{prompt.answer}</answer>"])
+    runner.router = router = RestartingRouter(["w0", "w1"], gaps=3)
+    runner.config = RolloutConfig(no_worker_wait_s=wait_s)
+    play = runner.play(pb.Trajectory(trajectory_id="g0-s0", prompt_id="0", group_id="g0"))
+    if wait_s == 0:  # waiting switched off: the trajectory fails on the first refusal, as before
+        with pytest.raises(FailedPrecondition, match=NO_WORKER):
+            asyncio.run(play)
+        assert router.gaps == 2
+        return
+    traj = asyncio.run(play)
+    assert traj.reward == 1.0 and router.gaps == 0 and [e for e in router.events if e[0] == "route"] == [
+        ("route", 0, ())]
