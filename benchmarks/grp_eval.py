@@ -17,9 +17,12 @@ Same trace and GPU count for every row: Qwen2.5-7B on H200 nodes, asynchronous G
                       among those plans could at most gain (transitions cost nothing here)
     (b) tp2 + LB      a homogeneous TP-2 layout with load-balance routing (the older baseline)
 
-Prints the table and every plan change (c) made with its reason; writes
-benchmarks/results/grp_eval.json and a throughput-over-steps plot per GPU count
-(benchmarks/results/grp_<gpus>.png), then times one 4,096-GPU x 100-step static simulation.
+Prints the table (every run against (h) and against (a)), every plan change (c) made with its
+reason, and what its decisions were (how many replays judged a move, and why the others were not
+applied); writes benchmarks/results/grp_eval.json (every step of every run, every decision of (c))
+and a throughput-over-steps plot per GPU count (benchmarks/results/grp_<gpus>.png; with
+--stationary also grp_<gpus>_stationary.png), then times one 4,096-GPU x 100-step static
+simulation.
 
     .venv/bin/python benchmarks/grp_eval.py [--gpus 48 512] [--steps 100] [--seed 0] [--drift 2.0]
                                             [--prompts-per-gpu 4] [--segment 10] [--timing-gpus 4096]
@@ -90,9 +93,11 @@ def evaluate(gpus: int, steps: int, seed: int, drift: float, max_units: int, pro
     static = control.static(model, gpu, config)
     runs = {"(a) static, step-0 plan": Simulator(model, gpu, trace, static, config).run()}
     replanner = control.Online(model, gpu, config, ReplanSettings(), SimConfig())  # what `libra sim --planner online` runs
+    online_started = time.process_time()
     online = Simulator(model, gpu, trace, replanner, config).run()
-    print(f"  (c) online: {online.trajectories_per_s:.3f} traj/s, {len(online.plan_changes)} plan changes "
-          f"(CPU {time.process_time() - started:.0f}s so far)", flush=True)
+    online_cpu = time.process_time() - online_started
+    print(f"  (c) online: {online.trajectories_per_s:.3f} traj/s, {len(online.plan_changes)} plan changes, "
+          f"{replanner.replanner.ranker.plays} window replays in {online_cpu:.0f}s CPU", flush=True)
     used = [static.initial(trace)] + [change.candidate for change in replanner.changes]
     candidates = hindsight_candidates(model, gpu, gpus, trace, used)
     fixed = []
@@ -108,18 +113,20 @@ def evaluate(gpus: int, steps: int, seed: int, drift: float, max_units: int, pro
     runs = {f"(h) best static of {len(fixed)}": best, **runs, "(c) online GRP": online,
             "(b) tp2 + load_balance": sim_run.simulate(model, gpu, gpus, trace, "tp2", "load_balance", SimConfig(),
                                                        search_options=SEARCH)}
-    base = best.trajectories_per_s
+    base, step0 = best.trajectories_per_s, runs["(a) static, step-0 plan"].trajectories_per_s
     oracle_rate = best.trajectories / oracle_s
-    print(f"\n  {'run':28s} {'traj/s':>9s} {'vs (h)':>7s} {'changes':>7s} {'step s first10':>14s} {'last10':>7s}")
+    print(f"\n  {'run':28s} {'traj/s':>9s} {'vs (h)':>7s} {'vs (a)':>7s} {'changes':>7s} {'step s first10':>14s} "
+          f"{'last10':>7s}")
     rows = []
     for label, r in runs.items():
         first = sum(s.interval_s for s in r.steps[:10]) / len(r.steps[:10])
         last = sum(s.interval_s for s in r.steps[-10:]) / len(r.steps[-10:])
         print(f"  {label:28s} {r.trajectories_per_s:9.3f} {r.trajectories_per_s / base:6.3f}x "
-              f"{len(r.plan_changes):7d} {first:14.1f} {last:7.1f}")
-        rows.append(sim_run.to_json(r, {"label": label, "gpus": gpus, "vs_h": r.trajectories_per_s / base}))
-    print(f"  {'(o) oracle bound':28s} {oracle_rate:9.3f} {oracle_rate / base:6.3f}x   (moves free every {segment} "
-          f"steps; plans by segment: {' '.join(str(i) for i in choice)})")
+              f"{r.trajectories_per_s / step0:6.3f}x {len(r.plan_changes):7d} {first:14.1f} {last:7.1f}")
+        rows.append(sim_run.to_json(r, {"label": label, "gpus": gpus, "vs_h": r.trajectories_per_s / base,
+                                        "vs_a": r.trajectories_per_s / step0}))
+    print(f"  {'(o) oracle bound':28s} {oracle_rate:9.3f} {oracle_rate / base:6.3f}x {oracle_rate / step0:6.3f}x   "
+          f"(moves free every {segment} steps; plans by segment: {' '.join(str(i) for i in choice)})")
     print("\n  plans:")
     for index, r in enumerate(fixed):
         mark = "(h)" if r is best else "   "
@@ -128,13 +135,35 @@ def evaluate(gpus: int, steps: int, seed: int, drift: float, max_units: int, pro
     for change in online.plan_changes:
         print(f"  (c) after step {change.step}, transition {change.transition_s:.0f}s -> {change.after}\n"
               f"        why: {change.reason}")
+    outcomes = decision_outcomes(replanner.decisions)
+    print(f"  (c) decisions: {', '.join(f'{n} {what}' for what, n in outcomes.items())}")
     RESULTS.mkdir(exist_ok=True)
-    sim_run.plot({k: v for k, v in runs.items() if not k.startswith("(b)")}, RESULTS / f"grp_{gpus}.png",
+    name = f"grp_{gpus}{'_stationary' if drift == 0 else ''}.png"
+    sim_run.plot({k: v for k, v in runs.items() if not k.startswith("(b)")}, RESULTS / name,
                  f"{model.name}, {gpus} x {gpu.name}, agentic trace (drift {drift})")
     return {"gpus": gpus, "drift": drift, "trace": trace.source, "batch": trace.batch, "runs": rows,
             "static_candidates": [{"plan": r.first_plan, "trajectories_per_s": r.trajectories_per_s} for r in fixed],
             "oracle": {"segment": segment, "trajectories_per_s": oracle_rate, "vs_h": oracle_rate / base,
-                       "choice": choice}, "cpu_s": time.process_time() - started}
+                       "vs_a": oracle_rate / step0, "choice": choice},
+            "online": {"decisions": [{"step": st, "applied": applied, "reason": reason}
+                                     for st, applied, reason in replanner.decisions],
+                       "outcomes": outcomes, "replays": replanner.replanner.ranker.plays, "cpu_s": online_cpu},
+            "cpu_s": time.process_time() - started}
+
+
+def decision_outcomes(decisions: list[tuple[int, bool, str]]) -> dict[str, int]:
+    """The online controller's recorded decisions by outcome (the first words of the reason)."""
+    kinds = (("applied", "applied"), ("waiting for a second call", "not applied yet"),
+             ("gain below min_gain_ratio", "not applied: net gain below"),
+             ("gain does not pay for the move", "not applied: gain does not pay"),
+             ("no other plan to simulate", "not applied: the search found no other plan"),
+             ("not evaluated (gates, too few steps)", "not evaluated"))
+    out = {what: 0 for what, _ in kinds}
+    out["other"] = 0
+    for _, applied, reason in decisions:
+        what = next((w for w, prefix in kinds if reason.startswith(prefix)), "other")
+        out["applied" if applied else what] += 1
+    return {what: n for what, n in out.items() if n}
 
 
 def timing(gpus: int, steps: int, seed: int, drift: float, max_units: int) -> dict:

@@ -8,7 +8,8 @@
     libra plan --cluster HW.yaml --model M.yaml --trace T --gpus N   # preflight allocation
     libra plan explain --config FILE               # the planner's decisions and calibration
     libra data prepare WORKLOAD --source RAW [--out FILE]   # a dataset -> Libra's prompt JSONL
-    libra sim --cluster HW.yaml --model M.yaml --gpus N --steps S --trace synthetic|FILE   # cluster simulator
+    libra sim --cluster HW.yaml --model M.yaml --gpus N --steps S --trace synthetic|r2e|FILE   # cluster simulator
+    libra sim --config FILE [--set KEY=VALUE] --steps S --trace ...   # the design a run config describes
 
 Every command that reads a run config takes it as `--config FILE` (check-config also as a plain
 FILE argument), with `--set KEY=VALUE` overrides.
@@ -113,7 +114,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     try:
-        trace, note = load_batch(args.trace, args.batch)
+        trace, note = load_batch(args.trace, args.batch, args.group_size)
         decision = preflight(load_model(args.model), load_gpu(args.cluster), trace, args.gpus, args.top_k, options)
     except InvalidArgument as error:
         raise ConfigError(str(error)) from None
@@ -170,34 +171,63 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    """Discrete-event simulation of the whole loop at cluster scale (services/planner/sim/)."""
+    """Discrete-event simulation of the whole loop at cluster scale (services/planner/sim/); with
+    --config, of the design that run config describes (services/planner/sim/design.py)."""
     from libra.errors import InvalidArgument
     from libra.services.planner.hardware import load_gpu, load_model
-    from libra.services.planner.sim import run as sim_run
+    from libra.services.planner.sim import design as sim_design, run as sim_run
     from libra.services.planner.sim.cluster import SimConfig
 
+    design = None
+    if args.config:
+        flags = ("cluster", "model", "gpus", "policy", "planner", "staleness", "group_size")
+        given = [f"--{flag.replace('_', '-')}" for flag in flags if getattr(args, flag) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} with --config: the run config sets them (planner.cluster, "
+                              "scheduler.policy, planner.mode, trainer.max_staleness, trainer.group_size); "
+                              "override them with --set KEY=VALUE")
+        design = sim_design.design_of(_load(args), args.max_workers)
+        model, gpu, gpus, group_size = design.model, design.gpu, design.search.total_gpus, design.search.group_size
+        label = design.name
+    elif not (args.cluster and args.model and args.gpus):
+        raise ConfigError("libra sim needs --cluster, --model and --gpus, or --config FILE (a run config whose "
+                          "planner.cluster names them)")
+    else:
+        gpus, group_size = args.gpus, args.group_size or 8
+        label = f"{args.planner or 'static'}/{args.policy or 'cmlfq'}"
     try:
-        model, gpu = load_model(args.model), load_gpu(args.cluster)
-        prompts = args.prompts or max(8, args.gpus)
-        trace = sim_run.build_trace(args.trace, args.steps, prompts, args.group_size, args.seed, args.drift,
-                                    args.max_units)
+        if design is None:
+            model, gpu = load_model(args.model), load_gpu(args.cluster)
+        prompts = args.prompts or max(8, gpus)
+        if design is not None:  # spare batches replace rejected groups (the same trace for every design)
+            trace = sim_run.build_trace(args.trace, sim_design.trace_batches(args.steps), prompts, group_size,
+                                        args.seed, sim_design.trace_drift(args.drift, args.steps), args.max_units)
+        else:
+            trace = sim_run.build_trace(args.trace, args.steps, prompts, group_size, args.seed, args.drift,
+                                        args.max_units)
         print(f"trace {trace.source}: {args.steps} steps x {trace.batch} trajectories; mean tokens step 0 "
               f"{trace.mean_tokens(0):,.0f}, last step {trace.mean_tokens(args.steps - 1):,.0f}")
         every = max(1, args.steps // 10)
         report = lambda r: print(f"  step {r.step:4d}  t={r.time_s:9,.0f}s  step {r.interval_s:6.1f}s  "  # noqa: E731
                                  f"rollout {r.rollout_s:6.1f}s  train {r.train_s:6.1f}s") if r.step % every == 0 else None
-        result = sim_run.simulate(model, gpu, args.gpus, trace, args.planner, args.policy,
-                                  SimConfig(staleness=args.staleness, max_workers=args.max_workers),
-                                  progress=report, group_size=args.group_size)
+        if design is not None:
+            print(design.describe())
+            played = sim_design.simulate_design(design, trace, args.steps, progress=report)
+            result, extra = played.result, played.lines()
+        else:
+            result, extra = sim_run.simulate(model, gpu, gpus, trace, args.planner or "static", args.policy or "cmlfq",
+                                             SimConfig(staleness=1 if args.staleness is None else args.staleness,
+                                                       max_workers=args.max_workers),
+                                             progress=report, group_size=group_size), []
     except InvalidArgument as error:
         raise ConfigError(str(error)) from None
-    print("\n".join(sim_run.summary(result)))
+    print("\n".join(sim_run.summary(result) + extra))
     if args.json:
-        sim_run.write_json(args.json, sim_run.to_json(result, {"planner": args.planner, "policy": args.policy,
-                                                               "gpus": args.gpus, "trace": trace.source}))
+        about = ({"config": args.config, "run": design.name, "planner": design.planner, "policy": design.sim.policy}
+                 if design is not None else {"planner": args.planner or "static", "policy": args.policy or "cmlfq"})
+        sim_run.write_json(args.json, sim_run.to_json(result, {**about, "gpus": gpus, "trace": trace.source}))
     if args.plot:
-        sim_run.plot({f"{args.planner}/{args.policy}": result}, args.plot,
-                     f"{model.name}, {args.gpus} x {gpu.name}, {trace.source}")
+        sim_run.plot({label: result}, args.plot, f"{model.name}, {gpus} x {gpu.name}, {trace.source}")
     return 0
 
 
@@ -316,22 +346,29 @@ def build_parser() -> argparse.ArgumentParser:
     _common(check, config_required=False)
     check.set_defaults(func=cmd_check)
     sim = sub.add_parser("sim", help="simulate the whole loop at cluster scale (plans, routing, drift)")
-    sim.add_argument("--cluster", required=True, help="hardware description, e.g. configs/hardware/h200-141g.yaml")
-    sim.add_argument("--model", required=True, help="model description, e.g. configs/models/qwen2.5-7b.yaml")
-    sim.add_argument("--gpus", type=int, required=True, help="GPU budget shared by training and rollout")
+    sim.add_argument("--config", help="a run config: simulate the design it describes at the scale of its "
+                                      "planner.cluster (services/planner/sim/design.py); then --set overrides, "
+                                      "and --cluster, --model, --gpus, --policy, --planner, --staleness, "
+                                      "--group-size are the config's")
+    sim.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="with --config: override a config field, e.g. --set planner.cluster.gpus=512")
+    sim.add_argument("--cluster", help="hardware description, e.g. configs/hardware/h200-141g.yaml")
+    sim.add_argument("--model", help="model description, e.g. configs/models/qwen2.5-7b.yaml")
+    sim.add_argument("--gpus", type=int, help="GPU budget shared by training and rollout")
     sim.add_argument("--steps", type=int, default=100, help="training steps to simulate")
     sim.add_argument("--trace", default="synthetic",
-                     help="'synthetic' (drifting long-tailed agentic) or a trace file: trajectory JSONL, "
-                          "CSV prompt_tokens,output_tokens, or a runtime-history export")
-    sim.add_argument("--policy", default="cmlfq", choices=("cmlfq", "load_balance", "length_aware", "la_mlfq"),
-                     help="scheduler routing policy")
-    sim.add_argument("--planner", default="static", choices=("static", "tp2", "online"),
-                     help="static: best plan for step 0; tp2: homogeneous TP-2; online: the replanner")
+                     help="'synthetic' (drifting long-tailed agentic), 'r2e' (R2E-Gym-like SWE agent: "
+                          "libra/traces/r2e.py) or a trace file: trajectory JSONL, CSV "
+                          "prompt_tokens,output_tokens, or a runtime-history export")
+    sim.add_argument("--policy", choices=("cmlfq", "load_balance", "length_aware", "la_mlfq"),
+                     help="scheduler routing policy (default cmlfq)")
+    sim.add_argument("--planner", choices=("static", "tp2", "online"),
+                     help="static (default): best plan for step 0; tp2: homogeneous TP-2; online: the replanner")
     sim.add_argument("--prompts", type=int, default=0, help="prompts per step (default: max(8, gpus))")
-    sim.add_argument("--group-size", type=int, default=8, help="GRPO samples per prompt")
-    sim.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
-    sim.add_argument("--drift", type=float, default=1.0, help="synthetic lengths grow by 1 + drift over the run")
-    sim.add_argument("--staleness", type=int, default=1, help="batches rollout may run ahead of training")
+    sim.add_argument("--group-size", type=int, help="GRPO samples per prompt (default 8)")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
+    sim.add_argument("--drift", type=float, default=1.0, help="generated lengths grow by 1 + drift over the run")
+    sim.add_argument("--staleness", type=int, help="batches rollout may run ahead of training (default 1)")
     sim.add_argument("--max-units", type=int, default=1024,
                      help="simulated trajectories per step; above it one stands for several identical ones")
     sim.add_argument("--max-workers", type=int, default=256, help="engines simulated one by one; above it pooled")

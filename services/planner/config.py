@@ -43,6 +43,8 @@ class ReplanSettings(Section):
     shortlist: int = Field(3, ge=1, le=32, description="the search's best distinct splits simulated per decision")
     neighbours: int = Field(6, ge=0, le=32, description="also simulated: the best plans one engine exchange away "
                                                         "from the plan in force (same split, TP mix changed)")
+    whole_exchanges: bool = Field(True, description="also simulated: the plan in force with all the engines of one TP "
+                                                    "degree turned into another's (the far ends of the TP mix)")
     confirm: int = Field(2, ge=1, le=100, description="rank simulate: a move is applied only when this many "
                                                        "evaluations in a row call for one (replays of a short "
                                                        "window are noisy; 1: at once)")

@@ -179,8 +179,9 @@ def render_explain(reply: planner_pb2.ExplainResponse) -> str:
     lines.append(f"decisions ({len(reply.decisions)}):")
     for d in reply.decisions:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(d.timestamp))
-        verdict = "APPLIED" if d.applied else "not applied"
-        lines.append(f"  #{d.decision_id} {when} trigger={d.trigger or '-'} {verdict}: {_without_verdict(d.reason)}")
+        verdict, reason = split_verdict(d.applied, d.reason)
+        lines.append(f"  #{d.decision_id} {when} trigger={d.trigger or '-'} {'APPLIED' if d.applied else verdict}: "
+                     f"{reason}")
         if d.HasField("current"):
             predicted = f"  predicted {d.predicted_current_seconds:.2f}s" if d.predicted_current_seconds else ""
             lines.append(f"      current: {describe(_plan_of(d.current))}{predicted}")
@@ -212,12 +213,17 @@ def render_explain(reply: planner_pb2.ExplainResponse) -> str:
     return "\n".join(lines)
 
 
-def _without_verdict(reason: str) -> str:
-    """A reason without the verdict Explain prints before it ('not applied: not applied: ...' once)."""
-    for prefix in ("not applied: ", "applied: "):
-        if reason.startswith(prefix):
-            return reason[len(prefix):]
-    return reason
+VERDICTS = ("not applied yet", "not applied", "applied")  # longest first: the prefixes reasons start with
+
+
+def split_verdict(applied: bool, reason: str) -> tuple[str, str]:
+    """(verdict, reason without it): the verdict a reason starts with ('not applied yet: 1 of 2 ...'),
+    else 'applied' / 'not applied' from the flag, so that Explain and the run record print each
+    verdict once (never 'not applied: not applied: ...')."""
+    for verdict in VERDICTS:
+        if reason.startswith(verdict + ": "):
+            return verdict, reason[len(verdict) + 2:]
+    return ("applied" if applied else "not applied"), reason
 
 
 def _plan_of(message: common_pb2.Plan) -> Plan:

@@ -1,5 +1,6 @@
 """How the replanner judges a move from the plan in force to one of its candidates (the search's
-best distinct splits, and the plans one engine exchange away from the plan in force).
+best distinct splits, the plans one engine exchange away from the plan in force, and its whole
+exchanges: `shortlist.py`).
 
 Two judges, one rule (transition.accept: the gain over `horizon_steps` less the cost of moving
 must be positive and at least `min_gain_ratio` of the time the plan in force would take):

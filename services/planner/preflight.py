@@ -66,12 +66,14 @@ def load_trace(path: str | pathlib.Path) -> list[tuple[int, int]]:
         raise ConfigError(str(error)) from None
 
 
-def load_batch(path: str | pathlib.Path, batch: int = 0) -> tuple[list[tuple[int, int]], str]:
+def load_batch(path: str | pathlib.Path, batch: int = 0, group_size: int = 1) -> tuple[list[tuple[int, int]], str]:
     """One training step's (prompt, output) pairs from a trace file, and a line saying which.
 
     A trace that carries its steps (trajectory JSONL) gives its last step's batch (the most
     recent lengths); any other format the whole file. `batch` > 0 draws that many sequences
-    (seed 0) instead: e.g. one step out of a whole recorded run."""
+    (seed 0) instead: e.g. one step out of a whole recorded run. A whole file that is not a
+    whole number of GRPO groups of `group_size` (a run's recording leaves failed trajectories
+    out) is refused with the `--batch` that fixes it."""
     try:
         specs = files.read(path)
     except InvalidArgument as error:
@@ -85,6 +87,12 @@ def load_batch(path: str | pathlib.Path, batch: int = 0) -> tuple[list[tuple[int
         pairs = check_trace(spec.pairs(specs), str(path))
     except InvalidArgument as error:
         raise ConfigError(str(error)) from None
+    if not batch and group_size > 1 and len(pairs) % group_size:
+        fit = len(pairs) // group_size * group_size
+        raise ConfigError(f"{note}, not a whole number of GRPO groups of {group_size} (a run's recording leaves "
+                          f"failed trajectories out): pass --batch N, a multiple of {group_size} up to {fit} "
+                          f"(e.g. --batch {min(fit, 1024 // group_size * group_size) or group_size}), to plan "
+                          f"for N sequences drawn from it, or the group size the run used")
     if batch:
         if batch > len(pairs):
             raise ConfigError(f"--batch {batch} is larger than the trace ({len(pairs)} sequences)")

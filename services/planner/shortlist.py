@@ -5,8 +5,11 @@ The closed-form search ranks one synchronous step; the asynchronous pipeline can
 differently, most of all the rollout fleet's TP mix at a given split (two batches share the
 engines, and the router sends the long tail to the wide engines). So next to the search's best
 splits (one or two fleets each) the shortlist holds the plan in force's neighbours: the same
-training layout, some GPUs of the engines of one TP degree given to engines of another. Pure:
-candidates and their closed-form times, no simulation here.
+training layout, some GPUs of the engines of one TP degree given to engines of another: the
+`near` best small exchanges by the closed form, and every whole exchange (all of one degree's
+engines turned into another's), which the closed form does not filter, since it is the ranking
+that misjudges the TP mix: without them the replanner walks to a far fleet an eighth at a time,
+one confirmed move after another. Pure: candidates and their closed-form times, no simulation here.
 """
 
 from __future__ import annotations
@@ -24,22 +27,24 @@ from libra.services.planner.transition import same_plan
 
 
 def shortlist(result: SearchResult, model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]],
-              config: SearchConfig, current: Candidate, splits: int, near: int) -> list[Candidate]:
-    """The search's `splits` best candidates other than `current`, then `near` of its neighbours."""
+              config: SearchConfig, current: Candidate, splits: int, near: int, whole: bool = True) -> list[Candidate]:
+    """The search's `splits` best candidates other than `current`, then `near` of its neighbours
+    and (with `whole`) its whole exchanges."""
     out = [c for c in result.alternatives if not same_plan(c, current)][:splits]
-    for candidate in neighbours(model, gpu, trace, config, current, near):
+    for candidate in neighbours(model, gpu, trace, config, current, near, whole):
         if not any(same_plan(candidate, c) for c in out):
             out.append(candidate)
     return out
 
 
 def neighbours(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]], config: SearchConfig,
-               plan: Candidate, keep: int = 2) -> list[Candidate]:
+               plan: Candidate, keep: int = 2, whole: bool = True) -> list[Candidate]:
     """Plans one exchange away from `plan`: its training layout, and its rollout fleet with some GPUs
     of the engines of one TP degree given to engines of another: the fewest that trade evenly (the
     lcm of the two degrees), and about an eighth of the fleet (in lcm units). The `keep` best by
     the closed-form rollout time on `trace`: the replanner simulates them next to the search's
-    shortlist, which holds one or two fleets per split."""
+    shortlist, which holds one or two fleets per split. With `whole`, then every whole exchange
+    (all of one degree's engines, in lcm units, to another degree) not already in, unranked."""
     if not trace or not plan.rollout:
         return []
     rejected = Rejections()
@@ -53,22 +58,25 @@ def neighbours(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]],
     packing = placement.Packing(config.total_gpus, gpu.gpus_per_node, config.tp_choices)
     counts = dict(plan.rollout)
     found: dict[Multiset, Candidate | None] = {}
+    far: dict[Multiset, Candidate | None] = {}
     for source, have in counts.items():
         for target in instances:
             if target == source or source not in instances:
                 continue
             unit = math.lcm(source, target)
-            for gpus in sorted({unit, max(unit, plan.rollout_gpus // 8 // unit * unit)}):
-                if have * source < gpus:
+            small = sorted({unit, max(unit, plan.rollout_gpus // 8 // unit * unit)})
+            for gpus in small + ([have * source // unit * unit] if whole else []):
+                if have * source < gpus or not gpus:
                     continue
                 mix = dict(counts)
                 mix[source] -= gpus // source
                 mix[target] = mix.get(target, 0) + gpus // target
                 fleet_mix = tuple(sorted((tp, n) for tp, n in mix.items() if n))
-                if fleet_mix not in found:
-                    found[fleet_mix] = _costed(plan.layout, train_s, fleet_mix, instances, trace, packing)
+                into = found if gpus in small else far
+                if fleet_mix not in found and fleet_mix not in far:
+                    into[fleet_mix] = _costed(plan.layout, train_s, fleet_mix, instances, trace, packing)
     ranked = sorted((c for c in found.values() if c is not None), key=lambda c: (c.step_s, c.rollout_s))
-    return ranked[:keep]
+    return ranked[:keep] + [c for c in far.values() if c is not None]
 
 
 def _costed(layout: Layout, train_s: float, fleet_mix: Multiset, instances: dict, trace,

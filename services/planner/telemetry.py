@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import Gauge
 
 from libra.plans import from_proto
-from libra.services.planner.core import describe
+from libra.services.planner.core import describe, split_verdict
 from libra.telemetry.recorder import probe
 from libra.v1 import planner_pb2
 
@@ -45,10 +45,10 @@ class PlannerProbe:
         if record.applied:
             scalars["plan/generation"] = record.chosen.generation
             GENERATION.set(record.chosen.generation)
-        verdict = "applied" if record.applied else "not applied"
+        verdict, reason = split_verdict(record.applied, record.reason)
         self.recorder.write(
             "decision", t=record.timestamp or None, scalars=scalars,
-            text={"plan/decision": f"**{verdict}** ({record.trigger or 'config'}): {record.reason}\n\n{plan}"},
+            text={"plan/decision": f"**{verdict}** ({record.trigger or 'config'}): {reason}\n\n{plan}"},
             trigger=record.trigger, applied=record.applied, reason=record.reason, plan=plan,
             generation=record.chosen.generation if record.applied else None,
             predicted_current_s=record.predicted_current_seconds, predicted_new_s=record.predicted_new_seconds,

@@ -190,7 +190,7 @@ def test_neighbours_trade_the_fewest_engines_that_exchange_evenly():
 
     model, gpu = model_named("qwen2.5-7b"), gpu_named("h200-141g")
     plan = Candidate(Layout(1, 4, 4, 1), ((1, 8), (4, 6)), math.nan, math.nan)
-    near = neighbours(model, gpu, _trace(2, 16, 8), SearchConfig(total_gpus=48), plan, keep=10)
+    near = neighbours(model, gpu, _trace(2, 16, 8), SearchConfig(total_gpus=48), plan, keep=10, whole=False)
     mixes = {c.rollout for c in near}
     assert ((1, 4), (4, 7)) in mixes  # four TP1 engines -> one TP4
     assert ((1, 12), (4, 5)) in mixes  # one TP4 -> four TP1
@@ -199,4 +199,9 @@ def test_neighbours_trade_the_fewest_engines_that_exchange_evenly():
     assert all(c.layout == plan.layout and c.rollout_gpus == 32 for c in near)
     steps = [c.step_s for c in near]
     assert steps == sorted(steps) and len(neighbours(model, gpu, _trace(2, 16, 8), SearchConfig(total_gpus=48),
-                                                     plan, keep=2)) == 2
+                                                     plan, keep=2, whole=False)) == 2
+    # whole exchanges: every engine of one degree turned into another's, after the `keep` ranked ones
+    far = neighbours(model, gpu, _trace(2, 16, 8), SearchConfig(total_gpus=48), plan, keep=2)
+    assert far[:2] == near[:2]
+    assert {c.rollout for c in far[2:]} == {((4, 8),), ((1, 32),), ((2, 4), (4, 6)), ((1, 8), (2, 12))}
+    assert all(c.layout == plan.layout and c.rollout_gpus == 32 for c in far)

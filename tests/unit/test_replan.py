@@ -221,3 +221,28 @@ def test_explain_prints_the_verdict_once():
     assert "not applied: gain does not pay for the transition (numbers)" in text
     assert "APPLIED: predicted 2s -> 1s" in text
     assert "not applied: not applied" not in text and "applied: applied" not in text.lower()
+
+
+def test_a_waiting_move_and_the_run_record_print_the_verdict_once():
+    from libra.services.planner.core import render_explain, split_verdict
+    from libra.services.planner.telemetry import PlannerProbe
+    from libra.v1 import planner_pb2
+
+    waiting = planner_pb2.PlanDecision(decision_id=3, trigger="ratio", applied=False,
+                                       reason="not applied yet: 1 of 2 evaluations in a row call for a move (x)")
+    text = render_explain(planner_pb2.ExplainResponse(mode="online", decisions=[waiting]))
+    assert "trigger=ratio not applied yet: 1 of 2 evaluations" in text and "not applied: not applied" not in text
+    assert split_verdict(False, "no trigger fired") == ("not applied", "no trigger fired")
+
+    class Captured:  # the recorder's interface: what the probe writes
+        def __init__(self):
+            self.texts = []
+
+        def write(self, kind, **fields):
+            self.texts.append(fields["text"]["plan/decision"])
+
+    probe = PlannerProbe(Captured(), None)
+    probe.decision(waiting)
+    probe.decision(planner_pb2.PlanDecision(trigger="interval", applied=False, reason="not applied: too slow (y)"))
+    assert probe.recorder.texts[0].startswith("**not applied yet** (ratio): 1 of 2 evaluations")
+    assert probe.recorder.texts[1].startswith("**not applied** (interval): too slow (y)")

@@ -87,7 +87,7 @@ def test_no_move_within_the_minimum_gain_or_when_the_move_costs_more():
 
 def test_the_replay_calibrates_the_pipeline_and_plays_again_when_it_moved():
     ranker = ScriptedRanker({8: 100.0}, move_extra=0.0, span_factor=2.0)  # batches took 2x the replay
-    r = observed(ranker, shortlist=1, neighbours=0, confirm=1)
+    r = observed(ranker, shortlist=1, neighbours=0, whole_exchanges=False, confirm=1)
     r.consider(10.0)
     assert r.calibration.pipeline_slowdown() == pytest.approx(2.0)
     assert ranker.plays == 1 + 1 + 2  # current, current again at the new speed, one candidate fixed and moved

@@ -12,7 +12,7 @@ import yaml
 from libra.config import build_run_config, load_run_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-RUN_CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+RUN_CONFIGS = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "configs" / "headline").glob("*.yaml"))
 
 
 @pytest.fixture(autouse=True)
@@ -23,9 +23,10 @@ def _from_the_repository_root(monkeypatch):
 def test_the_run_configs_are_all_found():
     names = {path.stem for path in RUN_CONFIGS}
     assert {"quickstart", "gsm8k", "dapo", "search_r1", "code_agent", "swe"} <= names
+    assert {"a-sync-colocated", "b-async-even", "c-libra-static", "d-libra-full"} <= names  # configs/headline/
 
 
-@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda path: path.name)
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda path: str(path.relative_to(ROOT / "configs")))
 def test_run_config_validates_and_its_resolved_form_too(path):
     config = load_run_config(path, env={})
     # `libra check-config` prints this resolved form; it must load back to the same config.
@@ -33,7 +34,7 @@ def test_run_config_validates_and_its_resolved_form_too(path):
     assert build_run_config(resolved, env={}) == config
 
 
-@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda path: path.name)
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda path: str(path.relative_to(ROOT / "configs")))
 def test_run_config_workload_data_is_usable(path):
     from libra.workloads.base import build_workload
 

@@ -7,8 +7,14 @@ GRPO loop) that `libra sim`, the scheduler evaluation and the GRP evaluation all
                  pooled at cluster scale (`libra sim`)
     rollout.py   Rollout: turns routed through a real `libra.routing` policy onto instances;
                  Window: one window of trajectories played to its end on a fixed layout
-    cluster.py   Simulator: releases, training steps, weight syncs and plan changes around Rollout
+    cluster.py   Simulator: releases, training steps, weight syncs and plan changes around Rollout,
+                 asynchronous and disaggregated or synchronous colocated
+    batching.py  which trajectories each step trains (in order, or the trainer's first complete groups)
+    trainer.py   the training side: layout in force, elastic hybrid moves, step and sync costs
+    usage.py     busy GPU fraction per pool, staleness of trained trajectories
     control.py   plan controllers (static, homogeneous TP-2, the online Replanner, scripted)
+    colocated.py the colocated plan (every GPU trains and rolls out)
+    design.py    a run config's design at cluster scale (`libra sim --config`, the headline)
     result.py    what runs report (StepRecord, PlanChangeRecord, SimResult, RolloutResult)
     run.py       one run from command-line choices (`simulate`), one plan over a window
                  (`run_plan`), summary lines, JSON and plot

@@ -25,6 +25,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from libra.services.planner import cost_rollout
 from libra.services.planner.cost_rollout import Infeasible, RolloutEfficiency
@@ -56,6 +57,7 @@ class CostModelInstance:
     busy_s: float = 0.0
     peak_kv: float = 0.0  # largest context / capacity seen
     routed: int = 0
+    on_start: Callable[[Unit], None] | None = None  # told when a trajectory's first turn is admitted
 
     def __post_init__(self) -> None:
         e = self.engine
@@ -66,6 +68,7 @@ class CostModelInstance:
         self.max_seqs = e.eff.max_seqs * self.replicas
         self.prefill_per_token = e.prefill_seconds(1) / self.replicas
         self.fixed = 0.0
+        self.fixed_by_seqs: dict[int, float] = {}  # the step's cost without KV reads, by running sequences
         self.last = self.up_at
 
     def fits(self, unit: Unit) -> bool:
@@ -115,6 +118,8 @@ class CostModelInstance:
                 assert self.seqs, f"{self.wid} cannot admit a unit it was checked to fit"
                 break
             self.waiting.popleft()
+            if unit.turn == 0 and self.on_start is not None:
+                self.on_start(unit)
             self.stall += self.prefill_per_token * unit.prefill * k
             heapq.heappush(self.heap, (self.progress + unit.turn_left, unit.seq, unit))
             self.seqs += k
@@ -151,8 +156,12 @@ class CostModelInstance:
         return out
 
     def _refresh(self) -> None:
-        per_engine = self.seqs / self.replicas
-        self.fixed = self.engine.decode_step_seconds(per_engine, 0.0) if self.seqs else 0.0
+        seqs = self.seqs
+        fixed = self.fixed_by_seqs.get(seqs)
+        if fixed is None:  # the same call for the same batch size: cached (a hot path at cluster scale)
+            fixed = self.engine.decode_step_seconds(seqs / self.replicas, 0.0) if seqs else 0.0
+            self.fixed_by_seqs[seqs] = fixed
+        self.fixed = fixed
 
 
 class CostModelEngines:
@@ -160,6 +169,7 @@ class CostModelEngines:
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, tp_choices: tuple[int, ...], eff: RolloutEfficiency):
         self.model, self.gpu = model, gpu
+        self.on_start: Callable[[Unit], None] | None = None  # handed to every instance built from now on
         self.engines: dict[int, cost_rollout.Instance] = {}
         for tp in tp_choices:
             if gpu.gpus_per_node % tp == 0:
@@ -178,7 +188,8 @@ class CostModelEngines:
         return max(e.kv_capacity_tokens for e in self.engines.values())
 
     def instance(self, wid: str, bucket: str, tp: int, replicas: int, up_at: float) -> CostModelInstance:
-        return CostModelInstance(wid, tp, replicas, self.engines[tp], up_at=up_at, bucket=bucket)
+        return CostModelInstance(wid, tp, replicas, self.engines[tp], up_at=up_at, bucket=bucket,
+                                 on_start=self.on_start)
 
 
 def pool(rollout: tuple[tuple[int, int], ...], max_workers: int) -> list[tuple[int, int]]:

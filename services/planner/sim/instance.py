@@ -38,6 +38,7 @@ class Unit:
     worker: str = ""
     kv_on: str = ""  # the instance holding this trajectory's prefix cache
     policy: object = None  # the policy object that routed the current turn
+    carried: int = 0  # tokens a newer policy counts for this turn on its worker (routed by an older one)
     released_s: float = 0.0
     seq: int = 0
 

@@ -14,6 +14,12 @@ tool payload where it stays. A turn that no serving instance can hold waits ("pa
 that can comes up. The loop owns the instances in force and the routing counters; it does not own
 the clock's other events (releases, training: `cluster.py`) nor the speed of an instance
 (`instance.py`). Deterministic: events at the same time run in the order they were scheduled.
+
+A plan change replaces the policy while turns it routed still run on the instances the new plan
+keeps. Those instances register with the new policy carrying the load the new policy would have
+counted for those turns (context + turn budget each, as `Policy.route` counts), and each such turn
+releases its share there when it ends: the new policy sees the kept instances' real load, neither
+idle (it would pile new turns on them) nor loaded forever (it would starve them).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class Rollout:
         self.events, self.policy, self.turn_budget_tokens = events, policy, turn_budget_tokens
         self.on_finish = on_finish
         self.instances: dict[str, Instance] = {}
+        self.running: dict[str, set[Unit]] = {}  # instance -> the units whose turn it runs or queues
         self.serving: list[Instance] = []
         self.floor: tuple[float, float, float] = (0, 0, 0)
         self.parked: list[Unit] = []
@@ -91,12 +98,18 @@ class Rollout:
         instance.advance(self.events.now)
         moved = instance.evict()
         del self.instances[instance.wid]
+        self.running.pop(instance.wid, None)
         return moved
 
     def register(self, instance: Instance) -> None:
+        """Make the instance a worker of the policy in force, with the turns another policy routed
+        there counted as this one would have (module docstring); a new instance has none."""
+        carried = [u for u in self.running.get(instance.wid, ()) if u.policy is not self.policy]
+        for unit in carried:
+            unit.carried = int(unit.context) + self.turn_budget_tokens
         self.policy.register(Worker(instance.wid, instance.bucket, f"sim://{instance.wid}", instance.tp,
-                                    outstanding_tokens=instance.load_tokens(),
-                                    outstanding_requests=instance.requests()))
+                                    outstanding_tokens=sum(u.carried for u in carried),
+                                    outstanding_requests=len(carried)))
 
     def serving_changed(self) -> None:
         """Cache the instances that serve and the largest turn every one of them can hold."""
@@ -164,8 +177,9 @@ class Rollout:
         self.routes += 1
         self.moves += decision.moved
         self.reasons[decision.reason] += 1
-        unit.policy = policy
+        unit.policy, unit.carried = policy, 0
         instance = self.instances[decision.worker_id]
+        self.running.setdefault(instance.wid, set()).add(unit)
         if unit.kv_on != instance.wid:
             unit.prefill = unit.context  # no prefix cache there: the whole context again
         unit.kv_on = unit.worker = instance.wid
@@ -182,6 +196,13 @@ class Rollout:
         now = self.events.now
         instance.advance(now)
         unit = instance.complete()
+        self.running.get(instance.wid, set()).discard(unit)
+        if unit.carried:  # routed by an older policy: release what the policy in force counted for it
+            worker = self.policy.state.workers.get(instance.wid)
+            if worker is not None:
+                worker.outstanding_tokens = max(0, worker.outstanding_tokens - unit.carried)
+                worker.outstanding_requests = max(0, worker.outstanding_requests - 1)
+            unit.carried = 0
         spec, k = unit.spec, unit.turn
         turn = spec.turns[k]
         unit.context = unit.final

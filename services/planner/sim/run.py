@@ -27,7 +27,7 @@ from libra.services.planner.sim import control
 from libra.services.planner.sim.cluster import SimConfig, Simulator
 from libra.services.planner.sim.instance import InstanceModel
 from libra.services.planner.sim.result import SimResult, StepRecord
-from libra.traces import files, synthetic
+from libra.traces import files, r2e, synthetic
 from libra.traces.spec import Trace
 
 PLANNERS = ("static", "tp2", "online")
@@ -49,6 +49,8 @@ def build_trace(source: str, steps: int, prompts: int, group_size: int, seed: in
     if source == "synthetic":
         copies = cohort_copies(prompts * group_size, max_units)
         return synthetic.drifting(steps, prompts, group_size, seed, drift, copies)
+    if source == "r2e":
+        return r2e.r2e_like(steps, prompts, group_size, seed, drift, cohort_copies(prompts * group_size, max_units))
     return files.load(source, steps, prompts * group_size)
 
 
@@ -94,6 +96,12 @@ def run_plan(model: ModelSpec, gpu: GpuSpec, trace: Trace, candidate: Candidate,
     TP degrees the engines are built for; `instance_model` replaces the cost model's engines. With
     `move_to`, the plan changes to it after step `move_after`, ready `transition_s` later (the move
     as the simulator plays it: engines drained and started, turns moved, the trainer resharded)."""
+    for plan in (candidate, move_to):
+        if plan is not None and not any(n > 0 for _, n in plan.rollout):
+            l = plan.layout
+            raise InvalidArgument(f"the plan with training tp{l.tp} pp{l.pp} dp{l.dp} has no rollout engine (rollout "
+                                  f"fleet {list(plan.rollout)}: no bucket with a replica): give at least one "
+                                  f"(tp, count >= 1)")
     changes = ({move_after: control.PlanChange(move_to, transition_s, "replay of a move")}
                if move_to is not None else {})
     controller = control.Scripted(candidate, changes)

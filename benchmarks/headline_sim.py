@@ -1,0 +1,242 @@
+"""Benchmark: the headline, simulated (issue 16 item 3): Libra against the designs users run instead.
+
+The four designs are the run configs under configs/headline/, each simulated exactly as
+`libra sim --config FILE [--set KEY=VALUE ...] --trace r2e ...` simulates it
+(services/planner/sim/design.py); every row prints that command.
+
+    (a) a-sync-colocated   synchronous colocated (verl's default trainer)
+    (b) b-async-even       asynchronous, static even split, load balance, staleness bound (AReaL)
+    (c) c-libra-static     the planner's split and buckets, C-MLFQ
+    (d) d-libra-full       online replanning, elastic hybrid pool, C-MLFQ
+
+Qwen3-14B on A800 nodes (configs/models/qwen3-14b.yaml, configs/hardware/a800-80g.yaml), an
+R2E-Gym-like trace (libra/traces/r2e.py: up to 30k new tokens and 12 turns, lengths drifting by
+1 + drift over the run), 8 trajectories per GPU per step (GPUs prompts x GRPO groups of 8).
+
+    sweep     the best settings of (a) and (b) at every scale: each TP degree (tp_choices) is
+              simulated and the fastest is the row (what a careful user would do); (c) and (d)
+              take the planner's choices as they come
+    table     (a)-(d): trajectories/s, output tokens/s, mean step time (first and last 10 steps),
+              busy GPU fraction per pool, staleness shares; (d) over (a) and over (b)
+    ablation  (d) with one mechanism off at a time (at --ablation-gpus): C-MLFQ -> load balance,
+              heterogeneous buckets -> one TP degree ((b)'s best), replanning off (planner.mode
+              static), elastic pool off (elastic.core_replicas 65536: no replica is ever a hybrid)
+    plot      trajectories/s over steps per design at the first GPU count
+              (benchmarks/results/headline_<gpus>.png); every number in
+              benchmarks/results/headline_sim.json
+
+Runs are independent and deterministic; `--jobs` runs them in parallel processes.
+
+    .venv/bin/python benchmarks/headline_sim.py [--gpus 48 512 4096] [--steps 100] [--seed 0]
+        [--drift 1.0] [--ablation-gpus 48] [--online-gpus 48 512 4096] [--jobs 1] [--only a b c d]
+        [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import pathlib
+import resource
+import sys
+import time
+
+from libra.config import load_run_config
+from libra.services.planner.sim import design as sim_design, run as sim_run
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+RESULTS = ROOT / "benchmarks" / "results"
+CONFIGS = {key: f"configs/headline/{name}.yaml" for key, name in
+           (("a", "a-sync-colocated"), ("b", "b-async-even"), ("c", "c-libra-static"), ("d", "d-libra-full"))}
+TITLES = {"a": "(a) sync colocated (verl)", "b": "(b) async even split + LB (AReaL)",
+          "c": "(c) Libra static", "d": "(d) Libra full"}
+SWEEP = {"a": ([1, 2, 4, 8], [1], [2], [4], [8]), "b": ([1], [2], [4], [8])}
+TRACES: dict = {}  # (gpus, steps, seed, drift) -> Trace, built before the workers fork
+
+
+def overrides_for(key: str, gpus: int, extra: dict | None = None) -> dict:
+    """The --set overrides that put design `key` at `gpus` GPUs (the even split of (b) scaled)."""
+    found = {"planner.cluster.gpus": gpus}
+    if key == "b":
+        found.update({"planner.cluster.min_train_gpus": gpus // 2, "planner.cluster.min_rollout_gpus": gpus // 2})
+    return {**found, **(extra or {})}
+
+
+def command(key: str, sets: dict, args: argparse.Namespace, gpus: int) -> str:
+    shown = " ".join(f"--set {k}={v if isinstance(v, str) else json.dumps(v).replace(' ', '')}"
+                     for k, v in sets.items())
+    return (f".venv/bin/libra sim --config {CONFIGS[key]} {shown} --trace r2e --steps {args.steps} "
+            f"--prompts {gpus} --seed {args.seed} --drift {args.drift}")
+
+
+def run_one(job: tuple) -> dict:
+    """One simulated run (in a worker process): the row's numbers, or why it could not run."""
+    label, key, gpus, sets, cmd, trace_key, role = job
+    config = load_run_config(ROOT / CONFIGS[key], sets, env={})
+    design = sim_design.design_of(config)
+    started = time.process_time()
+    try:
+        played = sim_design.simulate_design(design, TRACES[trace_key], trace_key[1])
+    except Exception as error:  # noqa: BLE001 - a setting the design cannot run is a row that says why
+        return {"label": label, "key": key, "role": role, "gpus": gpus, "sets": sets, "command": cmd,
+                "error": str(error)[:400]}
+    result, usage = played.result, played.usage
+    steps = result.steps
+    return {"label": label, "key": key, "role": role, "gpus": gpus, "sets": sets, "command": cmd,
+            "trajectories_per_s": result.trajectories_per_s, "tokens_per_s": result.tokens_per_s,
+            "makespan_s": result.makespan_s, "step_s": result.makespan_s / len(steps),
+            "step_first10_s": _mean(s.interval_s for s in steps[:10]),
+            "step_last10_s": _mean(s.interval_s for s in steps[-10:]),
+            "busy": usage.fractions(), "staleness": usage.staleness_shares(),
+            "first_plan": result.first_plan, "last_plan": result.last_plan,
+            "plan_changes": [{"step": c.step, "transition_s": c.transition_s, "after": c.after,
+                              "reason": c.reason} for c in result.plan_changes], "rejected": usage.rejected,
+            "hybrid_moves": played.hybrid_moves, "notes": len(result.notes), "pooled": result.pooled,
+            "copies": result.copies,
+            "routes": result.routes, "cpu_s": time.process_time() - started,
+            "steps": [{"step": s.step, "time_s": s.time_s, "interval_s": s.interval_s, "rollout_s": s.rollout_s,
+                       "train_s": s.train_s, "sequences": s.sequences} for s in steps]}
+
+
+def run_all(jobs: list[tuple], processes: int) -> list[dict]:
+    if processes <= 1:
+        return [_progress(run_one(job)) for job in jobs]
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        return [_progress(row) for row in pool.imap_unordered(run_one, jobs)]
+
+
+def _progress(row: dict) -> dict:
+    if "error" in row:
+        print(f"  {row['label']:44s} cannot run: {row['error'][:160]}", flush=True)
+    else:
+        print(f"  {row['label']:44s} {row['trajectories_per_s']:8.3f} traj/s  (CPU {row['cpu_s']:.0f}s)", flush=True)
+    return row
+
+
+def scale(gpus: int, args: argparse.Namespace) -> dict:
+    trace_key = (gpus, args.steps, args.seed, args.drift)
+    keys = [k for k in "abcd" if k in args.only and (k != "d" or gpus in args.online_gpus)]
+
+    def job(label: str, key: str, extra: dict | None = None, role: str = "design") -> tuple:
+        sets = overrides_for(key, gpus, extra)
+        return label, key, gpus, sets, command(key, sets, args, gpus), trace_key, role
+
+    jobs = [job(TITLES[key], key) for key in keys if key not in SWEEP]
+    if gpus in args.ablation_gpus and "d" in keys:
+        homogeneous = load_run_config(ROOT / CONFIGS["b"], env={}).planner.cluster.tp_choices  # (b)'s, the best swept
+        jobs += [job(f"(d) minus {what}", "d", sets, "ablation") for what, sets in (
+            ("C-MLFQ -> load balance", {"scheduler.policy": "load_balance"}),
+            (f"heterogeneous -> homogeneous tp_choices {list(homogeneous)}",
+             {"planner.cluster.tp_choices": list(homogeneous)}),
+            ("replanning off (planner.mode static)", {"planner.mode": "static"}),
+            ("elastic pool off (core_replicas 65536)", {"elastic.core_replicas": 65536}))]
+    jobs.sort(key=lambda j: j[1] != "d" or "planner.mode" in j[3])  # the online runs (the long ones) first
+    jobs += [job(f"{TITLES[key][:3]} tp_choices {choice}", key, {"planner.cluster.tp_choices": choice})
+             for key in keys for choice in SWEEP.get(key, ())]
+    print(f"\n{gpus} GPUs: {', '.join(keys)}, sweeps of (a) and (b)"
+          f"{', ablation of (d)' if gpus in args.ablation_gpus else ''}", flush=True)
+    rows = run_all(jobs, args.jobs)
+    design_rows = {key: [r for r in rows if r["key"] == key and r.get("role") != "ablation" and "error" not in r]
+                   for key in keys}
+    best = {key: max(found, key=lambda r: r["trajectories_per_s"]) for key, found in design_rows.items() if found}
+    report = {"gpus": gpus, "batch": gpus * 8, "best": best,
+              "sweep": [r for r in rows if r["key"] in SWEEP],
+              "ablation": [r for r in rows if r.get("role") == "ablation"]}
+    print_scale(report)
+    return report
+
+
+def print_scale(report: dict) -> None:
+    best = report["best"]
+    print(f"\n{report['gpus']} GPUs, batch {report['batch']} trajectories per step")
+    print(f"  {'design':50s} {'traj/s':>8s} {'tok/s':>9s} {'step s':>7s} {'first10':>8s} {'last10':>7s}  "
+          "busy / staleness")
+    rows = [(TITLES[k], r) for k, r in best.items()] + [(r["label"], r) for r in report.get("ablation", [])]
+    for title, r in rows:
+        if "error" in r:
+            print(f"  {title[:50]:50s} cannot run: {r['error'][:120]}")
+            continue
+        busy = " ".join(f"{pool} {share:.0%}" for pool, share in r["busy"].items())
+        stale = " ".join(f"{lag}:{share:.0%}" for lag, share in r["staleness"].items())
+        stale += f" rejected {r['rejected']:,}" if r["rejected"] else ""
+        print(f"  {title[:50]:50s} {r['trajectories_per_s']:8.3f} {r['tokens_per_s']:9,.0f} {r['step_s']:7.1f} "
+              f"{r['step_first10_s']:8.1f} {r['step_last10_s']:7.1f}  {busy} / {stale}")
+    if "d" in best:
+        for other in ("a", "b", "c"):
+            if other in best:
+                ratio = best["d"]["trajectories_per_s"] / best[other]["trajectories_per_s"]
+                print(f"  (d) / {TITLES[other][:3]}: {ratio:.2f}x")
+    for title, r in rows:
+        if "error" not in r:
+            print(f"  {title}: {r['first_plan']}" + (f"\n      -> {r['last_plan']} ({len(r['plan_changes'])} "
+                                                          f"changes)" if r["plan_changes"] else ""))
+            print(f"      {r['command']}")
+
+
+def plot(report: dict, out: pathlib.Path, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(8, 4.2))
+    for index, (key, r) in enumerate(report["best"].items()):
+        rates = [s["sequences"] / s["interval_s"] for s in r["steps"]]
+        smooth = [_mean(rates[max(0, i - 9):i + 1]) for i in range(len(rates))]
+        line, = axis.plot([s["step"] for s in r["steps"]], smooth, lw=1.8, ls=("-", "--", ":", "-.")[index % 4],
+                          label=f"{TITLES[key]}: {r['trajectories_per_s']:.2f} traj/s overall")
+        for change in r["plan_changes"]:
+            axis.axvline(change["step"], color=line.get_color(), ls=":", lw=0.8)
+    axis.set_xlabel("training step")
+    axis.set_ylabel("trajectories / s (10-step mean)")
+    axis.set_title(f"Qwen3-14B, {report['gpus']} x A800, R2E-Gym-like trace (drift {args.drift}), simulated")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[48, 512, 4096])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drift", type=float, default=1.0)
+    parser.add_argument("--ablation-gpus", type=int, nargs="*", default=[48])
+    parser.add_argument("--online-gpus", type=int, nargs="*", default=[48, 512, 4096],
+                        help="GPU counts at which (d) is simulated (its replanner replays the recent steps "
+                             "after every step: the costliest run by far)")
+    parser.add_argument("--only", nargs="+", default=list("abcd"), choices=list("abcd"))
+    parser.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes")
+    parser.add_argument("--out", default=str(RESULTS / "headline_sim.json"))
+    args = parser.parse_args()
+    started = time.perf_counter()
+    for gpus in args.gpus:  # built once here; the worker processes inherit them
+        TRACES[(gpus, args.steps, args.seed, args.drift)] = sim_run.build_trace(  # as `libra sim --config` does
+            "r2e", sim_design.trace_batches(args.steps), gpus, 8, args.seed,
+            sim_design.trace_drift(args.drift, args.steps), 1024)
+    reports = [scale(gpus, args) for gpus in args.gpus]
+    RESULTS.mkdir(exist_ok=True)
+    if reports and reports[0]["best"]:
+        out = RESULTS / f"headline_{reports[0]['gpus']}.png"
+        plot(reports[0], out, args)
+        print(f"\nwrote {out}")
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    payload = {"command": "benchmarks/headline_sim.py " + " ".join(sys.argv[1:]), "args": vars(args),
+               "cpu_s": me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime,
+               "wall_s": time.perf_counter() - started, "scales": reports}
+    pathlib.Path(args.out).write_text(json.dumps(payload, indent=1, default=str))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
