@@ -199,14 +199,18 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "grp_eval.json"))
     args = parser.parse_args()
     drifts = [args.drift] + ([0.0] if args.stationary else [])
-    report = {"command": "benchmarks/grp_eval.py", "args": vars(args),
-              "evaluations": [evaluate(g, args.steps, args.seed, d, args.max_units, args.prompts_per_gpu, args.segment)
-                              for d in drifts for g in args.gpus]}
+    report = {"command": "benchmarks/grp_eval.py", "args": vars(args), "evaluations": []}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for drift in drifts:
+        for gpus in args.gpus:  # written after each, so a long run stopped midway keeps what it measured
+            report["evaluations"].append(evaluate(gpus, args.steps, args.seed, drift, args.max_units,
+                                                  args.prompts_per_gpu, args.segment))
+            out.write_text(json.dumps(report, indent=1))
     if not args.skip_timing:
         report["timing"] = timing(args.timing_gpus, 100, args.seed, args.drift, args.max_units)
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {args.out}")
+        out.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ R2E-Gym-like trace (libra/traces/r2e.py: up to 30k new tokens and 12 turns, leng
               (benchmarks/results/headline_<gpus>.png); every number in
               benchmarks/results/headline_sim.json
 
-Runs are independent and deterministic; `--jobs` runs them in parallel processes.
+Runs are independent and deterministic; `--jobs` runs them in parallel processes. Every finished
+run is appended to OUT with the suffix .rows.jsonl at once, and a run whose command is there
+already is not run again (delete that file to start afresh).
 
     .venv/bin/python benchmarks/headline_sim.py [--gpus 48 512 4096] [--steps 100] [--seed 0]
         [--drift 1.0] [--ablation-gpus 48] [--online-gpus 48 512 4096] [--jobs 1] [--only a b c d]
@@ -100,14 +102,26 @@ def run_one(job: tuple) -> dict:
                        "train_s": s.train_s, "sequences": s.sequences} for s in steps]}
 
 
-def run_all(jobs: list[tuple], processes: int) -> list[dict]:
+def run_all(jobs: list[tuple], processes: int, rows_file: pathlib.Path) -> list[dict]:
+    """Every job's row; rows already in `rows_file` (the same command) are not run again, and every
+    new row is appended to it as soon as it is done (a long run that is stopped loses nothing)."""
+    done = {}
+    if rows_file.exists():
+        for line in rows_file.read_text().splitlines():
+            row = json.loads(line)
+            done[row["command"]] = row
+    todo = [job for job in jobs if job[4] not in done]
+    rows = [_progress(done[job[4]], rows_file=None) for job in jobs if job[4] in done]
     if processes <= 1:
-        return [_progress(run_one(job)) for job in jobs]
+        return rows + [_progress(run_one(job), rows_file) for job in todo]
     with multiprocessing.get_context("fork").Pool(processes) as pool:
-        return [_progress(row) for row in pool.imap_unordered(run_one, jobs)]
+        return rows + [_progress(row, rows_file) for row in pool.imap_unordered(run_one, todo)]
 
 
-def _progress(row: dict) -> dict:
+def _progress(row: dict, rows_file: pathlib.Path | None) -> dict:
+    if rows_file is not None:
+        with rows_file.open("a") as out:
+            out.write(json.dumps(row, default=str) + "\n")
     if "error" in row:
         print(f"  {row['label']:44s} cannot run: {row['error'][:160]}", flush=True)
     else:
@@ -137,7 +151,7 @@ def scale(gpus: int, args: argparse.Namespace) -> dict:
              for key in keys for choice in SWEEP.get(key, ())]
     print(f"\n{gpus} GPUs: {', '.join(keys)}, sweeps of (a) and (b)"
           f"{', ablation of (d)' if gpus in args.ablation_gpus else ''}", flush=True)
-    rows = run_all(jobs, args.jobs)
+    rows = run_all(jobs, args.jobs, pathlib.Path(args.out).with_suffix(".rows.jsonl"))
     design_rows = {key: [r for r in rows if r["key"] == key and r.get("role") != "ablation" and "error" not in r]
                    for key in keys}
     best = {key: max(found, key=lambda r: r["trajectories_per_s"]) for key, found in design_rows.items() if found}
