@@ -11,7 +11,8 @@ Same trace and GPU count for every row: Qwen2.5-7B on H200 nodes, asynchronous G
     (a) static        the search's best plan for step 0's batch, kept
     (c) online        the Replanner: starts like (a), then ranks the search's shortlist by replaying
                       the recent steps through the simulator and moves when the simulated gain
-                      beats the simulated move
+                      beats the simulated move (with the elastic pool: a core of one trainer
+                      replica, hybrids join and leave for a change of dp alone; only moves see it)
     (o) oracle bound  free, instant moves between the (h) candidates every `--segment` steps, each
                       segment timed inside that candidate's whole run: what any replanner choosing
                       among those plans could at most gain (transitions cost nothing here)
@@ -92,9 +93,13 @@ def evaluate(gpus: int, steps: int, seed: int, drift: float, max_units: int, pro
     config = SearchConfig(total_gpus=gpus, group_size=8, **SEARCH)
     static = control.static(model, gpu, config)
     runs = {"(a) static, step-0 plan": Simulator(model, gpu, trace, static, config).run()}
-    replanner = control.Online(model, gpu, config, ReplanSettings(), SimConfig())  # what `libra sim --planner online` runs
+    # what `libra sim --config` runs for an online run config: the elastic pool's core of one replica
+    # (elastic.core_replicas' default), so that a change of the training dp alone joins or releases
+    # hybrids while the core steps on, in the run and in the replanner's replays of moves
+    elastic = SimConfig(core_replicas=1)
+    replanner = control.Online(model, gpu, config, ReplanSettings(), elastic)
     online_started = time.process_time()
-    online = Simulator(model, gpu, trace, replanner, config).run()
+    online = Simulator(model, gpu, trace, replanner, config, elastic).run()
     online_cpu = time.process_time() - online_started
     print(f"  (c) online: {online.trajectories_per_s:.3f} traj/s, {len(online.plan_changes)} plan changes, "
           f"{replanner.replanner.ranker.plays} window replays in {online_cpu:.0f}s CPU", flush=True)

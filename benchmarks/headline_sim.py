@@ -144,14 +144,17 @@ def scale(gpus: int, args: argparse.Namespace) -> dict:
             ("C-MLFQ -> load balance", {"scheduler.policy": "load_balance"}),
             (f"heterogeneous -> homogeneous tp_choices {list(homogeneous)}",
              {"planner.cluster.tp_choices": list(homogeneous)}),
-            ("replanning off (planner.mode static)", {"planner.mode": "static"}),
-            ("elastic pool off (core_replicas 65536)", {"elastic.core_replicas": 65536}))]
+            ("replanning off (planner.mode static)", {"planner.mode": "static"}))]
     jobs.sort(key=lambda j: j[1] != "d" or "planner.mode" in j[3])  # the online runs (the long ones) first
     jobs += [job(f"{TITLES[key][:3]} tp_choices {choice}", key, {"planner.cluster.tp_choices": choice})
              for key in keys for choice in SWEEP.get(key, ())]
     print(f"\n{gpus} GPUs: {', '.join(keys)}, sweeps of (a) and (b)"
           f"{', ablation of (d)' if gpus in args.ablation_gpus else ''}", flush=True)
-    rows = run_all(jobs, args.jobs, pathlib.Path(args.out).with_suffix(".rows.jsonl"))
+    rows_file = pathlib.Path(args.out).with_suffix(".rows.jsonl")
+    rows = run_all(jobs, args.jobs, rows_file)
+    if gpus in args.ablation_gpus and "d" in keys:
+        rows.append(elastic_off(job("(d) minus elastic pool off (core_replicas 65536)", "d",
+                                    {"elastic.core_replicas": 65536}, "ablation"), rows, rows_file))
     design_rows = {key: [r for r in rows if r["key"] == key and r.get("role") != "ablation" and "error" not in r]
                    for key in keys}
     best = {key: max(found, key=lambda r: r["trajectories_per_s"]) for key, found in design_rows.items() if found}
@@ -160,6 +163,19 @@ def scale(gpus: int, args: argparse.Namespace) -> dict:
               "ablation": [r for r in rows if r.get("role") == "ablation"]}
     print_scale(report)
     return report
+
+
+def elastic_off(job: tuple, rows: list[dict], rows_file: pathlib.Path) -> dict:
+    """(d) without the elastic pool. When (d) made no move the pool could make (no hybrid move),
+    the run is (d)'s to the last event: the pool only changes how a move of training replicas
+    alone is made, and the replanner, which also replays such moves with the pool, chose none of
+    them; a move's replayed cost without the pool can only be higher, so no decision changes.
+    Then (d)'s row stands for it (said in its label) instead of another hour of replays."""
+    full = next((r for r in rows if r["key"] == "d" and r["role"] == "design" and "error" not in r), None)
+    if full is None or full["hybrid_moves"]:
+        return run_all([job], 1, rows_file)[0]
+    return {**full, "label": job[0] + ": = (d), which made no hybrid move", "role": "ablation", "sets": job[3],
+            "command": job[4], "cpu_s": 0.0}
 
 
 def print_scale(report: dict) -> None:

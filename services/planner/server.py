@@ -114,9 +114,11 @@ class PlannerService(Service):
                                      tp_choices=cluster.tp_choices, min_train_gpus=cluster.min_train_gpus,
                                      min_rollout_gpus=cluster.min_rollout_gpus, whole_nodes=cluster.whole_nodes)
         model, gpu = model_named(cluster.model), gpu_named(cluster.hardware)
-        # the replay runs the loop as this run does: its staleness bound and its routing policy
+        # the replay runs the loop as this run does: its staleness bound, its routing policy and its
+        # elastic pool (a change of the training dp alone joins or releases hybrids, the core steps on)
         sim = SimConfig(staleness=min(trainer.max_staleness, 64), policy=scheduler.policy.type,
-                        per_worker_cap_tokens=scheduler.per_worker_cap_tokens)
+                        per_worker_cap_tokens=scheduler.per_worker_cap_tokens,
+                        core_replicas=self.config.elastic.core_replicas)
         ranker = SimRanker(model, gpu, search_config, sim, settings.sim_window_steps, settings.sim_warmup_steps)
         self.replanner = Replanner(model, gpu, cluster.gpus, settings, search_config,
                                    candidate_from_plan(await self.store.get_plan()), ranker)
