@@ -11,6 +11,7 @@ optimizer step) of the ~1B Qwen2-style model of benchmarks/gpu_train_mfu.py (bf1
                       to the longest in it (what the trainer did before packing); the size is the most
                       that fits the same peak tokens as the packed budget (--budget // --longest, >= 1)
     megatron-padded-x2  the same with twice as many sequences per micro-batch (twice the peak memory)
+    megatron-padded-x4  four times as many (a padded trainer's micro-batch of a few sequences; may not fit)
     megatron-packed   MegatronBackend, micro_batch_tokens = --budget: sequences concatenated (THD),
                       first-fit decreasing, attention kept inside each sequence (trainer.packed_attention)
     megatron-packed-sdpa  the same with one SDPA call per sequence instead of the varlen kernel
@@ -38,8 +39,8 @@ import traceback
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from gpu_train_mfu import PEAK_BF16, _import_paths, _sync, create  # noqa: E402 - the same model and FLOP count
 
-WORKERS = ("create", "megatron-padded", "megatron-padded-x2", "megatron-packed", "megatron-packed-sdpa", "torch-padded",
-           "torch-packed")
+WORKERS = ("create", "megatron-padded", "megatron-padded-x2", "megatron-padded-x4", "megatron-packed",
+           "megatron-packed-sdpa", "torch-padded", "torch-packed")
 RUNS = WORKERS[1:]
 
 
@@ -85,8 +86,9 @@ def trainer_config(args: argparse.Namespace, run: str):
     options: dict = dict(lr=1e-5, max_grad_norm=1.0)
     if "packed" in run:
         options.update(micro_batch_tokens=args.budget, packed_attention="sdpa" if run.endswith("-sdpa") else "auto")
-    else:  # the most sequences whose padded rows fit the packed budget (x2: twice that, twice the memory)
-        options.update(micro_batch_size=max(1, args.budget // args.longest) * (2 if run.endswith("-x2") else 1))
+    else:  # the most sequences whose padded rows fit the packed budget (xK: K times that, K times the memory)
+        times = int(run.rsplit("-x", 1)[1]) if "-x" in run else 1
+        options.update(micro_batch_size=max(1, args.budget // args.longest) * times)
     if run.startswith("megatron"):
         options["backend"] = {"type": "megatron", "layer_spec": "sdpa", "fused_kernels": args.fused}
     return TrainerConfig(**options)
