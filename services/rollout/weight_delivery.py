@@ -141,7 +141,8 @@ class WeightDelivery:
             by_route[route].append(ack.worker_id)
         _log.info("version delivered", version=version, generation=generation, over_group=by_route["group"],
                   colocated=by_route["colocated"], from_disk=by_route["disk"], held=by_route["held"],
-                  behind=by_route["behind"], missed=by_route["missed"])
+                  behind=by_route["behind"], missed=by_route["missed"],
+                  seconds={ack.worker_id: round(ack.seconds, 4) for ack, _ in routes})
         return [ack for ack, _ in routes]
 
     # ---- the group --------------------------------------------------------------------------

@@ -44,6 +44,16 @@ class HFWeightLoads:
     _colocated_streams: dict[tuple[str, int, int], Any]  # the trainer's buffers this engine opened (_buffer_key)
     refresh_kv: Callable[[], None]  # HFEngine's: recompute the running requests' KV cache under these weights
 
+    def _swapped(self, route: str, version: int, started: float, **extra: Any) -> dict[str, Any]:
+        """After new weights are in: the running rows' KV recomputed; the answer, with where the time
+        went (the weights themselves, then the KV refresh), also logged once per version."""
+        loaded = time.perf_counter()
+        self.refresh_kv()
+        done = time.perf_counter()
+        timing = {"seconds": done - started, "load_s": loaded - started, "refresh_s": done - loaded}
+        _log.info("weights swapped", route=route, version=version, **{k: round(v, 4) for k, v in timing.items()})
+        return {"version": version, **timing, **extra}
+
     def label_weights(self, version: int | str) -> dict[str, Any]:
         """Label the weights `version` without loading any (vLLM's /update_weight_version): the
         tokens sampled from now on carry it."""
@@ -82,8 +92,7 @@ class HFWeightLoads:
                         count += 1
         self.version = version
         self.dirty = None  # a complete weight set: consistent again after a half-received version
-        self.refresh_kv()
-        return {"version": version, "seconds": time.perf_counter() - started, "tensors": count}
+        return self._swapped("disk", version, started, tensors=count)
 
     def receive_weights(self, version: int) -> dict[str, Any]:
         """Receive `version` from the weights group straight into the parameters."""
@@ -120,10 +129,9 @@ class HFWeightLoads:
             self.dirty = f"version {version} does not fit this model: {misfits[:5]}"
             return {"error": f"ValueError: the trainer sent tensors this model cannot hold: {misfits[:5]}"}
         self.version = version
-        self.refresh_kv()
-        seconds = time.perf_counter() - started
         layout = self.weights_group.last_layout
         in_place = flat is not None and flat.fits(layout)
+        answer = self._swapped("group", version, started, tensors=count, in_place=in_place)
         if not in_place and not self.flat_refused:
             # Lay the parameters out as the trainer's byte stream: later versions then land in them
             # with no unpack copy (libra/weights/flat.py). Same parameter objects; one copy, once.
@@ -132,7 +140,7 @@ class HFWeightLoads:
             except torch.OutOfMemoryError as error:  # nothing moved (the buffer comes first): stay as is
                 self.flat_weights, self.flat_refused = None, True
                 _log.warning("parameters stay unflattened: no memory for a second copy", error=str(error)[:200])
-        return {"version": version, "seconds": seconds, "tensors": count, "in_place": in_place}
+        return answer
 
     # ---- weights: colocated (the trainer's export buffers on this GPU) ------------------------------
     def receive_colocated(self, descriptor: str, version: int) -> dict[str, Any]:
@@ -184,8 +192,7 @@ class HFWeightLoads:
         keys = {_buffer_key(h) for h in handles}  # forgets (closes) a restarted trainer's buffers
         self._colocated_streams = {k: s for k, s in self._colocated_streams.items() if k in keys}
         self.version, self.dirty = version, None
-        self.refresh_kv()
-        return {"version": version, "seconds": time.perf_counter() - started, "tensors": len(params), "mode": mode}
+        return self._swapped("colocated", version, started, tensors=len(params), mode=mode)
 
     def _colocated_stream(self, handle: dict[str, Any]) -> Any:
         """The trainer's buffer behind `handle`, opened once and kept (each open maps it again)."""
