@@ -148,6 +148,8 @@ def worker(args: argparse.Namespace) -> None:
                       mfu_useful=useful_flops(args, sizes) / seconds / PEAK_BF16,
                       max_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
                       losses=losses)
+        if args.profile and torch.cuda.is_available():
+            result["profile"] = profile_step(backend, train_batch, config)
         if config.micro_batch_tokens:
             from libra.services.trainer.packed_attention import kernels_in_use
 
@@ -160,10 +162,33 @@ def worker(args: argparse.Namespace) -> None:
         print(result["traceback"], file=sys.stderr, flush=True)
 
 
+KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "attn")),
+                ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma")))
+
+
+def profile_step(backend, train_batch, config) -> dict:
+    """One more step under the CUDA profiler: GPU time by kind of kernel (attention, matmul, the rest)
+    and the top kernels, so that an MFU figure says where the step's time went."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        backend.train_step(train_batch, config)
+        _sync()
+    # CUDA activity only: the events are kernels and copies (no CPU ops whose time would count twice)
+    kernels = [(e.key, t / 1e6) for e in prof.key_averages()
+               if (t := getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) > 0]
+    kinds: dict[str, float] = {}
+    for name, seconds in kernels:
+        kind = next((k for k, marks in KERNEL_KINDS if any(m in name.lower() for m in marks)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + seconds
+    top = sorted(kernels, key=lambda k: -k[1])[:12]
+    return {"gpu_seconds": sum(kinds.values()), "by_kind": kinds, "top": [[n[:90], s] for n, s in top]}
+
+
 def shape_args(args: argparse.Namespace) -> list[str]:
     keys = ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "sequences", "median", "sigma",
             "shortest", "longest", "budget", "steps", "warmup", "seed", "seq")
-    out = [] if args.fused else ["--no-fused"]
+    out = ([] if args.fused else ["--no-fused"]) + (["--profile"] if args.profile else [])
     for key in keys:
         out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return out + ["--model-dir", args.model_dir, "--out", args.out, "--scratch", args.scratch]
@@ -210,6 +235,13 @@ def main_all(args: argparse.Namespace) -> int:
         print(f"{name:22} {run['useful_tokens_per_second']:12.0f} {run['step_seconds']:7.2f} {run['mfu_useful']:10.1%} "
               f"{run.get('vs_padded', float('nan')):8.2f} {run['padding_fraction']:8.1%} {run['micro_batches']:5d} "
               f"{run['max_memory_gib']:6.1f}")
+    for name, run in results.items():
+        if run.get("profile"):
+            kinds, total = run["profile"]["by_kind"], run["profile"]["gpu_seconds"]
+            print(f"{name}: GPU time of one profiled step {total:.2f} s: "
+                  + ", ".join(f"{kind} {seconds:.2f} s ({seconds / total:.0%})" for kind, seconds in kinds.items()))
+            for kernel, seconds in run["profile"]["top"][:6]:
+                print(f"    {seconds:7.3f} s  {kernel}")
     return 0 if all(run.get("ok") for run in results.values()) else 1
 
 
@@ -222,6 +254,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--only", default="megatron-padded,megatron-packed,torch-padded,torch-packed",
                         help=f"comma-separated runs of {RUNS} ('' for all)")
     parser.add_argument("--run-timeout", type=int, default=150)
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step of each run under the CUDA profiler: GPU time by kind of kernel")
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True,
                         help="trainer.backend.fused_kernels of the Megatron runs")
     parser.add_argument("--sequences", type=int, default=32)
