@@ -140,7 +140,8 @@ class TrainerConfig(Section):
         "(0: micro_batch_size right-padded sequences per micro-batch); must hold rollout.max_total_tokens"))
     packed_attention: Literal["auto", "varlen", "sdpa"] = Field("auto", description=(
         "attention of packed micro-batches: varlen (FlashAttention's variable-length kernel: CUDA, bf16/fp16), "
-        "sdpa (one torch SDPA call per sequence: any device), auto (varlen where it runs, else sdpa)"))
+        "sdpa (one torch SDPA call per sequence: any device), auto (varlen where it runs, else sdpa; on compute "
+        "capability >= 9.0, rows of long sequences (mean >= 1,024 tokens) go to sdpa, whose cuDNN kernels are faster)"))
     checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="steps between checkpoints (stream entries are acked at checkpoints)")
     torch_threads: int = Field(1, ge=1, le=512, description="intra-op threads of the CPU backend")
     lora: LoraConfig | None = Field(None, description="train low-rank adapters only (absent: full fine-tuning)")

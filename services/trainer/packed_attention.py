@@ -18,8 +18,14 @@ from megatron/specs.py).
 `auto` uses varlen where it runs: the first packed call on a device and dtype tries it on a small
 row against the per-sequence path and keeps it only when both agree (torch's varlen API changed
 between releases — `is_causal` in 2.10, `window_size` after — and is CUDA-only); otherwise sdpa,
-with a log line saying why. Either way no token attends across a sequence boundary, and no FLOP
-is spent on padding: the quadratic part is Σ Lᵢ², not (max L)² per row.
+with a log line saying why. One exception, by measurement: on Hopper and later (compute capability
+≥ 9.0) a row whose sequences average ≥ `LONG_SEQUENCE_TOKENS` goes to sdpa, whose per-sequence calls
+reach cuDNN's Hopper flash-attention kernels; torch's varlen kernel is FlashAttention-2's, and on an
+H200 its attention took 3.05 s of GPU time against cuDNN's 1.83 s for the same R2E-like batch (32
+sequences of 300–30,000 tokens, benchmarks/gpu_packing.py --profile, docs/benchmarks.md). Rows of
+many short sequences stay on varlen, one launch for the whole row. Either way no token attends
+across a sequence boundary, and no FLOP is spent on padding: the quadratic part is Σ Lᵢ², not
+(max L)² per row.
 
 The torch backend's model is loaded with attention implementation `libra_packed` (registered here
 with transformers' AttentionInterface): a packed forward passes `cu_seq_lens_q` (transformers'
@@ -42,6 +48,8 @@ KERNELS = ("auto", "varlen", "sdpa")
 HF_IMPLEMENTATION = "libra_packed"
 _log = liblog.get("libra.trainer.packed_attention")
 _chosen: dict[tuple[str, str], str] = {}  # (device, dtype) -> the kernel `auto` settled on
+_long_rows: set[tuple[str, str]] = set()  # (device, dtype) where `auto` sent rows of long sequences to sdpa
+LONG_SEQUENCE_TOKENS = 1024  # mean sequence length of a row from which sdpa beats varlen on compute capability >= 9
 
 
 def packed_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_seqlen: int,
@@ -55,6 +63,9 @@ def packed_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlen
         raise ValueError(f"packed attention kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "auto":
         kernel = _auto(query) if _varlen_takes(scale, query) else "sdpa"
+        if kernel == "varlen" and prefers_sdpa(_capability(query.device), query.shape[0], cu_seqlens.shape[0] - 1):
+            _long_rows.add((str(query.device), str(query.dtype)))
+            kernel = "sdpa"
     if kernel == "varlen":
         return _varlen(query, key, value, cu_seqlens, max_seqlen, scale)
     return _per_sequence(query, key, value, cu_seqlens, scale)
@@ -62,7 +73,21 @@ def packed_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlen
 
 def kernels_in_use() -> dict[str, str]:
     """What `auto` settled on in this process, per "device dtype" (for reports)."""
-    return {f"{device} {dtype}": kernel for (device, dtype), kernel in _chosen.items()}
+    return {f"{device} {dtype}": kernel + ("; sdpa for rows of long sequences" if (device, dtype) in _long_rows else "")
+            for (device, dtype), kernel in _chosen.items()}
+
+
+def prefers_sdpa(capability: tuple[int, int], tokens: int, sequences: int) -> bool:
+    """Whether `auto` sends a row of `sequences` sequences and `tokens` tokens to per-sequence SDPA
+    although varlen runs: on compute capability >= 9.0, when they average >= LONG_SEQUENCE_TOKENS."""
+    return capability >= (9, 0) and sequences > 0 and tokens >= LONG_SEQUENCE_TOKENS * sequences
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: Any) -> tuple[int, int]:
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else (0, 0)
 
 
 def _per_sequence(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float | None) -> Tensor:

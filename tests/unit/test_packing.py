@@ -11,7 +11,8 @@ from libra.config import build_run_config
 from libra.errors import ConfigError
 from libra.services.trainer.backend import TrainBatch, TrainSequence, pack, unpack
 from libra.services.trainer.config import TrainerConfig
-from libra.services.trainer.packed_attention import packed_causal_attention, register_hf
+from libra.services.trainer.packed_attention import (LONG_SEQUENCE_TOKENS, packed_causal_attention, prefers_sdpa,
+                                                     register_hf)
 
 
 def _seq(length: int, prompt: int = 1) -> TrainSequence:
@@ -99,3 +100,12 @@ def test_packing_settings_refuse_what_they_cannot_do():
         build_run_config({"trainer": {"micro_batch_tokens": 300}, "rollout": {"max_total_tokens": 384}}, env={})
     config = build_run_config({"trainer": {"micro_batch_tokens": 4096}, "rollout": {"max_total_tokens": 384}}, env={})
     assert config.trainer.micro_batch_tokens == 4096
+
+
+def test_auto_sends_rows_of_long_sequences_to_sdpa_on_hopper_only():
+    long_row = (4 * LONG_SEQUENCE_TOKENS, 4)  # tokens, sequences: the mean at the threshold
+    short_row = (4 * LONG_SEQUENCE_TOKENS - 1, 4)
+    assert prefers_sdpa((9, 0), *long_row) and prefers_sdpa((10, 0), *long_row)
+    assert not prefers_sdpa((9, 0), *short_row)  # many short sequences: one varlen launch for the row
+    assert not prefers_sdpa((8, 0), *long_row)  # before Hopper: varlen (not measured otherwise)
+    assert not prefers_sdpa((9, 0), 0, 0)
