@@ -40,16 +40,15 @@ class LoadBalance(Policy):
     name = "load_balance"
 
     def choose(self, turn: Turn, placement: Placement, candidates: list[Worker]) -> tuple[Worker, str]:
-        by_id = {w.worker_id: w for w in candidates}
-        current = by_id.get(placement.worker_id or "")
+        current = self.current(turn, placement)
         if self.affinity and current is not None:
             if current.outstanding_tokens < self.cap or all(w.outstanding_tokens >= self.cap for w in candidates):
                 return current, "affinity"
-        under_cap = [w for w in candidates if w.outstanding_tokens < self.cap] or candidates
         reason = "new:least_loaded" if placement.worker_id is None else "least_loaded"
         if placement.worker_id is not None and current is None:
             reason = "reroute:worker_gone"
-        return self.least_loaded(under_cap), reason
+        # the least loaded under the cap if any is (it is the least loaded of all), else of all
+        return self.least_loaded(candidates), reason
 
 
 class BucketPolicy(Policy):
@@ -72,7 +71,7 @@ class BucketPolicy(Policy):
 
     def choose(self, turn: Turn, placement: Placement, candidates: list[Worker]) -> tuple[Worker, str]:
         level, reason = self.target_level(turn, placement)
-        current = next((w for w in candidates if w.worker_id == placement.worker_id), None)
+        current = self.current(turn, placement)
         if self.affinity and current is not None and self.level_of.get(current.bucket) == level:
             if current.outstanding_tokens < self.cap or all(w.outstanding_tokens >= self.cap for w in candidates):
                 return current, "affinity"
@@ -90,9 +89,9 @@ class BucketPolicy(Policy):
                 by_level[self.level_of[worker.bucket]].append(worker)
         # `level` first, then the others by distance; on a tie the longer bucket (it fits)
         for nearest in sorted(range(len(self.buckets)), key=lambda other: (abs(other - level), other < level)):
-            room = [w for w in by_level[nearest] if w.outstanding_tokens < self.cap]
-            if room:
-                return self.least_loaded(room), reason if nearest == level else "fallback:bucket"
+            worker = self.least_loaded_under_cap(by_level[nearest])
+            if worker is not None:
+                return worker, reason if nearest == level else "fallback:bucket"
         return self.least_loaded(candidates), "fallback:any"
 
 

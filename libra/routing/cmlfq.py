@@ -46,10 +46,11 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from libra.errors import InvalidArgument
 from libra.routing.policy import Placement, Policy, Turn, Worker, ordered_buckets
-from libra.routing.prefix_tree import PrefixForest
+from libra.routing.prefix_tree import PrefixForest, Walk
 from libra.routing.signatures import SizeThresholds, signature
 
 
@@ -65,6 +66,7 @@ class Progress:
     target: int | None = None  # level of a pending move, applied on the next route
     why: str = ""  # what set the pending move: "signal" (tool outcomes) or "work" (work done)
     moves: int = 0  # signal moves so far (hysteresis)
+    walk: ClassVar[Walk | None] = None  # the forest's memo of `signatures` (not a field: not stored)
 
 
 class CMLFQ(Policy):
@@ -92,6 +94,8 @@ class CMLFQ(Policy):
             raise InvalidArgument(f"start_spill_factor must be 0 (off) or >= 1, got {start_spill_factor}")
         self.start_spill_factor = start_spill_factor
         self.progress: dict[str, Progress] = {}
+        self._levels_of: list[Worker] | None = None  # the serving list `_levels` groups by level
+        self._levels: list[list[Worker]] = []
         self.signals: Counter = Counter()  # what tool returns concluded: move:signal, move:work, stay, ...
 
     # -- routing -------------------------------------------------------------------------------
@@ -99,7 +103,7 @@ class CMLFQ(Policy):
         record = self.progress.get(turn.trajectory_id)
         if record is None:
             return self._start(turn, candidates)
-        current = next((w for w in candidates if w.worker_id == placement.worker_id), None)
+        current = self.current(turn, placement)
         if record.target is not None:
             direction = "up" if record.target > record.level else "down"
             record.level, record.target = record.target, None
@@ -132,21 +136,26 @@ class CMLFQ(Policy):
         return worker, reason
 
     def _by_level(self, candidates: list[Worker]) -> list[list[Worker]]:
-        """Candidates grouped by bucket level (workers of unknown buckets serve only as "any")."""
+        """Candidates grouped by bucket level (workers of unknown buckets serve only as "any"); for
+        all the serving workers (no exclusion), grouped once per change of membership."""
+        if candidates is self._levels_of:
+            return self._levels
         by_level: list[list[Worker]] = [[] for _ in self.buckets]
         for worker in candidates:
             level = self.level_of.get(worker.bucket)
             if level is not None:
                 by_level[level].append(worker)
+        if candidates is self._serving:
+            self._levels_of, self._levels = candidates, by_level
         return by_level
 
     def _in_level(self, level: int, by_level: list[list[Worker]], candidates: list[Worker],
                   reason: str) -> tuple[Worker, str]:
         """Least loaded under the cap in `level`, else in the nearest level with room, else anywhere."""
         for nearest in self.nearest[level]:
-            room = [w for w in by_level[nearest] if w.outstanding_tokens < self.cap]
-            if room:
-                return self.least_loaded(room), reason if nearest == level else "fallback:bucket"
+            worker = self.least_loaded_under_cap(by_level[nearest])
+            if worker is not None:
+                return worker, reason if nearest == level else "fallback:bucket"
         return self.least_loaded(candidates), "fallback:any"
 
     def _spill(self, level: int, best: Worker, by_level: list[list[Worker]]) -> tuple[Worker, str] | None:
@@ -157,9 +166,8 @@ class CMLFQ(Policy):
         if best.outstanding_tokens == 0:
             return None
         for other in self.nearest[level][1:]:
-            room = [w for w in by_level[other] if w.outstanding_tokens < self.cap]
-            if room:
-                candidate = self.least_loaded(room)
+            candidate = self.least_loaded_under_cap(by_level[other])
+            if candidate is not None:
                 if candidate.outstanding_tokens * self.start_spill_factor < best.outstanding_tokens:
                     return candidate, "fallback:spill"
         return None
@@ -213,7 +221,10 @@ class CMLFQ(Policy):
         """The level the tree confidently predicts for what remains, or None and why not."""
         if record.moves >= self.max_moves:
             return None, "pinned"
-        stats, _source, depth = self.forest.lookup(record.prompt_id, record.signatures)
+        walk = record.walk
+        if walk is None:
+            walk = record.walk = Walk()
+        stats, _source, depth = self.forest.lookup(record.prompt_id, record.signatures, walk)
         if stats is None or depth == 0:  # a root knows totals, not what any tool outcome led to
             return None, "no_signal"
         level = self.level_for(stats.mean)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import abc
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import attrgetter, eq
 
 from libra.errors import FailedPrecondition, InvalidArgument, NotFound
 
@@ -82,6 +84,7 @@ class Policy(abc.ABC):
         self.cap = per_worker_cap_tokens
         self.affinity = affinity
         self.state = RoutingState()
+        self._serving: list[Worker] | None = None  # the serving workers, in registration order (cached)
 
     # -- membership ----------------------------------------------------------------------------
     def register(self, worker: Worker) -> None:
@@ -91,21 +94,33 @@ class Policy(abc.ABC):
         if old is not None:  # re-registration keeps the load we know about
             worker.outstanding_tokens, worker.outstanding_requests = old.outstanding_tokens, old.outstanding_requests
         self.state.workers[worker.worker_id] = worker
+        self._serving = None
 
     def deregister(self, worker_id: str) -> None:
         if self.state.workers.pop(worker_id, None) is None:
             raise NotFound(f"unknown worker {worker_id!r}")
+        self._serving = None
+
+    def serving(self) -> list[Worker]:
+        """The serving workers in registration order. A worker's `serving` is read when it registers
+        (re-register it to change it); the list is shared: do not modify it."""
+        if self._serving is None:
+            self._serving = [w for w in self.state.workers.values() if w.serving]
+        return self._serving
 
     # -- routing -------------------------------------------------------------------------------
     def route(self, turn: Turn) -> Decision:
         if not turn.trajectory_id:
             raise InvalidArgument("trajectory_id is required")
-        candidates = [w for w in self.state.workers.values() if w.serving and w.worker_id not in turn.exclude]
+        exclude = turn.exclude
+        candidates = [w for w in self.serving() if w.worker_id not in exclude] if exclude else self.serving()
         if not candidates:
             known = len(self.state.workers)
             raise FailedPrecondition(f"{NO_WORKER} ({known} registered, "
                                      f"{len(turn.exclude)} excluded): start rollout workers first")
-        placement = self.state.placements.setdefault(turn.trajectory_id, Placement())
+        placement = self.state.placements.get(turn.trajectory_id)
+        if placement is None:
+            placement = self.state.placements[turn.trajectory_id] = Placement()
         worker, reason = self.choose(turn, placement, candidates)
         moved = placement.worker_id is not None and placement.worker_id != worker.worker_id
         self._release(placement)
@@ -119,12 +134,35 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def choose(self, turn: Turn, placement: Placement, candidates: list[Worker]) -> tuple[Worker, str]:
-        """Pick a worker among candidates; return it with the reason of the decision."""
+        """Pick a worker among candidates (serving, not excluded; do not modify the list: it may be
+        `serving()` itself); return it with the reason of the decision."""
+
+    def current(self, turn: Turn, placement: Placement) -> Worker | None:
+        """The candidate the trajectory's last turn went to, if it is still one (serving, not excluded)."""
+        worker = self.state.workers.get(placement.worker_id or "")
+        if worker is None or not worker.serving or worker.worker_id in turn.exclude:
+            return None
+        return worker
 
     def least_loaded(self, candidates: list[Worker]) -> Worker:
         """Least outstanding tokens; ties rotate so equal workers share the load."""
-        low = min(w.outstanding_tokens for w in candidates)
-        tied = sorted((w for w in candidates if w.outstanding_tokens == low), key=lambda w: w.worker_id)
+        tokens = list(map(_tokens, candidates))
+        return self._pick(candidates, tokens, min(tokens))
+
+    def least_loaded_under_cap(self, workers: list[Worker]) -> Worker | None:
+        """`least_loaded` of the workers under the per-worker cap; None when none is. (The least
+        loaded of all is under the cap when any is, and those tied with it are all under it.)"""
+        if not workers:
+            return None
+        tokens = list(map(_tokens, workers))
+        low = min(tokens)
+        return self._pick(workers, tokens, low) if low < self.cap else None
+
+    def _pick(self, candidates: list[Worker], tokens: list[int], low: int) -> Worker:
+        if tokens.count(low) == 1:
+            tied = [candidates[tokens.index(low)]]
+        else:
+            tied = sorted(compress(candidates, map(eq, tokens, repeat(low))), key=_worker_id)
         self.state.rotation += 1
         return tied[self.state.rotation % len(tied)]
 
@@ -155,6 +193,9 @@ class Policy(abc.ABC):
             worker.outstanding_tokens = max(0, worker.outstanding_tokens - placement.inflight_tokens)
             worker.outstanding_requests = max(0, worker.outstanding_requests - 1)
         placement.inflight_tokens = 0
+
+
+_worker_id, _tokens = attrgetter("worker_id"), attrgetter("outstanding_tokens")
 
 
 def ordered_buckets(buckets: list[tuple[str, int]]) -> list[tuple[str, int]]:

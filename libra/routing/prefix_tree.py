@@ -10,7 +10,8 @@ learned first out) and one global tree for prompts never seen.
     finish(trajectory) ──insert──▶ prompt tree[prompt_id] ─┐
                              └──▶ global tree ─────────────┤
     tool return ──lookup(prompt_id, signatures)──▶ deepest node with >= min_visits
-                                                   (prompt tree first, else global)
+                                                   (prompt tree first, else global; a `Walk`
+                                                   resumes a trajectory's path where it got)
 
 Pure data structure: no clock, no Redis. `to_bytes`/`from_bytes` give the compact JSON the service
 stores, so a restarted scheduler keeps what it learned.
@@ -115,6 +116,20 @@ class Tree:
         return tree
 
 
+class Walk:
+    """How far `PrefixForest.lookup` got along one growing path of signatures (a live trajectory's),
+    in the global tree (side 0) and in its prompt's tree (side 1): the nodes that exist along the
+    path and how many of the first of them have min_visits. A tree only gains nodes and visits, so
+    the next lookup on the path goes on from there instead of from the root (the same answer)."""
+
+    __slots__ = ("trees", "nodes", "ok")
+
+    def __init__(self) -> None:
+        self.trees: list[Tree | None] = [None, None]  # the tree each side walked
+        self.nodes: list[list[int]] = [[], []]
+        self.ok = [0, 0]
+
+
 class PrefixForest:
     """A global prefix tree plus one tree per prompt id, LRU-bounded."""
 
@@ -152,17 +167,23 @@ class PrefixForest:
             node = tree.add_child(node, sig)
             tree.observe(node, remaining, self.window)
 
-    def lookup(self, prompt_id: str, signatures: list[str]) -> tuple[NodeStats | None, str | None, int]:
+    def lookup(self, prompt_id: str, signatures: list[str],
+               walk: Walk | None = None) -> tuple[NodeStats | None, str | None, int]:
         """The deepest node with >= min_visits: (stats, "prompt" | "global", depth) or (None, None, 0).
 
         The prompt's own tree wins when it matches at least as deep as the global tree; a deeper
         global match wins otherwise (a prompt root only knows that prompt's mix of lengths, while
-        a global node several signatures deep knows what follows those tool outcomes).
+        a global node several signatures deep knows what follows those tool outcomes). `walk`: the
+        path's memo, when `signatures` only grows between lookups (a trajectory's tool returns).
         """
-        g_node, g_depth = self._deepest(self.global_tree, signatures)
+        if walk is None:
+            g_node, g_depth = self._deepest(self.global_tree, signatures)
+        else:
+            g_node, g_depth = self._resume(walk, 0, self.global_tree, signatures)
         tree = self.prompt_trees.get(prompt_id)
         if tree is not None:
-            node, depth = self._deepest(tree, signatures)
+            node, depth = self._deepest(tree, signatures) if walk is None else \
+                self._resume(walk, 1, tree, signatures)
             if node >= 0 and (g_node < 0 or depth >= g_depth):
                 return tree.stats(node), "prompt", depth
         if g_node >= 0:
@@ -171,15 +192,37 @@ class PrefixForest:
 
     def _deepest(self, tree: Tree, signatures: list[str]) -> tuple[int, int]:
         """(node, depth) of the deepest node on the path with >= min_visits, or (-1, 0)."""
-        if tree.visits[0] < self.min_visits:
+        visits, least, edges = tree.visits, self.min_visits, tree.edges
+        if visits[0] < least:
             return -1, 0  # children never have more visits than their parent
         best = depth = node = 0
         for depth, sig in enumerate(signatures, start=1):
-            node = tree.child(node, sig)
-            if node < 0 or tree.visits[node] < self.min_visits:
+            node = edges.get(f"{node}/{sig}", -1)  # tree.child, inlined: a lookup per tool return
+            if node < 0 or visits[node] < least:
                 return best, depth - 1
             best = node
         return best, depth
+
+    def _resume(self, walk: Walk, side: int, tree: Tree, signatures: list[str]) -> tuple[int, int]:
+        """`_deepest`, going on from where `walk` got in `tree`."""
+        nodes = walk.nodes[side]
+        if walk.trees[side] is not tree or len(nodes) > len(signatures):  # (a prompt tree evicted, learned anew)
+            walk.trees[side], walk.nodes[side], walk.ok[side] = tree, [], 0
+            nodes = walk.nodes[side]
+        visits, least = tree.visits, self.min_visits
+        if visits[0] < least:
+            return -1, 0
+        edges, node = tree.edges, nodes[-1] if nodes else 0
+        for sig in signatures[len(nodes):]:  # nodes that exist stay; one missing may appear later
+            node = edges.get(f"{node}/{sig}", -1)
+            if node < 0:
+                break
+            nodes.append(node)
+        ok = walk.ok[side]
+        while ok < len(nodes) and visits[nodes[ok]] >= least:  # visits only grow: the first `ok` stay
+            ok += 1
+        walk.ok[side] = ok
+        return (nodes[ok - 1] if ok else 0), ok
 
     # -- persistence ---------------------------------------------------------------------------
     def to_bytes(self) -> bytes:

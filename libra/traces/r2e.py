@@ -27,6 +27,7 @@ Pure: all randomness from a seeded `random.Random`; no files.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import random
@@ -110,7 +111,7 @@ def _one(rng: random.Random, tid: str, prompt_id: str, step: int, prompt_tokens:
             name, (p_low, p_high), status = first
         else:
             pick = rng.random()
-            name = next(n for n, edge in zip(_LATER_NAMES, _LATER_CUMULATIVE) if pick < edge or edge == 1.0)
+            name = _LATER_NAMES[bisect.bisect_right(_LATER_CUMULATIVE, pick)]  # the first edge above pick
             (p_low, p_high), status = TOOLS[name][0], "success"
             if name == "run_tests":
                 status = "failure" if rng.random() < 0.6 else "success"

@@ -125,6 +125,7 @@ class FirstComplete(InOrder):
         self.submitted = self.discarded = 0  # trajectories
         self.complete: deque[int] = deque()  # groups complete and not yet judged, in completion order
         self.admitted: list[int] = []  # groups admitted for the coming step
+        self.have = 0  # their trajectories
         self.rejected_groups: list[int] = []
 
     def due(self, version: int, now: float) -> list[TrajectorySpec]:
@@ -143,7 +144,7 @@ class FirstComplete(InOrder):
         return done
 
     def take(self, version: int) -> Batch | None:
-        g, have = self.groups, sum(self.groups.size[i] for i in self.admitted)
+        g, have = self.groups, self.have
         while self.complete:
             group = self.complete.popleft()
             lags = g.lags(group, version)
@@ -156,13 +157,14 @@ class FirstComplete(InOrder):
             else:
                 self.complete.appendleft(group)  # for the next step
                 break
+        self.have = have
         if have < self.batch:
             if self.released == len(g.members) and not self.complete and not self._in_flight():
                 raise SimulationError(f"the trace ran out of groups at version {version}: {self.rejected} "
                                       f"trajectories were rejected as stale; give the trace more batches than the "
                                       f"steps to train")
             return None
-        chosen, self.admitted = self.admitted, []
+        chosen, self.admitted, self.have = self.admitted, [], 0
         self.taken.append(tuple(chosen))
         return Batch(tuple(s for i in chosen for s in g.members[i]), min(g.released_s[i] for i in chosen),
                      max(g.finished_s[i] for i in chosen), tuple(lag for i in chosen for lag in g.lags(i, version)))

@@ -37,7 +37,9 @@ Deterministic: no wall clock in the simulated time; randomness lives in the trac
 
 from __future__ import annotations
 
+import gc
 import time
+from heapq import heappop
 from typing import Callable
 
 from pydantic import Field, model_validator
@@ -120,6 +122,16 @@ class Simulator:
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self, progress: Callable[[StepRecord], None] | None = None) -> SimResult:
+        self.collects = gc.isenabled()  # (a replay inside a run finds it paused: the run collects)
+        if self.collects:  # the loop makes millions of short-lived objects (events, turns), none in a
+            gc.disable()  # cycle: reference counting frees them; the collector runs once a step instead
+        try:  # (for the cycles a controller leaves: searches, replays), not every 700 allocations
+            return self._run(progress)
+        finally:
+            if self.collects:
+                gc.enable()
+
+    def _run(self, progress: Callable[[StepRecord], None] | None) -> SimResult:
         started, cpu = time.perf_counter(), time.process_time()
         self.events = Events()
         self.rollout = Rollout(self.events, None, self.config.turn_budget_tokens, on_finish=self._finished)
@@ -148,11 +160,12 @@ class Simulator:
         self._apply(self.candidate, 0.0, self.trace.pairs(0))
         self.events.push(0.0, RELEASE, None)
         handlers = {RELEASE: self._release, TRAIN: self._try_train, TRAIN_DONE: self._train_done}
-        while self.events and self.version < self.steps:
-            kind, item, version = self.events.pop()
+        heap, events, handle = self.events.heap, self.events, self.rollout.handle
+        while heap and self.version < self.steps:
+            events.now, _, kind, item, version = heappop(heap)  # Events.pop, inlined (millions of events)
             handler = handlers.get(kind)
-            if handler is None:
-                self.rollout.handle(kind, item, version)
+            if handler is None:  # the rollout loop's
+                handle(kind, item, version)
                 continue
             handler(item)
             if progress and kind == TRAIN_DONE:
@@ -243,6 +256,8 @@ class Simulator:
                                                  change.candidate.describe(), change.reason, moved))
             self.trainer_free = max(self.trainer_free, self.trainer.change(change.candidate.layout, now, ready))
         self.idle_since = self.trainer_free
+        if self.collects:
+            gc.collect(1)  # what the step left (the young generations: the old one holds the trace)
         self._release()
         self._try_train()
 

@@ -33,7 +33,7 @@ from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.sim.instance import SimulationError, Unit
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class CostModelInstance:
     """One engine (or a pool of `replicas`) of the cost model's speed; an `instance.Instance`."""
 
@@ -58,6 +58,14 @@ class CostModelInstance:
     peak_kv: float = 0.0  # largest context / capacity seen
     routed: int = 0
     on_start: Callable[[Unit], None] | None = None  # told when a trajectory's first turn is admitted
+    # from the engine (__post_init__)
+    kv_s: float = field(init=False, default=0.0)  # seconds per step per KV token read
+    seq_capacity: float = field(init=False, default=0.0)
+    capacity: float = field(init=False, default=0.0)
+    max_seqs: int = field(init=False, default=0)
+    prefill_per_token: float = field(init=False, default=0.0)
+    fixed: float = field(init=False, default=0.0)  # the step's cost without KV reads, at `seqs`
+    fixed_by_seqs: dict = field(init=False, default_factory=dict)  # that cost by running sequences
 
     def __post_init__(self) -> None:
         e = self.engine
@@ -67,8 +75,6 @@ class CostModelInstance:
         self.capacity = e.kv_capacity_tokens * self.replicas
         self.max_seqs = e.eff.max_seqs * self.replicas
         self.prefill_per_token = e.prefill_seconds(1) / self.replicas
-        self.fixed = 0.0
-        self.fixed_by_seqs: dict[int, float] = {}  # the step's cost without KV reads, by running sequences
         self.last = self.up_at
 
     def fits(self, unit: Unit) -> bool:
@@ -90,51 +96,68 @@ class CostModelInstance:
         if dt <= 0:
             return
         self.last = now
-        if self.stall > 0:
-            used = min(self.stall, dt)
-            self.stall -= used
+        stall = self.stall
+        if stall > 0:
+            used = min(stall, dt)
+            self.stall = stall - used
             dt -= used
             self.busy_s += used
-        if self.seqs and dt > 0:
-            q = self.kv_s * self.seqs / 2
-            b = self.fixed + self.kv_s * self.context
+        seqs = self.seqs
+        if seqs and dt > 0:
+            kv_s = self.kv_s
+            q = kv_s * seqs / 2
+            b = self.fixed + kv_s * self.context
             n = 2 * dt / (b + math.sqrt(b * b + 4 * q * dt))
             self.progress += n
-            self.context += self.seqs * n
+            self.context += seqs * n
             self.busy_s += dt
 
     def next_completion(self) -> float | None:
-        if not self.heap:
+        heap = self.heap
+        if not heap:
             return None
-        n = max(0.0, self.heap[0][0] - self.progress)
-        return self.last + self.stall + n * (self.fixed + self.kv_s * self.context) + self.kv_s * self.seqs * n * n / 2
+        n = max(0.0, heap[0][0] - self.progress)
+        kv_s = self.kv_s
+        return self.last + self.stall + n * (self.fixed + kv_s * self.context) + kv_s * self.seqs * n * n / 2
 
     def admit(self) -> None:
         """FIFO admission while the batch and the KV cache have room (vLLM's first-come order)."""
-        while self.waiting:
-            unit = self.waiting[0]
-            k, final = unit.copies, unit.final
-            if self.seqs + k > self.max_seqs or self.reserved + k * final > self.capacity:
-                assert self.seqs, f"{self.wid} cannot admit a unit it was checked to fit"
+        waiting = self.waiting
+        if not waiting:
+            return
+        seqs, reserved, admitted = self.seqs, self.reserved, False
+        while waiting:
+            unit = waiting[0]
+            k, final = unit.copies, unit.context + unit.turn_left
+            if seqs + k > self.max_seqs or reserved + k * final > self.capacity:
+                assert seqs, f"{self.wid} cannot admit a unit it was checked to fit"
                 break
-            self.waiting.popleft()
+            waiting.popleft()
             if unit.turn == 0 and self.on_start is not None:
                 self.on_start(unit)
             self.stall += self.prefill_per_token * unit.prefill * k
             heapq.heappush(self.heap, (self.progress + unit.turn_left, unit.seq, unit))
-            self.seqs += k
+            seqs += k
             self.context += k * unit.context
-            self.reserved += k * final
-        self._refresh()
+            reserved += k * final
+            admitted = True
+        if admitted:
+            self.seqs, self.reserved = seqs, reserved
+            self._refresh()
 
     def complete(self) -> Unit:
         """Remove the running turn that ends first (the caller advanced the clock to its end)."""
         _, _, unit = heapq.heappop(self.heap)
-        self.peak_kv = max(self.peak_kv, self.context / self.capacity)
-        self.seqs -= unit.copies
-        self.context -= unit.copies * unit.final
-        self.reserved -= unit.copies * unit.final
-        if not self.seqs:
+        context = self.context
+        ratio = context / self.capacity
+        if ratio > self.peak_kv:
+            self.peak_kv = ratio
+        k, final = unit.copies, unit.context + unit.turn_left
+        self.seqs -= k
+        if self.seqs:
+            self.context = context - k * final
+            self.reserved -= k * final
+        else:
             self.context = self.reserved = 0.0
         self._refresh()
         return unit
@@ -156,9 +179,11 @@ class CostModelInstance:
         return out
 
     def _refresh(self) -> None:
+        """The step's cost without KV reads at the running sequences (cached: the same call for the
+        same batch size, a hot path at cluster scale)."""
         seqs = self.seqs
         fixed = self.fixed_by_seqs.get(seqs)
-        if fixed is None:  # the same call for the same batch size: cached (a hot path at cluster scale)
+        if fixed is None:
             fixed = self.engine.decode_step_seconds(seqs / self.replicas, 0.0) if seqs else 0.0
             self.fixed_by_seqs[seqs] = fixed
         self.fixed = fixed

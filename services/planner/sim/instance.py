@@ -25,7 +25,7 @@ class SimulationError(InvalidArgument):
     """The run cannot go on as configured (a turn no engine can hold, a layout out of memory)."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Unit:
     """A trajectory (or a cohort of `copies` identical ones) in flight."""
 
@@ -81,7 +81,9 @@ class Instance(Protocol):
     max_seqs: int  # sequences admitted at once
     capacity: float  # KV tokens held at once
 
-    def fits(self, unit: Unit) -> bool: ...
+    def fits(self, unit: Unit) -> bool:
+        """Could it ever run the unit's turn? An answer from `seq_capacity`, `max_seqs` and `capacity`
+        alone: the rollout loop asks one instance per class of alike ones."""
 
     def load_tokens(self) -> int: ...
 

@@ -36,6 +36,7 @@ from libra.services.planner.sim.simple import SimpleModel
 from libra.traces.spec import TrajectorySpec, check_spec
 
 TOOL, DONE, UP = "tool", "done", "up"
+NONE: frozenset[str] = frozenset()
 
 
 class Events:
@@ -54,7 +55,8 @@ class Events:
         return self.seq
 
     def push(self, when: float, kind: str, item, version: int = 0) -> None:
-        heapq.heappush(self.heap, (when, self.next_seq(), kind, item, version))
+        self.seq = seq = self.seq + 1
+        heapq.heappush(self.heap, (when, seq, kind, item, version))
 
     def pop(self) -> tuple[str, object, int]:
         self.now, _, kind, item, version = heapq.heappop(self.heap)
@@ -72,6 +74,8 @@ class Rollout:
         self.running: dict[str, set[Unit]] = {}  # instance -> the units whose turn it runs or queues
         self.serving: list[Instance] = []
         self.floor: tuple[float, float, float] = (0, 0, 0)
+        self.fit_classes: list[tuple[Instance, tuple[str, ...]]] = []  # (one instance, the wids alike)
+        self.excluded: dict[tuple[int, ...], frozenset[str]] = {}  # failing classes -> their wids
         self.parked: list[Unit] = []
         self.routes, self.moves, self.tokens, self.reasons = 0, 0, 0, Counter()
         self.last_finish = 0.0  # not the last event: a stale completion may pop after it
@@ -112,11 +116,26 @@ class Rollout:
                                     outstanding_requests=len(carried)))
 
     def serving_changed(self) -> None:
-        """Cache the instances that serve and the largest turn every one of them can hold."""
+        """Cache the instances that serve, the largest turn every one of them can hold, and the
+        serving instances grouped by what `fits` reads (alike instances hold the same turns)."""
         self.serving = [i for i in self.instances.values() if i.up]
         self.floor = (min((i.seq_capacity for i in self.serving), default=0),
                       min((i.max_seqs for i in self.serving), default=0),
                       min((i.capacity for i in self.serving), default=0))
+        classes: dict[tuple, list[Instance]] = {}
+        for instance in self.serving:
+            key = (type(instance), instance.seq_capacity, instance.max_seqs, instance.capacity)
+            classes.setdefault(key, []).append(instance)
+        self.fit_classes = [(alike[0], tuple(i.wid for i in alike)) for alike in classes.values()]
+        self.excluded = {}
+
+    def unfit(self, unit: Unit) -> frozenset[str]:
+        """The serving instances that cannot hold the unit's turn (one `fits` per class of alike ones)."""
+        failing = tuple(k for k, (probe, _) in enumerate(self.fit_classes) if not probe.fits(unit))
+        found = self.excluded.get(failing)
+        if found is None:
+            found = self.excluded[failing] = frozenset(wid for k in failing for wid in self.fit_classes[k][1])
+        return found
 
     def kick(self, instance: Instance) -> None:
         """Admit what fits and schedule the instance's next completion (older ones become void)."""
@@ -158,10 +177,10 @@ class Rollout:
             self.parked.append(unit)
             return
         seq_floor, seqs_floor, kv_floor = self.floor
-        exclude: frozenset[str] = frozenset()
-        if unit.final > seq_floor or unit.copies > seqs_floor or unit.copies * unit.final > kv_floor:
-            # rare: some instance cannot hold this turn, check them one by one
-            exclude = frozenset(i.wid for i in self.serving if not i.fits(unit))
+        final, copies = unit.final, unit.copies
+        exclude = NONE
+        if final > seq_floor or copies > seqs_floor or copies * final > kv_floor:
+            exclude = self.unfit(unit)  # some instance cannot hold this turn
         if len(exclude) == len(self.serving):
             if any(i.fits(unit) for i in self.instances.values()):
                 self.parked.append(unit)  # an instance that can hold it is starting
@@ -179,7 +198,10 @@ class Rollout:
         self.reasons[decision.reason] += 1
         unit.policy, unit.carried = policy, 0
         instance = self.instances[decision.worker_id]
-        self.running.setdefault(instance.wid, set()).add(unit)
+        running = self.running.get(instance.wid)
+        if running is None:
+            running = self.running[instance.wid] = set()
+        running.add(unit)
         if unit.kv_on != instance.wid:
             unit.prefill = unit.context  # no prefix cache there: the whole context again
         unit.kv_on = unit.worker = instance.wid
@@ -196,7 +218,9 @@ class Rollout:
         now = self.events.now
         instance.advance(now)
         unit = instance.complete()
-        self.running.get(instance.wid, set()).discard(unit)
+        running = self.running.get(instance.wid)
+        if running is not None:
+            running.discard(unit)
         if unit.carried:  # routed by an older policy: release what the policy in force counted for it
             worker = self.policy.state.workers.get(instance.wid)
             if worker is not None:
