@@ -23,39 +23,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable
+from typing import Callable
 
+from libra.cli_config import client, load
+from libra.cli_planning import cmd_plan, cmd_plan_explain, cmd_sim, degrees
 from libra.errors import ConfigError, FailedPrecondition
 
 SERVICES = ("planner", "scheduler", "trainer", "rollout", "elastic")
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    if getattr(args, "redis_url", None):
-        found["redis.url"] = args.redis_url
-    if getattr(args, "run_id", None):
-        found["run_id"] = args.run_id
-    if getattr(args, "run_dir", None):
-        found["run_dir"] = args.run_dir
-    for item in getattr(args, "set", None) or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-        import yaml
-
-        found[key] = yaml.safe_load(value)
-    return found
-
-
-def _load(args: argparse.Namespace):
-    from libra.config import load_run_config
-
-    return load_run_config(args.config, _overrides(args))
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = _load(args)
+    config = load(args)
     if not config.redis.url:
         raise ConfigError("redis.url: `libra serve` needs a Redis URL; pass --redis-url or set LIBRA_REDIS_URL")
     from libra import log
@@ -68,16 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from libra.up import up
 
-    return up(_load(args), fresh=args.fresh, resume=args.resume)
-
-
-def _client(args: argparse.Namespace):
-    """The config, with its token and TLS installed for this process's channels (status, explain)."""
-    from libra import security
-
-    config = _load(args)
-    security.install(security.load(config))
-    return config
+    return up(load(args), fresh=args.fresh, resume=args.resume)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -86,8 +55,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.watch is not None:
         if args.watch <= 0:
             raise ConfigError(f"--watch takes the seconds between refreshes, a number above 0; got {args.watch}")
-        return watch_status(_client(args), args.watch)
-    return print_status(_client(args))
+        return watch_status(client(args), args.watch)
+    return print_status(client(args))
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -98,136 +67,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ImportError as error:  # the control plane alone: no matplotlib
         raise FailedPrecondition(f"libra report draws its charts with matplotlib, which is not installed "
                                  f"({error}); pip install matplotlib") from None
-    return 0
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    from libra.errors import InvalidArgument
-    from libra.services.planner.hardware import load_gpu, load_model
-    from libra.services.planner.preflight import load_batch, preflight
-
-    missing = [f"--{name}" for name in ("cluster", "model", "trace", "gpus") if getattr(args, name) is None]
-    if missing:
-        raise ConfigError(f"libra plan needs {', '.join(missing)} (or `libra plan explain --config FILE`)")
-    options = {"group_size": args.group_size, "whole_nodes": args.whole_nodes}
-    for name in ("tp_choices", "pp_choices", "min_train_gpus", "min_rollout_gpus"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
-    try:
-        trace, note = load_batch(args.trace, args.batch, args.group_size)
-        decision = preflight(load_model(args.model), load_gpu(args.cluster), trace, args.gpus, args.top_k, options)
-    except InvalidArgument as error:
-        raise ConfigError(str(error)) from None
-    print(f"chosen: {decision.candidates[0].note}")
-    print(f"trace:  {note}")
-    print(f"why:    {decision.reason}")
-    for rank, candidate in enumerate(decision.candidates[1:], start=2):
-        print(f"  #{rank}: {candidate.note}")
-    buckets = ", ".join(f"{b.name} (tp{b.tp} x{b.replicas}, <= {b.max_tokens} tokens)" for b in decision.chosen.buckets)
-    print(f"rollout buckets: {buckets}")
-    return 0
-
-
-def _degrees(text: str) -> tuple[int, ...]:
-    """'1,2,4' -> (1, 2, 4) for --tp / --pp."""
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,4,8, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("give at least one degree, e.g. 1,2,4,8")
-    return values
-
-
-def cmd_plan_explain(args: argparse.Namespace) -> int:
-    """The planner's recent decisions and calibration (the Explain RPC of a running planner)."""
-    import asyncio
-
-    import grpc
-
-    from libra.rpc import channel
-    from libra.services.planner.core import render_explain as render
-    from libra.v1 import planner_pb2, planner_pb2_grpc
-
-    config = _client(args)
-
-    async def call():
-        async with channel(config.address_of("planner")) as chan:
-            return await planner_pb2_grpc.PlannerStub(chan).Explain(
-                planner_pb2.ExplainRequest(run_id=config.run_id, limit=args.limit), timeout=10)
-    try:
-        reply = asyncio.run(call())
-    except grpc.aio.AioRpcError as error:
-        raise FailedPrecondition(f"planner at {config.address_of('planner')} did not answer Explain: "
-                                 f"{error.code().name} {error.details()}; is it running (libra up / libra serve "
-                                 f"planner)?") from None
-    if args.json:
-        from google.protobuf.json_format import MessageToJson
-
-        print(MessageToJson(reply))
-    else:
-        print(render(reply))
-    return 0
-
-
-def cmd_sim(args: argparse.Namespace) -> int:
-    """Discrete-event simulation of the whole loop at cluster scale (services/planner/sim/); with
-    --config, of the design that run config describes (services/planner/sim/design.py)."""
-    from libra.errors import InvalidArgument
-    from libra.services.planner.hardware import load_gpu, load_model
-    from libra.services.planner.sim import design as sim_design, run as sim_run
-    from libra.services.planner.sim.cluster import SimConfig
-
-    design = None
-    if args.config:
-        flags = ("cluster", "model", "gpus", "policy", "planner", "staleness", "group_size")
-        given = [f"--{flag.replace('_', '-')}" for flag in flags if getattr(args, flag) is not None]
-        if given:
-            raise ConfigError(f"{', '.join(given)} with --config: the run config sets them (planner.cluster, "
-                              "scheduler.policy, planner.mode, trainer.max_staleness, trainer.group_size); "
-                              "override them with --set KEY=VALUE")
-        design = sim_design.design_of(_load(args), args.max_workers)
-        model, gpu, gpus, group_size = design.model, design.gpu, design.search.total_gpus, design.search.group_size
-        label = design.name
-    elif not (args.cluster and args.model and args.gpus):
-        raise ConfigError("libra sim needs --cluster, --model and --gpus, or --config FILE (a run config whose "
-                          "planner.cluster names them)")
-    else:
-        gpus, group_size = args.gpus, args.group_size or 8
-        label = f"{args.planner or 'static'}/{args.policy or 'cmlfq'}"
-    try:
-        if design is None:
-            model, gpu = load_model(args.model), load_gpu(args.cluster)
-        prompts = args.prompts or max(8, gpus)
-        if design is not None:  # spare batches replace rejected groups (the same trace for every design)
-            trace = sim_run.build_trace(args.trace, sim_design.trace_batches(args.steps), prompts, group_size,
-                                        args.seed, sim_design.trace_drift(args.drift, args.steps), args.max_units)
-        else:
-            trace = sim_run.build_trace(args.trace, args.steps, prompts, group_size, args.seed, args.drift,
-                                        args.max_units)
-        print(f"trace {trace.source}: {args.steps} steps x {trace.batch} trajectories; mean tokens step 0 "
-              f"{trace.mean_tokens(0):,.0f}, last step {trace.mean_tokens(args.steps - 1):,.0f}")
-        every = max(1, args.steps // 10)
-        report = lambda r: print(f"  step {r.step:4d}  t={r.time_s:9,.0f}s  step {r.interval_s:6.1f}s  "  # noqa: E731
-                                 f"rollout {r.rollout_s:6.1f}s  train {r.train_s:6.1f}s") if r.step % every == 0 else None
-        if design is not None:
-            print(design.describe())
-            played = sim_design.simulate_design(design, trace, args.steps, progress=report)
-            result, extra = played.result, played.lines()
-        else:
-            result, extra = sim_run.simulate(model, gpu, gpus, trace, args.planner or "static", args.policy or "cmlfq",
-                                             SimConfig(staleness=1 if args.staleness is None else args.staleness,
-                                                       max_workers=args.max_workers),
-                                             progress=report, group_size=group_size), []
-    except InvalidArgument as error:
-        raise ConfigError(str(error)) from None
-    print("\n".join(sim_run.summary(result) + extra))
-    if args.json:
-        about = ({"config": args.config, "run": design.name, "planner": design.planner, "policy": design.sim.policy}
-                 if design is not None else {"planner": args.planner or "static", "policy": args.policy or "cmlfq"})
-        sim_run.write_json(args.json, sim_run.to_json(result, {**about, "gpus": gpus, "trace": trace.source}))
-    if args.plot:
-        sim_run.plot({label: result}, args.plot, f"{model.name}, {gpus} x {gpu.name}, {trace.source}")
     return 0
 
 
@@ -248,7 +87,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     args.config = args.config or args.config_path
     if not args.config:
         raise ConfigError("check-config needs a config: libra check-config --config FILE")
-    config = _load(args)
+    config = load(args)
     if not args.offline:
         from libra.checks import check_model, check_ports, check_workload
 
@@ -316,9 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "is one step (a recorded run's trace.jsonl holds many steps: pass e.g. --batch 1024)")
     plan.add_argument("--group-size", type=int, default=8,
                       help="GRPO samples per prompt: each data-parallel replica trains whole groups (default 8)")
-    plan.add_argument("--tp", dest="tp_choices", type=_degrees, metavar="1,2,4,8",
+    plan.add_argument("--tp", dest="tp_choices", type=degrees, metavar="1,2,4,8",
                       help="tensor-parallel degrees to try on both sides (default 1,2,4,8)")
-    plan.add_argument("--pp", dest="pp_choices", type=_degrees, metavar="1,2,4,8",
+    plan.add_argument("--pp", dest="pp_choices", type=degrees, metavar="1,2,4,8",
                       help="training pipeline-parallel degrees to try (default 1,2,4,8)")
     plan.add_argument("--min-train-gpus", type=int, help="fewest GPUs for training (default 1)")
     plan.add_argument("--min-rollout-gpus", type=int, help="fewest GPUs for rollout (default 1)")

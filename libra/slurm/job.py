@@ -74,7 +74,8 @@ class Job:
     def prepare(self) -> None:
         import yaml
 
-        from libra.cli import _overrides, build_parser
+        from libra.cli import build_parser
+        from libra.cli_config import overrides
         from libra.config import load_run_config
         from libra.errors import ConfigError
         from libra.security import prepare_run_token
@@ -82,8 +83,8 @@ class Job:
         if not self.config_path.is_file():
             raise JobError(f"no config {self.config_path}: set LIBRA_CONFIG")
         try:
-            user = _overrides(build_parser().parse_args(["check-config", "--config", str(self.config_path),
-                                                         *self.extra]))
+            user = overrides(build_parser().parse_args(["check-config", "--config", str(self.config_path),
+                                                        *self.extra]))
             first = load_run_config(self.config_path, user)
             facts = layouts.RunFacts(first.trainer.ranks, first.weights.type, first.metrics.base_port != 0,
                                      first.rollout.worker.base_port != 0)
