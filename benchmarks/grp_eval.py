@@ -91,19 +91,19 @@ def evaluate(gpus: int, steps: int, seed: int, drift: float, max_units: int, pro
           f"at step 0 -> {trace.mean_tokens(steps - 1):,.0f} at step {steps - 1}", flush=True)
     started = time.process_time()
     config = SearchConfig(total_gpus=gpus, group_size=8, **SEARCH)
-    static = control.static(model, gpu, config)
-    runs = {"(a) static, step-0 plan": Simulator(model, gpu, trace, static, config).run()}
     # what `libra sim --config` runs for an online run config: the elastic pool's core of one replica
     # (elastic.core_replicas' default), so that a change of the training dp alone joins or releases
     # hybrids while the core steps on, in the run and in the replanner's replays of moves
     elastic = SimConfig(core_replicas=1)
+    static = control.static(model, gpu, config, ReplanSettings(), elastic)  # the planner's first plan, kept
+    runs = {"(a) static, step-0 plan": Simulator(model, gpu, trace, static, config).run()}
     replanner = control.Online(model, gpu, config, ReplanSettings(), elastic)
     online_started = time.process_time()
     online = Simulator(model, gpu, trace, replanner, config, elastic).run()
     online_cpu = time.process_time() - online_started
     print(f"  (c) online: {online.trajectories_per_s:.3f} traj/s, {len(online.plan_changes)} plan changes, "
           f"{replanner.replanner.ranker.plays} window replays in {online_cpu:.0f}s CPU", flush=True)
-    used = [static.initial(trace)] + [change.candidate for change in replanner.changes]
+    used = [static.first.chosen] + [change.candidate for change in replanner.changes]
     candidates = hindsight_candidates(model, gpu, gpus, trace, used)
     fixed = []
     for candidate in candidates:

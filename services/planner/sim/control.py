@@ -3,9 +3,11 @@
 The simulator calls `initial(trace)` once and `after_step(record)` after every training step; a
 controller answers with a `PlanChange` (the new candidate and its transition cost) or None.
 
-    static    the planner's search on the first step's batch, kept for the whole run
-    tp2       the same search restricted to TP 2 on both sides (a homogeneous layout); pair it
-              with load-balance routing for the usual baseline
+    static    the planner's plan for the first step's batch, kept for the whole run: the
+              search's shortlist ranked by simulating that batch (`rank.first_plan`, as the
+              replanner ranks later ones; with `rank: closed_form`, the search's best)
+    tp2       the search restricted to TP 2 on both sides (a homogeneous layout), its best; pair
+              it with load-balance routing for the usual baseline
     online    the Global Resource Planner's `Replanner` (services/planner/replan.py), fed every
               finished step's measured times (rollout seconds = the batch's rollout span, as the
               trainer reports it), lengths and trajectories; it ranks the search's shortlist by
@@ -50,13 +52,23 @@ class Controller(Protocol):
 
 
 class SearchOnce:
-    """The search's best plan for the first step's batch, never changed."""
+    """The planner's plan for the first step's batch, never changed: ranked by simulation when given
+    the replanner's settings (rank: simulate) and the replay's `SimConfig`, else the search's best."""
 
-    def __init__(self, name: str, model: ModelSpec, gpu: GpuSpec, config: SearchConfig):
+    def __init__(self, name: str, model: ModelSpec, gpu: GpuSpec, config: SearchConfig,
+                 settings: ReplanSettings | None = None, sim: "SimConfig | None" = None):
         self.name, self.model, self.gpu, self.config = name, model, gpu, config
+        self.settings, self.sim = settings, sim
         self.reason = ""
+        self.first = None  # rank.FirstPlan, when simulated
 
     def initial(self, trace: Trace) -> Candidate:
+        if self.settings is not None and self.settings.rank == "simulate" and self.sim is not None:
+            from libra.services.planner.sim.rank import first_plan  # (rank imports the simulator, which imports us)
+
+            self.first = first_plan(self.model, self.gpu, self.config, self.sim, trace.steps[0], self.settings)
+            self.reason = f"step 0's batch: {self.first.reason}"
+            return self.first.chosen
         result = search(self.model, self.gpu, trace.pairs(0), self.config)
         self.reason = f"searched on step 0's batch: {result.best.describe()}"
         return result.best
@@ -65,8 +77,9 @@ class SearchOnce:
         return None
 
 
-def static(model: ModelSpec, gpu: GpuSpec, config: SearchConfig) -> SearchOnce:
-    return SearchOnce("static", model, gpu, config)
+def static(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, settings: ReplanSettings | None = None,
+           sim: "SimConfig | None" = None) -> SearchOnce:
+    return SearchOnce("static", model, gpu, config, settings, sim)
 
 
 def homogeneous_tp2(model: ModelSpec, gpu: GpuSpec, config: SearchConfig) -> SearchOnce:
@@ -78,8 +91,8 @@ class Online(SearchOnce):
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, config: SearchConfig, settings: ReplanSettings,
                  sim: "SimConfig", first: Candidate | None = None):
-        super().__init__("online", model, gpu, config)
-        self.settings, self.sim, self.first = settings, sim, first
+        super().__init__("online", model, gpu, config, settings, sim)
+        self.given = first
         self.replanner: Replanner | None = None
         self.trace: Trace | None = None
         self.decisions: list[tuple[int, bool, str]] = []  # (step, applied, reason)
@@ -88,7 +101,7 @@ class Online(SearchOnce):
     def initial(self, trace: Trace) -> Candidate:
         from libra.services.planner.sim.rank import SimRanker  # (rank imports the simulator, which imports us)
 
-        best = self.first if self.first is not None else super().initial(trace)
+        best = self.given if self.given is not None else super().initial(trace)
         settings = self.settings.model_copy(update={"batch_sequences": trace.batch,
                                                     "trace_window": max(self.settings.trace_window, trace.batch),
                                                     "min_history_samples": min(trace.batch,

@@ -12,8 +12,10 @@ What the simulator takes from the run config:
                                                 0 is a synchronous job, simulated colocated
                                                 (asynchronous jobs batch as the trainer does: the
                                                 first complete fresh groups, `first_complete`)
-    planner.mode                                static: the search's plan for step 0, kept; online:
-                                                the Replanner after every step (planner.replan)
+    planner.mode                                static: the planner's plan for step 0, kept (the
+                                                search's shortlist ranked by simulating step 0's
+                                                batch, control.static); online: the same start,
+                                                then the Replanner after every step (planner.replan)
     scheduler.policy (its type)                 the routing policy, at its default settings
     elastic.core_replicas                       online only: the core of the elastic hybrid pool
                                                 (a change of dp alone joins or releases hybrids)
@@ -117,10 +119,11 @@ def design_of(config: "RunConfig", max_workers: int = 256) -> Design:
 def controller_of(design: Design) -> control.Controller:
     if design.planner == "colocated":
         return Colocated(design.model, design.gpu, design.search)
-    if design.planner == "online":  # its replays batch in order, as the planner service plays them (server.py)
-        replay = design.sim.model_copy(update={"batching": "in_order", "steps": 0})
+    # replays (the first plan's ranking, online's decisions) batch in order, as the planner service plays them
+    replay = design.sim.model_copy(update={"batching": "in_order", "steps": 0})
+    if design.planner == "online":
         return control.Online(design.model, design.gpu, design.search, design.replan, replay)
-    return control.static(design.model, design.gpu, design.search)
+    return control.static(design.model, design.gpu, design.search, design.replan, replay)
 
 
 def trace_batches(steps: int) -> int:

@@ -28,9 +28,11 @@ from libra.services.planner.cost_rollout import RolloutEfficiency
 from libra.services.planner.cost_train import TrainEfficiency
 from libra.services.planner.evaluate import Played
 from libra.services.planner.hardware import GpuSpec, ModelSpec
-from libra.services.planner.search import Candidate, SearchConfig
+from libra.services.planner.config import ReplanSettings
+from libra.services.planner.search import Candidate, SearchConfig, search
+from libra.services.planner.shortlist import shortlist
 from libra.services.planner.sim.cluster import SimConfig
-from libra.traces.spec import Trace, TrajectorySpec, TurnSpec, check
+from libra.traces.spec import Trace, TrajectorySpec, TurnSpec, check, pairs
 
 
 class SimRanker:
@@ -63,6 +65,14 @@ class SimRanker:
             steps = [_cohorts(list(o.lengths)[-batch:], i, self.max_units) for i, o in enumerate(recent)]
         return check(Trace(tuple(tuple(step) for step in steps), "replay window"))
 
+    def repeated(self, batch: Sequence[TrajectorySpec]) -> Trace:
+        """A window of one batch played again at every step (a run's start: its first batch is all
+        there is to go by), each step's trajectories and prompts named apart so that no routing
+        policy learns a prompt's lengths from an earlier copy of it."""
+        steps = [[dataclasses.replace(spec, trajectory_id=f"w{i}-{spec.trajectory_id}", prompt_id=f"w{i}-{spec.prompt_id}",
+                                      step=i) for spec in batch] for i in range(self.window_steps)]
+        return check(Trace(tuple(tuple(step) for step in steps), "first batch, repeated"))
+
     def play(self, window: Trace, plan: Candidate, rollout: RolloutEfficiency, train: TrainEfficiency,
              move_to: Candidate | None = None, transition_s: float = 0.0) -> Played:
         from libra.services.planner.sim.run import run_plan
@@ -77,6 +87,50 @@ class SimRanker:
             return Played((0.0,) * (self.warm + 1) + (math.inf,) * (steps - 1 - self.warm), (math.inf,) * steps,
                           self.warm)
         return Played(tuple(s.time_s for s in result.steps), tuple(s.rollout_s for s in result.steps), self.warm)
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstPlan:
+    """The plan a run starts from, and the replays that chose it."""
+
+    chosen: Candidate
+    searched: Candidate  # the closed-form search's best
+    ranked: tuple[tuple[Candidate, float], ...]  # (candidate, simulated seconds per step), fastest first
+    reason: str
+
+
+def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimConfig, batch: Sequence[TrajectorySpec],
+               settings: ReplanSettings) -> FirstPlan:
+    """The plan for a run's start, chosen as the replanner chooses later ones (evaluate.by_simulation):
+    the closed-form search on the first batch prunes (its best `settings.shortlist` + 1 distinct
+    splits, two fleets each, and the best plan's engine exchanges, `shortlist.py`); each of those is
+    played on the simulator over a window of that batch repeated, at `config`'s efficiencies (the
+    uncalibrated defaults a run starts with); the fastest per step in the pipeline, once filled,
+    is chosen. The closed form ranks one synchronous step and knows every length in advance, so its
+    own best is often not the fastest asynchronous plan (docs/benchmarks.md, the headline)."""
+    lengths = pairs(batch)
+    wide = config.model_copy(update={"distinct_splits": True, "fleets_per_split": 2, "top_k": settings.shortlist + 1})
+    result = search(model, gpu, lengths, wide)
+    candidates = [result.best] + shortlist(result, model, gpu, lengths, wide, result.best, settings.shortlist,
+                                           settings.neighbours, settings.whole_exchanges)
+    ranker = SimRanker(model, gpu, config, sim, settings.sim_window_steps, settings.sim_warmup_steps)
+    window = ranker.repeated(batch)
+    played = sorted(((ranker.play(window, candidate, config.rollout, config.train).per_step_s, index, candidate)
+                     for index, candidate in enumerate(candidates)), key=lambda row: row[:2])
+    ranked = tuple((candidate, per_step) for per_step, _, candidate in played)
+    chosen, per_step = ranked[0]
+    if not math.isfinite(per_step):
+        raise InvalidArgument(f"no candidate plan can run the first batch on the simulator "
+                              f"(closed-form best: {result.best.describe()})")
+    searched_s = next(s for c, s in ranked if c is result.best)
+    if chosen is result.best:
+        reason = (f"the search's best on the first batch, also the fastest of {len(ranked)} simulated "
+                  f"({per_step:.1f}s per step): {chosen.describe()}")
+    else:
+        reason = (f"the fastest of {len(ranked)} plans simulated on the first batch: {per_step:.1f}s per step "
+                  f"against {searched_s:.1f}s for the closed form's best ({result.best.describe()}): "
+                  f"{chosen.describe()}")
+    return FirstPlan(chosen, result.best, ranked, reason)
 
 
 def _cohorts(lengths: list[tuple[int, int]], step: int, max_units: int) -> list[TrajectorySpec]:

@@ -57,7 +57,7 @@ def build_trace(source: str, steps: int, prompts: int, group_size: int, seed: in
 def make_controller(planner: str, model: ModelSpec, gpu: GpuSpec, config: SearchConfig,
                     replan: ReplanSettings | None = None, sim: SimConfig | None = None) -> control.Controller:
     if planner == "static":
-        return control.static(model, gpu, config)
+        return control.static(model, gpu, config, replan or ReplanSettings(), sim or SimConfig())
     if planner == "tp2":
         return control.homogeneous_tp2(model, gpu, config)
     if planner == "online":
