@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from typing import Callable
 
 from libra.cli_config import client, load
 from libra.cli_planning import cmd_plan, cmd_plan_explain, cmd_sim, degrees
 from libra.errors import ConfigError, FailedPrecondition
+from libra.routing.config import PolicyName
 
 SERVICES = ("planner", "scheduler", "trainer", "rollout", "elastic")
+POLICY_CHOICES = typing.get_args(PolicyName)  # the routing policies (libra.routing)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -166,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "straddle one); auto (default): on for clusters of two or more whole nodes unless "
                            "that costs over 5%% of the predicted step, and the output says which and why")
     plan.add_argument("--top-k", type=int, default=5, help="alternatives to show")
+    plan.add_argument("--simulate", action="store_true",
+                      help="rank the search's shortlist by playing the batch through the cluster simulator (the "
+                           "asynchronous pipeline, the router; as a run's first plan is chosen) instead of by the "
+                           "closed form's one synchronous step; seconds to a minute at thousands of GPUs")
+    plan.add_argument("--staleness", type=int, default=1, help="with --simulate: the run's staleness bound")
+    plan.add_argument("--policy", default="cmlfq", choices=POLICY_CHOICES,
+                      help="with --simulate: the run's routing policy")
     plan.set_defaults(func=cmd_plan)
     plan_sub = plan.add_subparsers(dest="plan_command")
     explain = plan_sub.add_parser("explain", help="a running planner's recent decisions and calibration")
@@ -199,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="'synthetic' (drifting long-tailed agentic), 'r2e' (R2E-Gym-like SWE agent: "
                           "libra/traces/r2e.py) or a trace file: trajectory JSONL, CSV "
                           "prompt_tokens,output_tokens, or a runtime-history export")
-    sim.add_argument("--policy", choices=("cmlfq", "load_balance", "length_aware", "la_mlfq"),
+    sim.add_argument("--policy", choices=POLICY_CHOICES,
                      help="scheduler routing policy (default cmlfq)")
     sim.add_argument("--planner", choices=("static", "tp2", "online"),
                      help="static (default): best plan for step 0; tp2: homogeneous TP-2; online: the replanner")

@@ -14,7 +14,8 @@ from libra.errors import ConfigError, FailedPrecondition
 def cmd_plan(args: argparse.Namespace) -> int:
     from libra.errors import InvalidArgument
     from libra.services.planner.hardware import load_gpu, load_model
-    from libra.services.planner.preflight import load_batch, preflight
+    from libra.services.planner.preflight import load_batch_specs, preflight
+    from libra.traces.spec import pairs
 
     missing = [f"--{name}" for name in ("cluster", "model", "trace", "gpus") if getattr(args, name) is None]
     if missing:
@@ -24,18 +25,52 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     try:
-        trace, note = load_batch(args.trace, args.batch, args.group_size)
-        decision = preflight(load_model(args.model), load_gpu(args.cluster), trace, args.gpus, args.top_k, options)
+        batch, note = load_batch_specs(args.trace, args.batch, args.group_size)
+        trace = pairs(batch)
+        model, gpu = load_model(args.model), load_gpu(args.cluster)
+        decision = preflight(model, gpu, trace, args.gpus, args.top_k, options)
+        first = _simulated(args, model, gpu, batch, options) if args.simulate else None
     except InvalidArgument as error:
         raise ConfigError(str(error)) from None
-    print(f"chosen: {decision.candidates[0].note}")
-    print(f"trace:  {note}")
-    print(f"why:    {decision.reason}")
-    for rank, candidate in enumerate(decision.candidates[1:], start=2):
-        print(f"  #{rank}: {candidate.note}")
-    buckets = ", ".join(f"{b.name} (tp{b.tp} x{b.replicas}, <= {b.max_tokens} tokens)" for b in decision.chosen.buckets)
+    if first is None:
+        print(f"chosen: {decision.candidates[0].note}")
+        print(f"trace:  {note}")
+        print(f"why:    {decision.reason}")
+        for rank, candidate in enumerate(decision.candidates[1:], start=2):
+            print(f"  #{rank}: {candidate.note}")
+        chosen = decision.chosen
+    else:
+        import time
+
+        from libra.services.planner.preflight import to_plan
+
+        print(f"chosen: {first.chosen.describe()}")
+        print(f"trace:  {note}")
+        print(f"why:    {first.reason}")
+        print(f"simulated ({len(first.ranked)} plans; staleness {args.staleness}, {args.policy} routing; "
+              "seconds per step in the pipeline once filled):")
+        for rank, (candidate, per_step) in enumerate(first.ranked, start=1):
+            mark = "  (the closed form's best)" if candidate == first.searched else ""
+            print(f"  #{rank}: {per_step:8.1f}s  {candidate.describe()}{mark}")
+        chosen = to_plan(first.chosen, trace, time.time())
+    buckets = ", ".join(f"{b.name} (tp{b.tp} x{b.replicas}, <= {b.max_tokens} tokens)" for b in chosen.buckets)
     print(f"rollout buckets: {buckets}")
     return 0
+
+
+def _simulated(args: argparse.Namespace, model, gpu, batch, options: dict):
+    """`libra plan --simulate`: the preflight's shortlist ranked on the cluster simulator, as a
+    run's first plan is (services/planner/sim/rank.first_plan)."""
+    from libra.services.planner.config import ReplanSettings
+    from libra.services.planner.preflight import search_config
+    from libra.services.planner.sim.cluster import SimConfig
+    from libra.services.planner.sim.rank import first_plan
+
+    config = search_config(args.gpus, args.top_k, options)
+    if not 0 <= args.staleness <= 64:
+        raise ConfigError(f"--staleness must be in 0..64 (the staleness bound of the run), got {args.staleness}")
+    sim = SimConfig(staleness=args.staleness, policy=args.policy, batching="in_order")
+    return first_plan(model, gpu, config, sim, batch, ReplanSettings())
 
 
 def degrees(text: str) -> tuple[int, ...]:

@@ -67,7 +67,16 @@ def load_trace(path: str | pathlib.Path) -> list[tuple[int, int]]:
 
 
 def load_batch(path: str | pathlib.Path, batch: int = 0, group_size: int = 1) -> tuple[list[tuple[int, int]], str]:
-    """One training step's (prompt, output) pairs from a trace file, and a line saying which.
+    """One training step's (prompt, output) pairs from a trace file, and a line saying which
+    (`load_batch_specs`, as the cost model sees them)."""
+    specs, note = load_batch_specs(path, batch, group_size)
+    return spec.pairs(specs), note
+
+
+def load_batch_specs(path: str | pathlib.Path, batch: int = 0,
+                     group_size: int = 1) -> tuple[list[spec.TrajectorySpec], str]:
+    """One training step's trajectories from a trace file (their turns, where the file has them:
+    what a replay on the simulator needs), and a line saying which.
 
     A trace that carries its steps (trajectory JSONL) gives its last step's batch (the most
     recent lengths); any other format the whole file. `batch` > 0 draws that many sequences
@@ -96,11 +105,14 @@ def load_batch(path: str | pathlib.Path, batch: int = 0, group_size: int = 1) ->
     if batch:
         if batch > len(pairs):
             raise ConfigError(f"--batch {batch} is larger than the trace ({len(pairs)} sequences)")
+        import dataclasses
         import random
 
-        pairs = random.Random(0).sample(pairs, batch)
-        note = f"{path}: {batch} of its {len(spec.pairs(specs))} sequences, drawn with seed 0"
-    return pairs, note
+        each = [dataclasses.replace(s, trajectory_id=f"{s.trajectory_id}-{c}", copies=1)
+                for s in specs for c in range(s.copies)]
+        specs = random.Random(0).sample(each, batch)
+        note = f"{path}: {batch} of its {len(pairs)} sequences, drawn with seed 0"
+    return list(specs), note
 
 
 def spec_from_yaml(kind: type, text: str, what: str):

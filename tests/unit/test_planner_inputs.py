@@ -13,7 +13,7 @@ import pytest
 from libra.errors import ConfigError, InvalidArgument
 from libra.services.planner.cost_train import Layout
 from libra.services.planner.hardware import gpu_named, model_named
-from libra.services.planner.preflight import load_batch
+from libra.services.planner.preflight import load_batch, load_batch_specs
 from libra.services.planner.search import Candidate, SearchConfig
 from libra.services.planner.sim import run as sim_run
 from libra.traces import synthetic
@@ -68,3 +68,27 @@ def test_a_recording_that_is_not_whole_groups_names_the_batch_flag():
     done = libra("plan", "--trace", recorded, "--gpus", "12", "--batch", "256")
     assert done.returncode == 0 and done.stdout.startswith("chosen: train"), done.stderr
     assert "256 of its" in done.stdout and "drawn with seed 0" in done.stdout
+
+
+def test_plan_simulate_ranks_the_shortlist_on_the_simulator_and_keeps_the_batchs_turns():
+    """`libra plan --simulate`: the chosen plan is the fastest replayed (#1), the closed form's best
+    is among those ranked, the buckets are the chosen plan's; the trajectory trace's turns reach the
+    replay (load_batch_specs keeps them, a draw with --batch too)."""
+    path = "configs/traces/agentic-drift-sample.jsonl"
+    specs, _ = load_batch_specs(path, 0, 8)
+    assert any(len(s.turns) > 1 for s in specs) and sum(s.copies for s in specs) == len(load_batch(path, 0, 8)[0])
+    drawn, _ = load_batch_specs(path, 16, 8)
+    assert len(drawn) == 16 and [(s.prompt_tokens + s.payload_tokens, s.output_tokens) for s in drawn] == \
+        load_batch(path, 16, 8)[0]
+    done = libra("plan", "--trace", path, "--gpus", "16", "--simulate")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    chosen = lines[0].removeprefix("chosen: ")
+    ranked = [line for line in lines if line.startswith("  #")]
+    assert ranked[0].endswith(chosen) or ranked[0].endswith(chosen + "  (the closed form's best)"), done.stdout
+    assert sum("(the closed form's best)" in line for line in ranked) == 1
+    seconds = [float(line.split()[1].removesuffix("s")) for line in ranked]
+    assert seconds == sorted(seconds) and "cmlfq routing" in done.stdout
+    assert lines[-1].startswith("rollout buckets: tp")
+    bad = libra("plan", "--trace", path, "--gpus", "16", "--simulate", "--staleness", "99")
+    assert refused(bad, "--staleness must be in 0..64")

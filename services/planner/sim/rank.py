@@ -124,10 +124,10 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
                               f"(closed-form best: {result.best.describe()})")
     searched_s = next(s for c, s in ranked if c is result.best)
     if chosen is result.best:
-        reason = (f"the search's best on the first batch, also the fastest of {len(ranked)} simulated "
+        reason = (f"the search's best on the batch, also the fastest of {len(ranked)} simulated on it "
                   f"({per_step:.1f}s per step): {chosen.describe()}")
     else:
-        reason = (f"the fastest of {len(ranked)} plans simulated on the first batch: {per_step:.1f}s per step "
+        reason = (f"the fastest of {len(ranked)} plans simulated on the batch: {per_step:.1f}s per step "
                   f"against {searched_s:.1f}s for the closed form's best ({result.best.describe()}): "
                   f"{chosen.describe()}")
     return FirstPlan(chosen, result.best, ranked, reason)
