@@ -93,7 +93,7 @@ async def swap(client, mode: str, path: Path, version: int) -> None:
 
 
 async def metrics(client) -> dict[str, float]:
-    text = (await client._http.get("/metrics")).text
+    text = await client.get_text("/metrics")
     names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:num_preemptions_total",
              "vllm:iteration_tokens_total_sum")
     return {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
