@@ -62,6 +62,9 @@ class CmlfqPolicy(Section):
     p90_window: int = Field(64, ge=1, le=4096, description="observations per prefix-tree node kept for the p90")
     max_prompt_trees: int = Field(10_000, ge=1, le=10_000_000,
                                   description="per-prompt trees kept (least recently learned evicted)")
+    max_tree_nodes: int = Field(250_000, ge=16, le=100_000_000,
+                                description="nodes a prefix tree may hold; one that grows past it keeps its most "
+                                "visited half (bounds memory and the stored blob: 0.3-0.75 KB per node)")
     min_visits_down: int = Field(20, ge=1, le=1_000_000,
                                  description="finished trajectories a prefix needs before it can move one to a "
                                  "shorter bucket (a long trajectory on a slow bucket costs more than the reverse)")

@@ -5,7 +5,10 @@ A path from the root is a sequence of signatures (`tool:size:status`, see `signa
 keeps how many finished trajectories went through it (visits), the running mean of the output
 tokens they produced *after* that prefix, and the last `window` such observations, from which the
 p90 is read. There is one tree per prompt (bounded by an LRU of `max_prompt_trees`, least recently
-learned first out) and one global tree for prompts never seen.
+learned first out) and one global tree for prompts never seen. No tree grows past `max_tree_nodes`:
+one that does keeps its most visited half (`Tree.pruned`; a child never has more visits than its
+parent, so what is kept is a tree again), which bounds the scheduler's memory and its Redis blob
+on a run of any length; the nodes dropped are the rarest paths, which seldom reach min_visits.
 
     finish(trajectory) ──insert──▶ prompt tree[prompt_id] ─┐
                              └──▶ global tree ─────────────┤
@@ -96,6 +99,29 @@ class Tree:
                 return None
         return self.stats(node)
 
+    def __len__(self) -> int:
+        return len(self.visits)
+
+    def pruned(self, keep: int) -> "Tree":
+        """At most `keep` nodes: the root and the nodes visited more often than the `keep`-th most
+        visited one, re-indexed (parents before children, as they were). Prefix-closed, since no
+        child has more visits than its parent. The tree itself when it has no more than `keep`."""
+        if len(self.visits) <= keep:
+            return self
+        threshold = sorted(self.visits, reverse=True)[keep - 1]
+        kept = [i for i, seen in enumerate(self.visits) if i == 0 or seen > threshold]
+        index = {old: new for new, old in enumerate(kept)}
+        tree = Tree()
+        tree.visits = array("q", (self.visits[i] for i in kept))
+        tree.means = array("d", (self.means[i] for i in kept))
+        tree.p90s = array("q", (self.p90s[i] for i in kept))
+        tree.windows = [self.windows[i] for i in kept]
+        for key, child in self.edges.items():
+            if child in index:
+                parent, sig = key.split("/", 1)
+                tree.edges[f"{index[int(parent)]}/{sig}"] = index[child]
+        return tree
+
     def to_plain(self) -> dict:
         windows = []
         for seen, window in zip(self.visits, self.windows):
@@ -133,11 +159,13 @@ class Walk:
 class PrefixForest:
     """A global prefix tree plus one tree per prompt id, LRU-bounded."""
 
-    def __init__(self, min_visits: int = 3, window: int = 64, max_prompt_trees: int = 10_000):
-        if min_visits < 1 or window < 1 or max_prompt_trees < 1:
-            raise InvalidArgument(f"min_visits, window and max_prompt_trees must be >= 1, got "
-                                  f"{min_visits}, {window}, {max_prompt_trees}")
+    def __init__(self, min_visits: int = 3, window: int = 64, max_prompt_trees: int = 10_000,
+                 max_tree_nodes: int = 250_000):
+        if min_visits < 1 or window < 1 or max_prompt_trees < 1 or max_tree_nodes < 2:
+            raise InvalidArgument(f"min_visits, window and max_prompt_trees must be >= 1 and max_tree_nodes >= 2, "
+                                  f"got {min_visits}, {window}, {max_prompt_trees}, {max_tree_nodes}")
         self.min_visits, self.window, self.max_prompt_trees = min_visits, window, max_prompt_trees
+        self.max_tree_nodes = max_tree_nodes
         self.global_tree = Tree()
         self.prompt_trees: OrderedDict[str, Tree] = OrderedDict()
 
@@ -154,11 +182,17 @@ class PrefixForest:
         if any(r < 0 for r in remaining_after):
             raise InvalidArgument(f"remaining_after must be >= 0, got {remaining_after}")
         tree = self.prompt_trees.pop(prompt_id, None) or Tree()
-        self.prompt_trees[prompt_id] = tree  # most recently learned goes last
-        while len(self.prompt_trees) > self.max_prompt_trees:
+        while len(self.prompt_trees) >= self.max_prompt_trees:
             self.prompt_trees.popitem(last=False)
         for root in (tree, self.global_tree):
             self._walk_insert(root, signatures, remaining_after)
+        self.prompt_trees[prompt_id] = self._bounded(tree)  # most recently learned goes last
+        self.global_tree = self._bounded(self.global_tree)
+
+    def _bounded(self, tree: Tree) -> Tree:
+        """`tree`, or its most visited half once it has grown past max_tree_nodes (a new object:
+        walks on the old one start again)."""
+        return tree.pruned(max(1, self.max_tree_nodes // 2)) if len(tree) > self.max_tree_nodes else tree
 
     def _walk_insert(self, tree: Tree, signatures: list[str], remaining_after: list[int]) -> None:
         node = 0
@@ -227,7 +261,8 @@ class PrefixForest:
     # -- persistence ---------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
         plain = {"v": FORMAT_VERSION, "min_visits": self.min_visits, "window": self.window,
-                 "max_prompt_trees": self.max_prompt_trees, "global": self.global_tree.to_plain(),
+                 "max_prompt_trees": self.max_prompt_trees, "max_tree_nodes": self.max_tree_nodes,
+                 "global": self.global_tree.to_plain(),
                  "prompts": [[pid, tree.to_plain()] for pid, tree in self.prompt_trees.items()]}
         return json.dumps(plain, separators=(",", ":")).encode()
 
@@ -236,7 +271,8 @@ class PrefixForest:
         plain = json.loads(blob)
         if plain.get("v") != FORMAT_VERSION:
             raise InvalidArgument(f"prefix tree blob has format {plain.get('v')!r}, expected {FORMAT_VERSION}")
-        forest = cls(plain["min_visits"], plain["window"], plain["max_prompt_trees"])
+        forest = cls(plain["min_visits"], plain["window"], plain["max_prompt_trees"],
+                     plain.get("max_tree_nodes", 250_000))  # (blobs written before the bound)
         forest.global_tree = Tree.from_plain(plain["global"])
         for pid, tree in plain["prompts"]:
             forest.prompt_trees[pid] = Tree.from_plain(tree)

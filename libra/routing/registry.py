@@ -30,7 +30,7 @@ def make_policy(config: RoutingConfig, buckets: list[tuple[str, int]] | None = N
     if kind in BUCKET_POLICIES and not buckets:
         raise InvalidArgument(f"scheduler.policy {kind} needs the bucket list (planner.buckets)")
     if kind == "cmlfq":
-        forest = PrefixForest(policy.min_visits, policy.p90_window, policy.max_prompt_trees)
+        forest = PrefixForest(policy.min_visits, policy.p90_window, policy.max_prompt_trees, policy.max_tree_nodes)
         thresholds = SizeThresholds(policy.tool_small_max_tokens, policy.tool_medium_max_tokens)
         return CMLFQ(config.per_worker_cap_tokens, config.affinity, buckets, forest, thresholds,
                      policy.max_moves, policy.start_spill_factor, policy.min_visits_down)

@@ -107,3 +107,65 @@ def test_a_deeper_global_match_beats_a_shallow_prompt_match():
     assert source == "global" and depth == 1 and stats.mean == 8000
     stats, source, depth = forest.lookup("p", ["calc:small:success"])
     assert source == "prompt" and depth == 1  # equal depth: the prompt's own tree is more specific
+
+
+def _paths(tree) -> dict[tuple[str, ...], int]:
+    """Every node of `tree` by its path of signatures."""
+    children: dict[int, list[tuple[str, int]]] = {}
+    for key, child in tree.edges.items():
+        parent, sig = key.split("/", 1)
+        children.setdefault(int(parent), []).append((sig, child))
+    out, todo = {(): 0}, [((), 0)]
+    while todo:
+        path, node = todo.pop()
+        for sig, child in children.get(node, []):
+            out[path + (sig,)] = child
+            todo.append((path + (sig,), child))
+    return out
+
+
+def test_a_pruned_tree_keeps_the_most_visited_nodes_with_their_statistics():
+    import random
+
+    rng = random.Random(4)
+    forest = PrefixForest(min_visits=1, window=4, max_tree_nodes=10**6)
+    alphabet = [SEARCH_OK, RUN_FAIL, "run:small:success", "search:large:timeout"]
+    for _ in range(400):
+        path = [rng.choice(alphabet) for _ in range(rng.randint(0, 6))]
+        forest.insert("p", path, [10 * (len(path) - k) + rng.randint(0, 5) for k in range(len(path) + 1)])
+    tree = forest.global_tree
+    before = _paths(tree)
+    pruned = tree.pruned(40)
+    after = _paths(pruned)
+    assert len(pruned) == len(after) <= 40 < len(tree)  # every kept node reachable: a tree again
+    assert set(after) <= set(before)
+    least_kept = min(pruned.visits)
+    assert all(tree.visits[node] <= least_kept or path in after for path, node in before.items())  # most visited
+    for path, node in after.items():
+        assert pruned.stats(node) == tree.stats(before[path])
+    assert tree.pruned(len(tree)) is tree
+
+
+def test_the_forest_never_grows_a_tree_past_its_bound_and_keeps_what_it_learned_most():
+    """A long run of ever-new tool-outcome paths: the global tree stays within max_tree_nodes; the
+    common prefix every trajectory shares keeps its statistics; the bound survives a restart."""
+    forest = PrefixForest(min_visits=1, window=8, max_tree_nodes=64)
+    for i in range(2000):
+        path = [SEARCH_OK, RUN_FAIL, f"tool{i}:small:success"]  # a new last outcome every time
+        forest.insert(f"p{i % 7}", path, [30, 20, 10, 0])
+        assert len(forest.global_tree) <= 64 and all(len(t) <= 64 for t in forest.prompt_trees.values())
+    stats, source, depth = forest.lookup("never-seen", [SEARCH_OK, RUN_FAIL, "tool5:small:success"])
+    assert (source, depth, stats.visits, stats.mean) == ("global", 2, 2000, 10.0)
+    restored = PrefixForest.from_bytes(forest.to_bytes())
+    assert restored.max_tree_nodes == 64 and len(restored.global_tree) == len(forest.global_tree)
+    with pytest.raises(ValueError, match="max_tree_nodes >= 2"):
+        PrefixForest(max_tree_nodes=1)
+
+
+def test_the_bound_comes_from_the_scheduler_config():
+    from libra.routing.config import RoutingConfig
+    from libra.routing.registry import make_policy
+
+    config = RoutingConfig.model_validate({"policy": {"type": "cmlfq", "max_tree_nodes": 100}})
+    policy = make_policy(config, [("short", 100), ("long", 1000)])
+    assert policy.forest.max_tree_nodes == 100
