@@ -163,7 +163,7 @@ def _train_layouts(model: ModelSpec, gpu: GpuSpec, batch: int, seq_len: int, con
         for pp in config.pp_choices:
             for dp in range(1, config.total_gpus // (tp * pp) + 1):
                 gpus = tp * pp * dp
-                reason = _layout_filter(gpus, dp, batch, gpu.gpus_per_node, whole, config)
+                reason = layout_filter(gpus, dp, batch, gpu.gpus_per_node, whole, config)
                 for mb in config.micro_batches:
                     if reason or batch % (dp * mb):
                         rejected.add(reason or "batch not divisible by dp x micro_batch")
@@ -181,7 +181,7 @@ def _train_layouts(model: ModelSpec, gpu: GpuSpec, batch: int, seq_len: int, con
     return out
 
 
-def _layout_filter(gpus: int, dp: int, batch: int, per_node: int, whole: bool, config: SearchConfig) -> str:
+def layout_filter(gpus: int, dp: int, batch: int, per_node: int, whole: bool, config: SearchConfig) -> str:
     if gpus < config.min_train_gpus:
         return f"fewer than min_train_gpus={config.min_train_gpus} for training"
     if config.total_gpus - gpus < config.min_rollout_gpus:

@@ -22,7 +22,8 @@ from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.cost_train import Layout
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.rejections import Rejections
-from libra.services.planner.search import Candidate, Multiset, SearchConfig, SearchResult, rollout_instances
+from libra.services.planner.search import (Candidate, Multiset, SearchConfig, SearchResult, layout_filter,
+                                           rollout_instances)
 from libra.services.planner.transition import same_plan
 
 
@@ -77,6 +78,66 @@ def neighbours(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]],
                     into[fleet_mix] = _costed(plan.layout, train_s, fleet_mix, instances, trace, packing)
     ranked = sorted((c for c in found.values() if c is not None), key=lambda c: (c.step_s, c.rollout_s))
     return ranked[:keep] + [c for c in far.values() if c is not None]
+
+
+def split_neighbours(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]], config: SearchConfig,
+                     plan: Candidate, whole: bool,
+                     ratios: Sequence[float] = (0.25, 0.5, 2 / 3, 1.5, 2.0, 4.0)) -> list[Candidate]:
+    """`plan` with other training data-parallel degrees (its TP and PP kept, the fastest
+    micro-batch): for each of `ratios`, the valid degree nearest to the plan's times it (a DP
+    replica holds whole GRPO groups, the split leaves rollout GPUs); the rollout fleet scaled to the
+    GPUs left in its TP proportions. The closed form balances one synchronous step, where the
+    asynchronous pipeline overlaps a batch's long tail with the next step and so wants another
+    split: these let a replay rank the splits around the search's choice (the search's own
+    shortlist often holds one split with several layouts)."""
+    if not trace or not plan.rollout:
+        return []
+    rejected = Rejections()
+    try:
+        instances = rollout_instances(model, gpu, config, rejected)
+    except Infeasible:
+        return []
+    batch = len(trace)
+    seq_len = max(1, round(sum(p + o for p, o in trace) / batch))
+    packing = placement.Packing(config.total_gpus, gpu.gpus_per_node, config.tp_choices)
+    width = plan.layout.tp * plan.layout.pp
+    timed: dict[int, tuple[float, Layout]] = {}
+    for dp in range(1, (config.total_gpus - 1) // width + 1):
+        if dp == plan.layout.dp or layout_filter(dp * width, dp, batch, gpu.gpus_per_node, whole, config):
+            continue
+        for mb in config.micro_batches:
+            layout = Layout(plan.layout.tp, plan.layout.pp, dp, mb)
+            if batch % (dp * mb):
+                continue
+            try:
+                seconds = cost_train.step_time(model, gpu, layout, batch, seq_len, config.train).seconds
+            except Infeasible:
+                continue
+            if dp not in timed or seconds < timed[dp][0]:
+                timed[dp] = (seconds, layout)
+    chosen = {min(timed, key=lambda dp: abs(math.log(dp / (plan.layout.dp * ratio)))) for ratio in ratios} \
+        if timed else set()
+    out = []
+    for dp in sorted(chosen):
+        train_s, layout = timed[dp]
+        mix = _scaled(plan.rollout, config.total_gpus - layout.gpus, instances)
+        candidate = _costed(layout, train_s, mix, instances, trace, packing) if mix else None
+        if candidate is not None:
+            out.append(candidate)
+    return out
+
+
+def _scaled(mix: Multiset, gpus: int, instances: dict) -> Multiset:
+    """The fleet `mix` grown or shrunk to `gpus` GPUs, each TP degree keeping its share of engines
+    (rounded down; the GPUs left go to the widest degree that fits them, then narrower ones)."""
+    total = sum(tp * n for tp, n in mix)
+    counts = {tp: n * gpus // total for tp, n in mix}
+    left = gpus - sum(tp * n for tp, n in counts.items())
+    for tp in sorted(set(counts) | set(instances), reverse=True):
+        if tp in instances and left >= tp:
+            counts[tp] = counts.get(tp, 0) + left // tp
+            left %= tp
+    return tuple(sorted((tp, n) for tp, n in counts.items() if n))
 
 
 def _costed(layout: Layout, train_s: float, fleet_mix: Multiset, instances: dict, trace,

@@ -78,3 +78,25 @@ def test_a_batch_no_plan_can_run_is_refused_with_the_reason():
     huge = [dataclasses.replace(spec, prompt_tokens=2_000_000) for spec in trace.steps[0]]
     with pytest.raises(InvalidArgument, match="training memory: the least any training layout tried needs"):
         first_plan(MODEL, GPU, config, SimConfig(), huge, SETTINGS)
+
+
+def test_the_splits_around_the_searchs_choice_are_ranked_too():
+    """split_neighbours: the best plan's TP and PP at other data-parallel degrees, each a valid
+    split (whole GRPO groups per replica, GPUs left to roll out) with the fleet scaled in its TP
+    proportions; first_plan replays them with the rest."""
+    from libra.services.planner.shortlist import _scaled, split_neighbours
+
+    config = SearchConfig(total_gpus=32, group_size=4, exact_multiset_limit=64, whole_nodes="off")
+    trace = synthetic.drifting(10, 32, 4, seed=0, drift=0.0)
+    best = search(MODEL, GPU, trace.pairs(0), config).best
+    around = split_neighbours(MODEL, GPU, trace.pairs(0), config, best, whole=False)
+    assert around and {c.layout.dp for c in around} != {best.layout.dp}
+    for candidate in around:
+        assert (candidate.layout.tp, candidate.layout.pp) == (best.layout.tp, best.layout.pp)
+        assert candidate.layout.dp != best.layout.dp and (128 // candidate.layout.dp) % 4 == 0
+        assert 0 < candidate.rollout_gpus <= 32 - candidate.layout.gpus
+        assert math.isfinite(candidate.step_s)
+    assert _scaled(((1, 4), (4, 3)), 32, {1: 0, 4: 0}) == ((1, 8), (4, 6))  # shares kept
+    assert _scaled(((8, 3),), 20, {4: 0, 8: 0}) == ((4, 1), (8, 2))  # the rest to the widest that fits
+    chosen = first_plan(MODEL, GPU, config, SimConfig(), trace.steps[0], SETTINGS)
+    assert any(c.layout.gpus != best.layout.gpus for c, _ in chosen.ranked)

@@ -30,8 +30,9 @@ from libra.services.planner.evaluate import Played
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.config import ReplanSettings
 from libra.services.planner.search import Candidate, SearchConfig, search
-from libra.services.planner.shortlist import shortlist
+from libra.services.planner.shortlist import shortlist, split_neighbours
 from libra.services.planner.sim.cluster import SimConfig
+from libra.services.planner.transition import same_plan
 from libra.traces.spec import Trace, TrajectorySpec, TurnSpec, check, pairs
 
 
@@ -113,6 +114,10 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
     result = search(model, gpu, lengths, wide)
     candidates = [result.best] + shortlist(result, model, gpu, lengths, wide, result.best, settings.shortlist,
                                            settings.neighbours, settings.whole_exchanges)
+    whole = result.placement.startswith("whole nodes on")
+    for candidate in split_neighbours(model, gpu, lengths, config, result.best, whole):
+        if not any(same_plan(candidate, c) for c in candidates):
+            candidates.append(candidate)
     ranker = SimRanker(model, gpu, config, sim, settings.sim_window_steps, settings.sim_warmup_steps)
     window = ranker.repeated(batch)
     played = sorted(((ranker.play(window, candidate, config.rollout, config.train).per_step_s, index, candidate)
