@@ -1,0 +1,94 @@
+"""The engine client's HTTP failures, each mapped to the error the gateway acts on, against a real
+aiohttp server: a worker that fails (5xx), is unreachable, answers late or answers garbage is
+`EngineError` (retry the turn elsewhere); a request it rejects (4xx) is `EngineRequestError`."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from aiohttp import web
+
+from libra.services.rollout.engines.client import (GENERATE_PATH, EngineClient, EngineError,
+                                                   EngineRequestError)
+
+ANSWER = {"choices": [{"token_ids": [5, 6], "finish_reason": "stop", "logprobs": {"content": [{"logprob": -0.1}] * 2},
+                       "weight_versions": [{"version": "4", "start": 0, "end": 2}]}]}
+
+
+async def serving(mode: dict):
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        mode["seen"] = body
+        kind = mode.get("kind", "ok")
+        if kind == "slow":
+            await asyncio.sleep(5)
+        if kind == "5xx":
+            return web.json_response({"error": {"message": "engine died"}}, status=503)
+        if kind == "4xx":
+            return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+        if kind == "garbage":
+            return web.Response(text="<html>proxy error</html>")
+        return web.json_response(ANSWER)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200 if mode.get("healthy", True) else 503)
+
+    app = web.Application()
+    app.add_routes([web.post(GENERATE_PATH, generate), web.get("/health", health)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
+def test_each_failure_maps_to_the_error_the_gateway_acts_on():
+    async def main():
+        mode: dict = {}
+        runner, port = await serving(mode)
+        try:
+            async with EngineClient(f"http://127.0.0.1:{port}", timeout_s=1.0) as client:
+                done = await client.generate([1, 2, 3], 2, seed=7)
+                assert done.token_ids == [5, 6] and done.versions == [4, 4]
+                assert mode["seen"]["token_ids"] == [1, 2, 3] and mode["seen"]["sampling_params"]["seed"] == 7
+                assert await client.health()
+                for kind, error, words in (("5xx", EngineError, "failed (503): engine died"),
+                                           ("4xx", EngineRequestError, "rejected the request (400): prompt too long"),
+                                           ("garbage", EngineError, "answered non-JSON"),
+                                           ("slow", EngineError, "timed out")):
+                    mode["kind"] = kind
+                    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+                        await client.generate([1], 2)
+                mode["healthy"] = False
+                assert not await client.health()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_an_unreachable_worker_is_an_engine_error_and_a_client_serves_another_loop():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    client = EngineClient(f"http://127.0.0.1:{closed}", timeout_s=2.0, connect_timeout_s=1.0)
+
+    async def refused():
+        with pytest.raises(EngineError, match="unreachable"):
+            await client.generate([1], 2)
+        assert not await client.health()
+        await client.close()  # (a session belongs to its loop: close it before the loop ends)
+
+    async def later():  # the same client on a new event loop: a session of that loop
+        runner, port = await serving({})
+        try:
+            client.base_url = f"http://127.0.0.1:{port}"
+            assert (await client.generate([1], 2)).token_ids == [5, 6]
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    asyncio.run(refused())
+    asyncio.run(later())
