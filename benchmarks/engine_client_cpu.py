@@ -119,7 +119,8 @@ def main() -> None:
                 for name, make in (("httpx", HttpxEngineClient), ("aiohttp", EngineClient)):
                     seconds = asyncio.run(cpu_per_request(make(url), args.requests, concurrency))
                     seen[name].append(seconds)
-                    print(f"concurrency {concurrency:3d}  {name:8s} {seconds * 1e6:7.0f} us CPU per request", flush=True)
+                    print(f"concurrency {concurrency:3d}  {name:8s} {seconds * 1e6:7.0f} us CPU per request",
+                          flush=True)
             base, new = statistics.median(seen["httpx"]), statistics.median(seen["aiohttp"])
             print(f"concurrency {concurrency:3d}  httpx / aiohttp = {base / new:.2f}x  "
                   f"(medians {base * 1e6:.0f} / {new * 1e6:.0f} us)", flush=True)

@@ -70,8 +70,9 @@ class SimRanker:
         """A window of one batch played again at every step (a run's start: its first batch is all
         there is to go by), each step's trajectories and prompts named apart so that no routing
         policy learns a prompt's lengths from an earlier copy of it."""
-        steps = [[dataclasses.replace(spec, trajectory_id=f"w{i}-{spec.trajectory_id}", prompt_id=f"w{i}-{spec.prompt_id}",
-                                      step=i) for spec in batch] for i in range(self.window_steps)]
+        steps = [[dataclasses.replace(spec, trajectory_id=f"w{i}-{spec.trajectory_id}",
+                                      prompt_id=f"w{i}-{spec.prompt_id}", step=i) for spec in batch]
+                 for i in range(self.window_steps)]
         return check(Trace(tuple(tuple(step) for step in steps), "first batch, repeated"))
 
     def play(self, window: Trace, plan: Candidate, rollout: RolloutEfficiency, train: TrainEfficiency,
@@ -102,13 +103,16 @@ class FirstPlan:
 
 def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimConfig, batch: Sequence[TrajectorySpec],
                settings: ReplanSettings) -> FirstPlan:
-    """The plan for a run's start, chosen as the replanner chooses later ones (evaluate.by_simulation):
-    the closed-form search on the first batch prunes (its best `settings.shortlist` + 1 distinct
-    splits, two fleets each, and the best plan's engine exchanges, `shortlist.py`); each of those is
-    played on the simulator over a window of that batch repeated, at `config`'s efficiencies (the
-    uncalibrated defaults a run starts with); the fastest per step in the pipeline, once filled,
-    is chosen. The closed form ranks one synchronous step and knows every length in advance, so its
-    own best is often not the fastest asynchronous plan (docs/benchmarks.md, the headline)."""
+    """The plan for a run's start, chosen as the replanner chooses later ones (evaluate.by_simulation).
+
+    The closed-form search on the first batch prunes: its best `settings.shortlist` + 1 distinct
+    splits (two fleets each), the best plan's engine exchanges (`shortlist.py`) and the best plan at
+    other training data-parallel degrees, ¼× to 4× (`split_neighbours`: the search's shortlist often
+    holds a single split). Each is played on the simulator over a window of that batch repeated, at
+    `config`'s efficiencies (the uncalibrated defaults a run starts with); the fastest per step in
+    the pipeline, once filled, is chosen (ties: the search's order). The closed form ranks one
+    synchronous step and knows every length in advance, so its own best is often not the fastest
+    asynchronous plan (docs/benchmarks.md, the headline)."""
     lengths = pairs(batch)
     wide = config.model_copy(update={"distinct_splits": True, "fleets_per_split": 2, "top_k": settings.shortlist + 1})
     result = search(model, gpu, lengths, wide)
