@@ -9,7 +9,9 @@ training layout, some GPUs of the engines of one TP degree given to engines of a
 `near` best small exchanges by the closed form, and every whole exchange (all of one degree's
 engines turned into another's), which the closed form does not filter, since it is the ranking
 that misjudges the TP mix: without them the replanner walks to a far fleet an eighth at a time,
-one confirmed move after another. Pure: candidates and their closed-form times, no simulation here.
+one confirmed move after another. A run's first plan (sim/rank.first_plan) also replays
+`split_neighbours`: the search's best at other training data-parallel degrees. Pure: candidates
+and their closed-form times, no simulation here.
 """
 
 from __future__ import annotations
