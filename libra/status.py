@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import shutil
+import signal
 import sys
 import time
 from typing import TextIO
@@ -114,25 +115,53 @@ def print_status(config: RunConfig) -> int:
 
 
 async def _watch(config: RunConfig, interval_s: float, stream: TextIO) -> int:
-    """Until the trainer says done, or every service stopped answering after one did (the run ended)."""
+    """Until the trainer says done, or every service stopped answering after one did (the run ended),
+    or Ctrl-C: taken by the event loop (a refresh in flight is cancelled), never raised inside a gRPC
+    call, whose channel then may not close."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread: Ctrl-C raises as usual
+        pass
+    stopped = asyncio.ensure_future(stop.wait())
     terminal, answered = stream.isatty(), False
-    while True:
-        health = await _health(config)
-        lines = await _gather(config, health)
-        stamp = datetime.datetime.now().strftime("%H:%M:%S")
-        header = f"libra status · run {config.run_id} · {stamp} · every {interval_s:g} s"
-        if terminal:  # redraw in place; lines cut to the width so that nothing wraps
-            width = shutil.get_terminal_size().columns
-            stream.write("\x1b[H\x1b[J" + "\n".join(line[:width] for line in [header + " (Ctrl-C stops)", *lines])
-                         + "\n")
-        else:
-            stream.write("\n".join([f"--- {header}", *lines]) + "\n")
-        stream.flush()
-        reachable = any(state != "UNAVAILABLE" for state in health.values())
-        if any(line.startswith("trainer   done") for line in lines) or (answered and not reachable):
-            return 0
-        answered = answered or reachable
-        await asyncio.sleep(interval_s)
+    try:
+        while True:
+            refresh = asyncio.ensure_future(_refresh(config))
+            await asyncio.wait({refresh, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set():
+                refresh.cancel()
+                await asyncio.gather(refresh, return_exceptions=True)
+                return 0
+            health, lines = refresh.result()
+            stamp = datetime.datetime.now().strftime("%H:%M:%S")
+            header = f"libra status · run {config.run_id} · {stamp} · every {interval_s:g} s"
+            if terminal:  # redraw in place; lines cut to the width so that nothing wraps
+                width = shutil.get_terminal_size().columns
+                stream.write("\x1b[H\x1b[J" + "\n".join(line[:width] for line in [header + " (Ctrl-C stops)", *lines])
+                             + "\n")
+            else:
+                stream.write("\n".join([f"--- {header}", *lines]) + "\n")
+            stream.flush()
+            reachable = any(state != "UNAVAILABLE" for state in health.values())
+            if any(line.startswith("trainer   done") for line in lines) or (answered and not reachable):
+                return 0
+            answered = answered or reachable
+            await asyncio.wait({stopped}, timeout=interval_s)
+            if stop.is_set():
+                return 0
+    finally:
+        stopped.cancel()
+        try:
+            loop.remove_signal_handler(signal.SIGINT)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+
+
+async def _refresh(config: RunConfig) -> tuple[dict, list[str]]:
+    health = await _health(config)
+    return health, await _gather(config, health)
 
 
 def watch_status(config: RunConfig, interval_s: float, stream: TextIO | None = None) -> int:
