@@ -204,6 +204,10 @@ def test_a_stop_runs_in_order_and_the_job_submitted_again_resumes(cluster, tmp_p
         time.sleep(2)
     scheduler = _pid_of(cluster.prefix, 0, "scheduler")
     os.kill(scheduler, signal.SIGKILL)  # a crash: its step is started again, the job goes on
+    job_out = tmp_path / f"job-{first}.out"
+    while job_out.read_text().count("scheduler is SERVING") < 2:  # the restarted one serves; a stop in its
+        assert time.monotonic() < deadline, job_out.read_text()[-3000:]  # 5 s backoff would leave its log
+        time.sleep(1)                                                    # (started anew) no "stopping"
     steps_before = len(_events(trainer_log, "step"))
     while len(_events(trainer_log, "step")) < steps_before + 2:  # training goes on with the new scheduler
         assert time.monotonic() < deadline, (tmp_path / f"job-{first}.out").read_text()[-3000:]
