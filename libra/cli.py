@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import typing
 from typing import Callable
 
 from libra.cli_config import client, load
 from libra.cli_planning import cmd_plan, cmd_plan_explain, cmd_sim, degrees
 from libra.errors import ConfigError, FailedPrecondition
-from libra.routing.config import PolicyName
+from libra.routing.names import POLICY_NAMES
 
 SERVICES = ("planner", "scheduler", "trainer", "rollout", "elastic")
-POLICY_CHOICES = typing.get_args(PolicyName)  # the routing policies (libra.routing)
+POLICY_CHOICES = POLICY_NAMES  # the routing policies (libra.routing; no pydantic at start-up)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

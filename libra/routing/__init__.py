@@ -9,6 +9,7 @@ the very same classes, so a policy measured offline is the policy that runs.
     cmlfq.py        C-MLFQ: bucket levels from prompt history, work done and tool-outcome prefixes
     prefix_tree.py  C-MLFQ's causal prefix forest (and its compact persistence)
     signatures.py   tool returns as `tool:size:status`
+    names.py        the policies' names (no pydantic: the CLI's choices)
     config.py       RoutingConfig: which policy and its limits (the scheduler's config extends it)
     registry.py     make_policy(config, buckets): the configured policy
 

@@ -25,9 +25,6 @@ from pydantic import Field, model_validator
 
 from libra.configbase import Section, tagged_union
 
-PolicyName = Literal["load_balance", "cmlfq", "length_aware", "la_mlfq"]
-"""The policies a service may run (the evaluation-only clairvoyant heuristic is built by hand)."""
-
 
 class LoadBalancePolicy(Section):
     """load_balance: the serving worker with the fewest outstanding tokens, rotating among ties."""

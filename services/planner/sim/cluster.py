@@ -45,7 +45,8 @@ from typing import Callable
 from pydantic import Field, model_validator
 
 from libra.configbase import Section
-from libra.routing.config import PolicyName, RoutingConfig
+from libra.routing.config import RoutingConfig
+from libra.routing.names import PolicyName
 from libra.routing.registry import make_policy
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.preflight import to_plan

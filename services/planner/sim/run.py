@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import pathlib
-import typing
 from dataclasses import asdict
 from typing import Callable
 
 from pydantic import ValidationError
 
 from libra.errors import ConfigError, InvalidArgument
-from libra.routing.config import PolicyName
+from libra.routing.names import POLICY_NAMES
 from libra.services.planner.config import ReplanSettings
 from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.hardware import GpuSpec, ModelSpec
@@ -31,7 +30,7 @@ from libra.traces import files, r2e, synthetic
 from libra.traces.spec import Trace
 
 PLANNERS = ("static", "tp2", "online")
-POLICIES = typing.get_args(PolicyName)
+POLICIES = POLICY_NAMES
 
 
 def cohort_copies(batch: int, max_units: int) -> int:
