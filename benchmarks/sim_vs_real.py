@@ -10,9 +10,11 @@ history:step the online planner reads. No run is started here.
 Per run, with nothing taken from the run but what the planner could know:
 
 1. Calibrate: every turn record of the history goes to the planner's own `Calibration.observe_turn`
-   (prefill/decode efficiency), every step record to `observe_train` (training MFU), as the online
-   planner feeds them (services/planner/core.py), with the run's calibration settings (an EWMA;
-   `--calibration mean`: a plain mean over the run instead). The cost model needs a model and a
+   (the turn fit: prefill and decode efficiency, the per-pass and per-row overheads, the time
+   outside the engine), every step record to `observe_train` (training MFU), as the online
+   planner feeds them (services/planner/core.py), with the run's calibration settings (the fit
+   remembers the last `turn_window` turns, the training MFU is an EWMA; `--calibration mean`:
+   every turn and step of the run alike instead). The cost model needs a model and a
    device: the run's tiny model (model.* of its config, fp32) and one CPU core as a nominal
    "device" (CPU_CORE below); the calibration corrects the nominal speeds, so their values only
    set where it starts. A weight sync costs the run's median publish time (time/publish_s).
@@ -24,7 +26,7 @@ Per run, with nothing taken from the run but what the planner could know:
 3. Compare, predicted (simulated) against measured, over the RL phase (first step's start to the
    last step's end): mean step time (steps 2..N: the first includes the workers' start), turn
    latency p50 / p90 (measured: the rollout gateway's turn seconds, route to reply; simulated: a
-   turn's arrival at its engine to its last token), busy fraction per pool (training: training
+   turn's arrival at its engine to its last token, plus the calibrated time outside the engine), busy fraction per pool (training: training
    seconds / span; rollout: per worker, the fraction of the span it had a request in flight
    (measured from the rollout service's samples of in-flight requests; simulated: the engine's
    busy time), averaged over the workers).
@@ -32,8 +34,7 @@ Per run, with nothing taken from the run but what the planner could know:
 Prints one JSON line per run (both sides of every figure, the calibrated slowdowns, turns per
 bucket measured and simulated, training seconds measured and simulated, and turn seconds per
 generated token by the worker's batch beside the calibrated cost model's decode step), a table per
-design (median over its runs: predicted, measured, their ratio, within 10% or not), the same table
-for a what-if replay that charges no prefill, and a plot of predicted / measured per figure and
+design (median over its runs: predicted, measured, their ratio, within 10% or not), and a plot of predicted / measured per figure and
 design against the 10% band. What the misses point to is in docs/benchmarks.md.
 """
 
@@ -140,7 +141,7 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma") 
     min_samples above any run's count)."""
     settings = run.config.planner.replan.calibration
     if how == "mean":
-        settings = settings.model_copy(update={"alpha": 1e-9, "min_samples": 10_000})
+        settings = settings.model_copy(update={"alpha": 1e-9, "min_samples": 10_000, "turn_window": 1e9})
     cal = Calibration(model, CPU_CORE, RolloutEfficiency(), TrainEfficiency(), settings)
     for turn in run.turns:
         cal.observe_turn(max(1, turn["tp"]), turn["prompt_tokens"], turn["output_tokens"], turn["seconds"],
@@ -190,7 +191,7 @@ class Timed:
         unit = self._inner.complete()
         arrived = self._arrived.pop(id(unit), None)
         if arrived is not None:
-            self._latencies.append(self._inner.last - arrived)
+            self._latencies.append(self._inner.last - arrived + self._inner.request_s)  # + the way back
         return unit
 
     def evict(self):
@@ -231,10 +232,8 @@ class RunBuckets(Simulator):
         self.rollout.policy = make_policy(self.routing, self.run_buckets)
 
 
-def replay(run: Loaded, free_prefill: bool = False, how: str = "ewma") -> tuple[dict[str, float], dict]:
-    """The run replayed in the calibrated simulator: predicted figures and how it was calibrated.
-    `free_prefill`: the what-if that charges no prefill (prefill efficiency 1), to show how much
-    of a miss the per-turn prefill stall explains."""
+def replay(run: Loaded, how: str = "ewma") -> tuple[dict[str, float], dict]:
+    """The run replayed in the calibrated simulator: predicted figures and how it was calibrated."""
     config, trainer = run.config, run.config.trainer
     model = tiny_model(config)
     steps = len(run.record.steps)
@@ -243,8 +242,6 @@ def replay(run: Loaded, free_prefill: bool = False, how: str = "ewma") -> tuple[
     layout = Layout(1, 1, 1, trainer.micro_batch_size)
     cal = calibrate(run, model, layout, how)
     rollout = cal.rollout_efficiency()
-    if free_prefill:
-        rollout = rollout.model_copy(update={"prefill_mfu": 1.0})
     search = SearchConfig(total_gpus=1 + workers, group_size=trainer.group_size, tp_choices=(1,),
                           rollout=rollout, train=cal.train_efficiency())
     first = Candidate(layout, ((1, workers),), 0.0, 0.0)
@@ -274,6 +271,7 @@ def replay(run: Loaded, free_prefill: bool = False, how: str = "ewma") -> tuple[
                  "busy_rollout": statistics.fmean(min(1.0, e.busy_s / span) for e in engines.engines)}
     snap = cal.snapshot()
     notes = {"slowdowns": {k: v["slowdown"] for k, v in snap["estimators"].items()},
+             "turn_fit": {k: v for k, v in snap["turn_fit"].items()},
              "rejected": snap["rejected"], "plan_changes": len(result.plan_changes),
              "sim_usage": {k: round(v, 3) for k, v in simulator.usage.fractions().items()},
              "sim_train_s": statistics.fmean(r.train_s for r in records),
@@ -284,6 +282,15 @@ def replay(run: Loaded, free_prefill: bool = False, how: str = "ewma") -> tuple[
                                                             for _ in range(e.routed)))},
              "s_per_token_by_batch": per_token(run.turns, cost_rollout.instance(model, CPU_CORE, 1, rollout))}
     return predicted, notes
+
+
+def handoff(run: Loaded) -> float:
+    """A synchronous run's median hand-off per step: the step's interval less its rollout span and its
+    training (the weights' publish and reload, the next batch's release), from the step records."""
+    ends = [s["t"] for s in run.record.steps]
+    gaps = [(ends[i] - ends[i - 1]) - step["rollout_seconds"] - step["train_seconds"]
+            for i, step in enumerate(run.steps[1:len(ends)], start=1)]
+    return statistics.median(gaps) if gaps else 0.0
 
 
 BATCHES = ((1, 4), (5, 16), (17, 64))
@@ -366,19 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     for entry in entries:
         run = load(keep, entry)
         predicted, notes = replay(run, how=args.calibration)
-        free, _ = replay(run, free_prefill=True, how=args.calibration)
         real = measured(run)
-        per_run.append({"run": run.name, "predicted": predicted, "measured": real, "free_prefill": free, **notes})
+        per_run.append({"run": run.name, "predicted": predicted, "measured": real, **notes})
         print(json.dumps({"run": run.name, **{f: [round(predicted[f], 3), round(real[f], 3)] for f in FIGURES},
                           **notes}), flush=True)
-        by_design.setdefault(f"({run.design}) {DESIGNS[run.design][0]}", []).append((predicted, real, free))
-    rows = {design: {f: (statistics.median(p[f] for p, _, _ in runs), statistics.median(m[f] for _, m, _ in runs))
+        by_design.setdefault(f"({run.design}) {DESIGNS[run.design][0]}", []).append((predicted, real))
+    rows = {design: {f: (statistics.median(p[f] for p, _ in runs), statistics.median(m[f] for _, m in runs))
                      for f in FIGURES} for design, runs in by_design.items()}
-    what_if = {design: {f: (statistics.median(w[f] for _, _, w in runs), statistics.median(m[f] for _, m, _ in runs))
-                        for f in FIGURES} for design, runs in by_design.items()}
     print(table(rows))
-    print("\nwhat-if, the same replay charging no prefill (prefill efficiency 1):")
-    print(table(what_if))
     plot(rows, pathlib.Path(args.plot))
     print(f"plot: {args.plot}")
     if args.json:

@@ -1,18 +1,20 @@
 """Calibration: measured turn and step times correct the cost model's efficiencies.
 
 The cost model predicts times from datasheet peaks scaled by efficiencies (`RolloutEfficiency`,
-`TrainEfficiency`). What a deployment really reaches differs (kernels, batching, stragglers), so
-each measured time gives a *slowdown* sample: measured / predicted, where "predicted" is only the
-part of the model that the efficiency scales (fixed costs such as collectives are subtracted
-first). An EWMA of the slowdown divides the configured efficiency:
+`TrainEfficiency`), plus overheads the roofline lacks (per decode step, per sequence, per request).
+What a deployment really reaches differs (kernels, batching, stragglers, a busy gateway), so
+measured times give *slowdowns*: measured / predicted, where "predicted" is only the part of the
+model that the efficiency scales (fixed costs such as collectives are subtracted first). A slowdown
+divides the configured efficiency:
 
     calibrated_efficiency = clip(base_efficiency / slowdown, 1e-4, 1)
 
-Four estimators, one per efficiency they correct:
+Three estimators:
 
-    prefill   (turns whose predicted time is mostly prefill)   -> RolloutEfficiency.prefill_mfu
-    decode    (the other turns)                                -> RolloutEfficiency.decode_bw
-    pipeline  (batches' measured rollout spans vs the spans     -> both, on top of prefill/decode
+    turns     (every measured turn: a least-squares fit of     -> RolloutEfficiency.prefill_mfu,
+               the turn model's five terms, `turnfit.py`)         decode_bw, step_overhead_s, step_per_seq_s,
+                                                                  request_s
+    pipeline  (batches' measured rollout spans vs the spans     -> all of those, on top of the fit
                the cluster simulator plays for the same
                batches under the plan in force)
     train     (a step's training seconds vs cost_train)        -> TrainEfficiency.mfu
@@ -23,16 +25,18 @@ pipeline really took, tool calls, queueing and the previous batch's tail include
 the absolute slowdown that would make the simulated spans match: measured / simulated x the
 pipeline slowdown in force when the simulation ran.
 
-Change-point rule (`Ewma.update`): once `min_samples` samples are in, a sample further than
-`reset_sigmas` standard deviations from the mean (the deviation has a floor of `relative_floor`
-x mean, so a very steady series does not call every wobble a shift) is held back, not folded in.
-`reset_after` such samples in a row, all on the same side, mean the regime changed (a new
-kernel, a slower node): the estimator restarts from those samples. A sample back inside the band
-drops the held ones (an isolated spike). Before `min_samples`, alpha is max(alpha, 1/n), so the
-first samples are averaged plainly instead of being biased towards the first one.
+pipeline and train are EWMAs of slowdown samples with a change-point rule (`Ewma.update`): once
+`min_samples` samples are in, a sample further than `reset_sigmas` standard deviations from the
+mean (the deviation has a floor of `relative_floor` x mean, so a very steady series does not call
+every wobble a shift) is held back, not folded in. `reset_after` such samples in a row, all on the
+same side, mean the regime changed (a new kernel, a slower node): the estimator restarts from
+those samples. A sample back inside the band drops the held ones (an isolated spike). Before
+`min_samples`, alpha is max(alpha, 1/n), so the first samples are averaged plainly instead of
+being biased towards the first one. The turn fit forgets instead (`turn_window`).
 
-Bad samples (non-finite, negative, or slowdowns outside [1/max_slowdown, max_slowdown]) are
-rejected with a reason, counted in `Calibration.rejected`, and change nothing.
+Bad samples (non-finite, negative, slowdowns outside [1/max_slowdown, max_slowdown], a turn faster
+than max_slowdown x the roofline) are rejected with a reason, counted in `Calibration.rejected`, and
+change nothing.
 Pure: no clock, no network, no randomness.
 """
 
@@ -50,6 +54,7 @@ from libra.services.planner import cost_rollout, cost_train
 from libra.services.planner.cost_rollout import Infeasible, RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
 from libra.services.planner.hardware import GpuSpec, ModelSpec
+from libra.services.planner.turnfit import TERMS, TurnFit
 
 MIN_EFFICIENCY = 1e-4
 
@@ -65,6 +70,11 @@ class CalibrationSettings(Section):
     relative_floor: float = Field(0.05, ge=0, le=10, description="the std dev used is at least this x the mean")
     max_slowdown: float = Field(1000.0, gt=1, le=1e9, description="samples whose measured/predicted ratio is "
                                                                   "outside [1/this, this] are rejected as absurd")
+    turn_window: float = Field(2000.0, ge=2, le=1e9, description="turns the turn fit remembers: a turn's "
+                                                                   "weight decays by 1 - 1/this per later turn")
+    prior_turns: float = Field(0.05, ge=1e-6, le=1e6, description="turns' worth of evidence holding each term of "
+                               "the turn fit at its base value (a ridge: it decides only what the turns cannot tell "
+                               "apart; larger biases the fit towards the base)")
 
 
 class Ewma:
@@ -148,20 +158,23 @@ class Calibration:
     rejected: Counter = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
-        self.estimators = {name: Ewma(self.settings) for name in ("prefill", "decode", "pipeline", "train")}
+        self.estimators = {name: Ewma(self.settings) for name in ("pipeline", "train")}
+        b = self.base_rollout
+        self.fit = TurnFit((1.0, 1.0, b.step_overhead_s, b.step_per_seq_s, b.request_s), self.settings.turn_window,
+                           self.settings.prior_turns)
         self.turns = Comparison(alpha=self.settings.alpha)
         self.steps = Comparison(alpha=self.settings.alpha)
         self._instances: dict[int, cost_rollout.Instance] = {}
 
     # -- efficiencies ----------------------------------------------------------------------
     def rollout_efficiency(self) -> RolloutEfficiency:
-        e = self.estimators
         pipeline = self.pipeline_slowdown()
-        prefill = e["prefill"].value() * pipeline
-        decode = e["decode"].value() * pipeline
+        prefill, decode, overhead, row, request = self.fit.coefficients()
         b = self.base_rollout
-        return b.model_copy(update={"prefill_mfu": _scaled(b.prefill_mfu, prefill),
-                                    "decode_bw": _scaled(b.decode_bw, decode)})
+        return b.model_copy(update={"prefill_mfu": _scaled(b.prefill_mfu, prefill * pipeline),
+                                    "decode_bw": _scaled(b.decode_bw, decode * pipeline),
+                                    "step_overhead_s": min(10.0, overhead * pipeline),
+                                    "step_per_seq_s": min(1.0, row * pipeline), "request_s": min(60.0, request * pipeline)})
 
     def train_efficiency(self) -> TrainEfficiency:
         b = self.base_train
@@ -169,7 +182,8 @@ class Calibration:
 
     # -- samples ---------------------------------------------------------------------------
     def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1) -> str | None:
-        """One measured turn on a TP-`tp` instance; returns why it was rejected, or None."""
+        """One measured turn on a TP-`tp` instance of `batch` running sequences; returns why it was
+        rejected, or None."""
         reason = _bad_numbers(seconds=seconds, prompt=prompt, output=output, tp=tp, batch=batch)
         if reason is None and output + prompt == 0:
             reason = "a turn with no tokens"
@@ -181,15 +195,19 @@ class Calibration:
         batch = max(1, batch)
         context = prompt + output / 2.0
         prefill = inst.prefill_seconds(prompt) if prompt else 0.0
-        step = inst.decode_step_seconds(batch, batch * context)
-        comm = 2 * self.model.layers * inst.allreduce_seconds(batch)
-        decode_mem, decode_comm = output * (step - comm), output * comm
-        f_prefill = self.estimators["prefill"].value()
-        f_decode = self.estimators["decode"].value()
-        self.turns.add(prefill * f_prefill + decode_mem * f_decode + decode_comm, seconds)
-        if prefill >= decode_mem:  # prefill-dominated: the decode part is taken as calibrated
-            return self._sample("prefill", (seconds - decode_mem * f_decode - decode_comm), prefill, "turn")
-        return self._sample("decode", (seconds - prefill * f_prefill - decode_comm), decode_mem, "turn")
+        comm_step = 2 * self.model.layers * inst.allreduce_seconds(batch)
+        memory_step = inst.decode_step_seconds(batch, batch * context) - comm_step - inst.overhead_seconds(batch)
+        x = (prefill, output * memory_step, float(output), float(output * batch), 1.0)
+        comm = output * comm_step
+        roofline = prefill + x[1] + comm
+        limit = self.settings.max_slowdown
+        if seconds * limit < roofline:
+            return self._reject("turn", f"turns: measured/predicted {seconds / roofline:.3g} outside [1/{limit:g}, "
+                                        f"{limit:g}] (faster than the hardware allows)", "turn faster than the roofline")
+        c = self.fit.coefficients()
+        self.turns.add(sum(ci * xi for ci, xi in zip(c, x)) + comm, seconds)
+        self.fit.add(x, max(0.0, seconds - comm), 1.0 / batch)  # its share of the engine's steps
+        return None
 
     def observe_train(self, layout: Layout, lengths: Sequence[tuple[int, int]], seconds: float) -> str | None:
         """One step's measured training seconds on `layout` for a batch of `lengths`."""
@@ -227,9 +245,15 @@ class Calibration:
         r, t = self.rollout_efficiency(), self.train_efficiency()
         return {
             "estimators": {name: e.snapshot() for name, e in self.estimators.items()},
+            "turn_fit": {**{term: round(c, 9) for term, c in zip(TERMS, self.fit.coefficients())},
+                         "samples": self.fit.samples, "weight": round(self.fit.weight, 3)},
             "efficiency": {
                 "prefill_mfu": {"base": self.base_rollout.prefill_mfu, "calibrated": round(r.prefill_mfu, 6)},
                 "decode_bw": {"base": self.base_rollout.decode_bw, "calibrated": round(r.decode_bw, 6)},
+                "step_overhead_s": {"base": self.base_rollout.step_overhead_s,
+                                    "calibrated": round(r.step_overhead_s, 9)},
+                "step_per_seq_s": {"base": self.base_rollout.step_per_seq_s, "calibrated": round(r.step_per_seq_s, 9)},
+                "request_s": {"base": self.base_rollout.request_s, "calibrated": round(r.request_s, 9)},
                 "train_mfu": {"base": self.base_train.mfu, "calibrated": round(t.mfu, 6)}},
             "turn_time": self.turns.snapshot(),
             "step_time": self.steps.snapshot(),
@@ -240,6 +264,7 @@ class Calibration:
         """The estimators and comparisons, JSON-safe, for `restore`."""
         return {"estimators": {name: [e.mean, e.var, e.samples, e.resets, list(e.pending)]
                                for name, e in self.estimators.items()},
+                "turn_fit": self.fit.state(),
                 "turns": [self.turns.predicted_s, self.turns.measured_s, self.turns.samples],
                 "steps": [self.steps.predicted_s, self.steps.measured_s, self.steps.samples],
                 "rejected": dict(self.rejected)}
@@ -249,6 +274,8 @@ class Calibration:
             if name in self.estimators:
                 e = self.estimators[name]
                 e.mean, e.var, e.samples, e.resets, e.pending = row[0], row[1], int(row[2]), int(row[3]), list(row[4])
+        if "turn_fit" in state:
+            self.fit.restore(state["turn_fit"])
         for name in ("turns", "steps"):
             if name in state:
                 c = getattr(self, name)
@@ -281,7 +308,7 @@ class Calibration:
 
 
 def _scaled(base: float, slowdown: float) -> float:
-    return min(1.0, max(MIN_EFFICIENCY, base / slowdown))
+    return min(1.0, max(MIN_EFFICIENCY, base / slowdown)) if slowdown > 0 else 1.0
 
 
 def _bad_numbers(**values: float) -> str | None:

@@ -145,10 +145,13 @@ def calibration_report(snapshot: dict, read: dict, now: float) -> planner_pb2.Ca
     """`Calibration.snapshot()` and the history counters as the Explain RPC's report."""
     report = planner_pb2.CalibrationReport(turns_read=read.get("turn", 0), steps_read=read.get("step", 0),
                                            updated_at=now)
-    estimators = snapshot.get("estimators", {})
-    names = {"prefill": "prefill_mfu", "decode": "decode_bw", "train": "train_mfu", "pipeline": "rollout_pipeline"}
-    for estimator, name in names.items():
-        e = estimators.get(estimator, {})
+    estimators, fit = snapshot.get("estimators", {}), snapshot.get("turn_fit", {})
+    rows = {name: {"slowdown": fit.get(term, 1.0), "samples": fit.get("samples", 0)}
+            for term, name in (("prefill", "prefill_mfu"), ("decode", "decode_bw"))}
+    rows.update({name: {"slowdown": 0.0, "samples": fit.get("samples", 0)}  # seconds, not efficiencies
+                 for name in ("step_overhead_s", "step_per_seq_s", "request_s")})
+    rows.update({"train_mfu": estimators.get("train", {}), "rollout_pipeline": estimators.get("pipeline", {})})
+    for name, e in rows.items():
         eff = snapshot.get("efficiency", {}).get(name, {})
         report.efficiencies.append(planner_pb2.Efficiency(
             name=name, base=eff.get("base", 0.0), calibrated=eff.get("calibrated", 0.0),
@@ -203,7 +206,15 @@ def render_explain(reply: planner_pb2.ExplainResponse) -> str:
                              f"{e.resets} resets; measured batch rollout spans / simulated ones, on top of "
                              f"prefill and decode)")
                 continue
-            lines.append(f"  {e.name:<13} base {e.base:.3f} -> {e.calibrated:.3f}  (slowdown {e.slowdown:.3f} "
+            if e.name.endswith("_s"):  # an overhead in seconds, from the turn fit
+                lines.append(f"  {e.name:<15} base {e.base:.4g}s -> {e.calibrated:.4g}s  (turn fit, {e.samples} "
+                             f"turns)")
+                continue
+            if e.name in ("prefill_mfu", "decode_bw"):
+                lines.append(f"  {e.name:<15} base {e.base:.3f} -> {e.calibrated:.3f}  (slowdown {e.slowdown:.3f}, "
+                             f"turn fit, {e.samples} turns)")
+                continue
+            lines.append(f"  {e.name:<15} base {e.base:.3f} -> {e.calibrated:.3f}  (slowdown {e.slowdown:.3f} "
                          f"± {e.std:.3f}, {e.samples} samples, {e.resets} resets)")
         for t in c.times:
             lines.append(f"  {t.what} time: predicted {t.predicted_seconds:.3f}s, measured {t.measured_seconds:.3f}s "

@@ -49,6 +49,13 @@ class RolloutEfficiency(Section):
     memory_fraction: float = Field(0.9, gt=0, le=1, description="share of GPU memory the engine may use")
     reserve_gib: float = Field(2.0, ge=0, le=64, description="per-GPU activations and workspace, GiB")
     max_seqs: int = Field(256, ge=1, le=65536, description="most sequences one instance decodes at once")
+    step_overhead_s: float = Field(0.0, ge=0, le=10, description="fixed seconds of every decode step beyond the "
+                                   "roofline (scheduling, launches, sampling set-up, the prefill passes interleaved "
+                                   "with the steps); 0: the roofline alone; the online calibration measures it")
+    step_per_seq_s: float = Field(0.0, ge=0, le=1, description="seconds per running sequence of a decode step "
+                                  "beyond the roofline (per-row sampling, bookkeeping); the calibration measures it")
+    request_s: float = Field(0.0, ge=0, le=60, description="seconds a turn spends outside the engine (the "
+                             "gateway, its routing call, HTTP); the online calibration measures it")
 
 
 @dataclass(frozen=True)
@@ -68,12 +75,17 @@ class Instance:
         flops = 2.0 * self.model.active_params * tokens
         return flops / (self.tp * self.gpu.bf16_tflops * 1e12 * self.eff.prefill_mfu)
 
-    def decode_step_seconds(self, batch: int, context_tokens: float) -> float:
-        """Bandwidth-bound: weights read + KV read per GPU over HBM, plus 2 all-reduces per layer."""
+    def decode_step_seconds(self, batch: float, context_tokens: float) -> float:
+        """Bandwidth-bound: weights read + KV read per GPU over HBM, plus 2 all-reduces per layer, plus
+        the step's fixed and per-sequence overheads."""
         weights = self.weight_bytes_per_gpu * _expert_read_fraction(self.model, batch)
         kv = context_tokens * self.kv_bytes_per_token_per_gpu
         memory = (weights + kv) / (self.gpu.hbm_gbps * 1e9 * self.eff.decode_bw)
-        return memory + 2 * self.model.layers * self.allreduce_seconds(batch)
+        return memory + 2 * self.model.layers * self.allreduce_seconds(batch) + self.overhead_seconds(batch)
+
+    def overhead_seconds(self, batch: float) -> float:
+        """A decode step's cost beyond the roofline: fixed, plus per sequence (both 0 unless calibrated)."""
+        return self.eff.step_overhead_s + self.eff.step_per_seq_s * batch if batch else 0.0
 
     def allreduce_seconds(self, batch: int) -> float:
         """Ring all-reduce of one hidden-state activation (batch x hidden, bf16) across the group."""
@@ -149,8 +161,11 @@ class _Costs:
         self.prefill_per_token = inst.prefill_seconds(1)
         self.weight_s = inst.weight_bytes_per_gpu / bandwidth
         self.kv_s = inst.kv_bytes_per_token_per_gpu / bandwidth
-        self.comm_fixed = 2 * model.layers * inst.allreduce_seconds(0) if inst.tp > 1 else 0.0
-        self.comm_per_seq = 2 * model.layers * (inst.allreduce_seconds(1) - inst.allreduce_seconds(0))
+        # a step's cost beyond its reads: the all-reduces and the pass overheads, fixed and per sequence
+        comm_fixed = 2 * model.layers * inst.allreduce_seconds(0) if inst.tp > 1 else 0.0
+        self.step_fixed = comm_fixed + inst.eff.step_overhead_s
+        per_seq_comm = 2 * model.layers * (inst.allreduce_seconds(1) - inst.allreduce_seconds(0))
+        self.step_per_seq = per_seq_comm + inst.eff.step_per_seq_s
         self.inst = inst
 
     def finish(self, load: _Load) -> float:
@@ -162,7 +177,7 @@ class _Costs:
         steps = max(longest, -(-decode_tokens // batch))
         fraction = _expert_read_fraction(self.inst.model, batch) if self.inst.model.experts else 1.0
         step = (self.weight_s * fraction + self.kv_s * batch * mean_context
-                + self.comm_fixed + self.comm_per_seq * batch)
+                + self.step_fixed + self.step_per_seq * batch)
         return prefill_s + steps * step
 
     def added(self, load: _Load, prompt: int, output: int) -> _Load:

@@ -61,6 +61,7 @@ class TurnOutcome:
     seconds: float
     retries: int
     versions: list[int] = field(default_factory=list)  # the policy version of each id
+    batch: float = 0.0  # mean requests in flight on the worker over the turn, itself included (0: unknown)
 
 
 @dataclass
@@ -179,7 +180,7 @@ class AgentRunner:
                                         seconds, False)
             outcome = TurnOutcome(list(generation.token_ids), list(generation.logprobs), versions[-1],
                                   decision.worker_id, decision.bucket, generation.finish_reason, seconds, attempt,
-                                  versions)
+                                  versions, generation.batch)
             state.append(outcome.token_ids, True, outcome.logprobs, versions)
             state.turns += 1
             state.generated += len(outcome.token_ids)

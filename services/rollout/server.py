@@ -224,14 +224,15 @@ class RolloutService(Service):
             kind="turn", timestamp=time.time(), bucket=outcome.bucket, prompt_tokens=context_tokens,
             output_tokens=len(outcome.token_ids), seconds=outcome.seconds, queue_depth=self.queue.qsize(),
             active_rollouts=self.playing, tp=self._tp_of(outcome.worker_id),
-            batch=self._inflight_of(outcome.worker_id)))
+            batch=max(1, round(outcome.batch)) if outcome.batch else self._inflight_of(outcome.worker_id)))
 
     def _tp_of(self, worker_id: str) -> int:
         worker = self.pool.workers.get(worker_id)
         return worker.tp if worker is not None else 0
 
     def _inflight_of(self, worker_id: str) -> int:
-        """Requests decoding on that worker now (this one has just finished): the planner's batch size."""
+        """Requests decoding on that worker now (this one has just finished): the batch of a turn whose
+        generation does not carry its mean batch."""
         worker = self.pool.workers.get(worker_id)
         return worker.inflight + 1 if worker is not None else 0
 

@@ -14,8 +14,10 @@ is marked unhealthy (and deregistered), never left serving the previous one as i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pathlib
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +83,16 @@ class PoolWorker:
     drained: asyncio.Event = field(default_factory=asyncio.Event)
     reported: bool = False  # its failure was returned by take_failed (the gateway deregistered it)
     missed: int = 0  # a version it could not load (0: none): unhealthy until a later one reaches it
+    area: float = 0.0  # integral of inflight over time (request-seconds), up to `area_at`
+    area_at: float = field(default_factory=time.monotonic)
+
+    def batch_area(self) -> float:
+        """Request-seconds in flight on this worker so far: a request's mean batch is the difference
+        over its span, divided by its seconds."""
+        now = time.monotonic()
+        self.area += self.inflight * (now - self.area_at)
+        self.area_at = now
+        return self.area
 
     def to_proto(self) -> common_pb2.WorkerInfo:
         return common_pb2.WorkerInfo(worker_id=self.worker_id, bucket=self.bucket, address=self.process.base_url,
@@ -145,11 +157,17 @@ class WorkerPool:
         if worker is None or worker.state != common_pb2.WORKER_STATE_SERVING:
             # routed to a worker this gateway does not serve (any more): the runner retries elsewhere
             raise Unavailable(f"worker {worker_id!r} is not serving on this gateway")
+        area, started = worker.batch_area(), time.monotonic()
         worker.inflight += 1
         try:
-            return await worker.client.generate(prompt_ids, max_tokens=max_tokens, temperature=sampling["temperature"],
-                                                top_p=sampling["top_p"], stop_token_ids=stop_ids, seed=seed)
+            generation = await worker.client.generate(prompt_ids, max_tokens=max_tokens,
+                                                      temperature=sampling["temperature"], top_p=sampling["top_p"],
+                                                      stop_token_ids=stop_ids, seed=seed)
+            span = time.monotonic() - started
+            batch = (worker.batch_area() - area) / span if span > 0 else float(worker.inflight)
+            return dataclasses.replace(generation, batch=batch)
         finally:
+            worker.batch_area()
             worker.inflight -= 1
             if worker.inflight == 0:
                 worker.drained.set()

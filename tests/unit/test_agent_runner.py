@@ -29,6 +29,7 @@ class Generation:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str = "stop"
+    batch: float = 0.0
 
 
 VERSIONS = {"w0": 3, "w1": 7}  # what each fake worker holds (and acknowledged)

@@ -61,23 +61,65 @@ def test_alternating_outliers_do_not_reset():
     assert ewma.resets == 0
 
 
-def test_decode_and_prefill_efficiency_follow_measured_turns():
-    cal = calibration()
-    inst = cost_rollout.instance(MODEL, GPU, 1, RolloutEfficiency())
-    comm = 0.0  # tp 1: no all-reduce
-    decode_step = inst.decode_step_seconds(1, 200 + 400 / 2)
-    for _ in range(20):  # decode-dominated: measured decode part is twice the model's
-        measured = inst.prefill_seconds(200) + 400 * decode_step * 2.0 + comm
-        assert cal.observe_turn(1, 200, 400, measured) is None
-    for _ in range(20):  # prefill-dominated (long prompt, one token): 1.5x slower prefill
-        step = inst.decode_step_seconds(1, 30000.5)
-        measured = inst.prefill_seconds(30000) * 1.5 + step * cal.estimators["decode"].value()
-        assert cal.observe_turn(1, 30000, 1, measured) is None
+TRUTH = RolloutEfficiency(prefill_mfu=0.5 / 1.5, decode_bw=0.7 / 2.0, step_overhead_s=0.004, step_per_seq_s=0.0002,
+                          request_s=0.05)
+
+
+def varied_turns(n: int, seed: int = 0) -> list[tuple[int, int, int]]:
+    """(prompt, output, batch) of n turns as a run sees them: short and long, alone and in a crowd."""
+    rng = random.Random(seed)
+    return [(rng.choice((50, 400, 4000, 30000)), rng.choice((1, 20, 300, 2000)), rng.choice((1, 4, 32, 128)))
+            for _ in range(n)]
+
+
+def measured_on(eff: RolloutEfficiency, prompt: int, output: int, batch: int) -> float:
+    """What a turn takes on an engine of efficiency `eff` (the model the fit assumes: one prefill,
+    `output` passes at the batch's step cost, the time outside the engine)."""
+    inst = cost_rollout.instance(MODEL, GPU, 1, eff)
+    context = prompt + output / 2
+    return inst.prefill_seconds(prompt) + output * inst.decode_step_seconds(batch, batch * context) + eff.request_s
+
+
+def test_the_turn_fit_recovers_every_term_from_varied_turns():
+    """Turns measured on an engine 1.5x slower at prefill, 2x at decode, with 4 ms per pass, 0.2 ms
+    per row and 50 ms outside the engine: the fit finds all five, whatever share each has per turn."""
+    cal = calibration(prior_turns=1e-6)
+    for prompt, output, batch in varied_turns(400):
+        assert cal.observe_turn(1, prompt, output, measured_on(TRUTH, prompt, output, batch), batch) is None
     eff = cal.rollout_efficiency()
-    assert eff.decode_bw == pytest.approx(0.7 / 2.0, rel=0.01)
-    assert eff.prefill_mfu == pytest.approx(0.5 / 1.5, rel=0.01)
+    assert eff.prefill_mfu == pytest.approx(TRUTH.prefill_mfu, rel=0.01)
+    assert eff.decode_bw == pytest.approx(TRUTH.decode_bw, rel=0.01)
+    assert eff.step_overhead_s == pytest.approx(0.004, rel=0.01)
+    assert eff.step_per_seq_s == pytest.approx(0.0002, rel=0.01)
+    assert eff.request_s == pytest.approx(0.05, rel=0.01)
     snap = cal.snapshot()
-    assert snap["turn_time"]["samples"] == 40 and snap["turn_time"]["measured_s"] > 0
+    assert snap["turn_time"]["samples"] == 400 and snap["turn_fit"]["samples"] == 400
+    assert snap["efficiency"]["request_s"]["calibrated"] == pytest.approx(0.05, rel=0.01)
+
+
+def test_turns_all_alike_are_predicted_right_and_leave_the_terms_near_their_base():
+    """One kind of turn cannot tell the terms apart: the fit reproduces its time, and the prior
+    shares the excess out instead of pinning it on one term at random."""
+    cal = calibration()
+    measured = measured_on(TRUTH, 200, 400, 1)
+    for _ in range(50):
+        assert cal.observe_turn(1, 200, 400, measured) is None
+    assert measured_on(cal.rollout_efficiency(), 200, 400, 1) == pytest.approx(measured, rel=0.02)
+    inst = cost_rollout.instance(MODEL, GPU, 1, RolloutEfficiency())
+    features = (inst.prefill_seconds(200), 400 * inst.decode_step_seconds(1, 400), 400, 400, 1)
+    shares = [(c - base) * x for c, base, x in zip(cal.fit.coefficients(), (1, 1, 0, 0, 0), features)]
+    assert min(shares) > 0 and max(shares) == pytest.approx(min(shares), rel=0.05)  # equal shares of the excess
+
+
+def test_the_turn_fit_forgets_an_old_regime_within_its_window():
+    cal = calibration(turn_window=200)
+    slow = TRUTH.model_copy(update={"decode_bw": TRUTH.decode_bw / 2, "step_overhead_s": 0.008})
+    for eff, seed in ((TRUTH, 1), (slow, 2)):
+        for prompt, output, batch in varied_turns(1000, seed):
+            cal.observe_turn(1, prompt, output, measured_on(eff, prompt, output, batch), batch)
+    eff = cal.rollout_efficiency()
+    assert eff.decode_bw == pytest.approx(slow.decode_bw, rel=0.05)
+    assert eff.step_overhead_s == pytest.approx(0.008, rel=0.05)
 
 
 def test_training_mfu_reproduces_the_measured_step():
@@ -108,10 +150,11 @@ def test_pipeline_slowdown_divides_both_rollout_efficiencies_on_top_of_turns():
     assert cal.pipeline_slowdown() == pytest.approx(2.0)
     eff = cal.rollout_efficiency()
     assert eff.decode_bw == pytest.approx(0.35, rel=0.01) and eff.prefill_mfu == pytest.approx(0.25, rel=0.01)
-    for _ in range(5):  # turns measured at half the model's decode speed as well: both corrections stack
-        cal.observe_turn(1, 10, 2000, 2 * 2000 * cost_rollout.instance(MODEL, GPU, 1, RolloutEfficiency())
-                         .decode_step_seconds(1, 1010))
+    half = RolloutEfficiency(decode_bw=0.35)
+    for prompt, output, batch in varied_turns(200):  # turns at half the model's decode speed: both corrections stack
+        cal.observe_turn(1, prompt, output, measured_on(half, prompt, output, batch), batch)
     assert cal.rollout_efficiency().decode_bw == pytest.approx(0.7 / 4, rel=0.05)
+    assert cal.rollout_efficiency().prefill_mfu == pytest.approx(0.25, rel=0.05)
     assert cal.observe_pipeline(-1.0, 100.0, 1.0) is not None and cal.estimators["pipeline"].samples == 5
 
 
@@ -128,7 +171,7 @@ def test_bad_turns_are_rejected_with_a_reason_and_counted(prompt, output, second
     reason = cal.observe_turn(1, prompt, output, seconds)
     assert reason is not None and why in reason
     assert sum(cal.rejected.values()) == 1
-    assert all(e.samples == 0 for e in cal.estimators.values())
+    assert all(e.samples == 0 for e in cal.estimators.values()) and cal.fit.samples == 0
 
 
 def test_state_round_trips():
@@ -136,6 +179,8 @@ def test_state_round_trips():
     for x in (1.0, 2.0, 3.0):
         cal.estimators["train"].update(x)
     cal.observe_turn(1, 10, 10, -1.0)
+    for prompt, output, batch in varied_turns(20):
+        cal.observe_turn(1, prompt, output, measured_on(TRUTH, prompt, output, batch), batch)
     other = calibration()
     other.restore(cal.state())
     assert other.snapshot() == cal.snapshot()

@@ -5,6 +5,7 @@ aiohttp server: a worker that fails (5xx), is unreachable, answers late or answe
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import socket
 
 import pytest
@@ -24,6 +25,8 @@ async def serving(mode: dict):
         kind = mode.get("kind", "ok")
         if kind == "slow":
             await asyncio.sleep(5)
+        if kind == "timed":  # a request takes as long as its prompt's first id says, in tenths of a second
+            await asyncio.sleep(body["token_ids"][0] / 10)
         if kind == "5xx":
             return web.json_response({"error": {"message": "engine died"}}, status=503)
         if kind == "4xx":
@@ -92,3 +95,33 @@ def test_an_unreachable_worker_is_an_engine_error_and_a_client_serves_another_lo
 
     asyncio.run(refused())
     asyncio.run(later())
+
+
+def test_the_pool_reports_each_turns_mean_batch_over_its_span():
+    """Three requests start together on one worker; two end at 0.2 s, one at 0.4 s. The short ones
+    saw 3 in flight all along; the long one 3 for half its span and 1 for the other half: 2."""
+    from libra.services.rollout.config import WorkerConfig
+    from libra.services.rollout.workers import PoolWorker, WorkerPool
+    from libra.v1 import common_pb2
+
+    class Process:
+        engine, base_url, alive = "aiohttp", "", True
+
+    async def main():
+        runner, port = await serving({"kind": "timed"})
+        client = EngineClient(f"http://127.0.0.1:{port}", timeout_s=5.0)
+        pool = WorkerPool(WorkerConfig(), pathlib.Path("unused"))
+        pool.workers["w"] = PoolWorker("w", "all", 1, Process(), client, state=common_pb2.WORKER_STATE_SERVING)
+        sampling = {"temperature": 1.0, "top_p": 1.0}
+        try:
+            await client.generate([0], 1)  # the session opened before timing
+            done = await asyncio.gather(*(pool.generate("w", [tenths], 1, 0, sampling, []) for tenths in (4, 2, 2)))
+        finally:
+            await client.close()
+            await runner.cleanup()
+        return [d.batch for d in done], pool.workers["w"].inflight
+
+    (long, short1, short2), inflight = asyncio.run(main())
+    assert inflight == 0
+    assert short1 == pytest.approx(3.0, abs=0.3) and short2 == pytest.approx(3.0, abs=0.3)
+    assert long == pytest.approx(2.0, abs=0.3)

@@ -198,7 +198,7 @@ def test_history_feeder_builds_steps_from_records():
     assert (fed.turns, fed.steps, fed.rejected) == (2, 1, [])
     step = r.window[-1]
     assert step.queue_depth == 6 and step.active_rollouts == 20 and list(step.lengths) == [(100, 50)] * 2
-    assert r.calibration.estimators["decode"].samples + r.calibration.estimators["prefill"].samples == 2
+    assert r.calibration.fit.samples == 2
     odd = common_pb2.HistoryRecord(kind="step", step=2, seconds=1.0, prompt_lengths=[1, 2], output_lengths=[3])
     fed = feeder.feed(r, [], [odd], plan)
     assert fed.steps == 0 and "differ in length" in fed.rejected[0][1]
@@ -207,6 +207,13 @@ def test_history_feeder_builds_steps_from_records():
     assert message.decision_id == 7 and message.trigger == "" and message.inputs["steps_observed"] == 1
     report = calibration_report(r.calibration.snapshot(), {"turn": 2, "step": 2}, 5.0)
     assert report.turns_read == 2 and {t.what for t in report.times} == {"turn", "step"}
+    fitted = {e.name: e for e in report.efficiencies}
+    assert fitted["decode_bw"].samples == 2 and fitted["request_s"].calibrated > 0  # the turn fit's terms
+    from libra.services.planner.core import render_explain
+    from libra.v1 import planner_pb2
+
+    text = render_explain(planner_pb2.ExplainResponse(mode="online", calibration=report))
+    assert "request_s" in text and "turn fit, 2 turns" in text
 
 
 def test_explain_prints_the_verdict_once():

@@ -13,7 +13,11 @@ step, so between two batch changes n steps take exactly
 
 and the simulator jumps from event to event instead of stepping tokens. Prefill (new prompt,
 tool payload, or the whole context after a move or a preemption) and weight syncs are a stall that
-pauses the whole batch, as a prefill does in an engine without chunked prefill.
+pauses the whole batch, as a prefill does in an engine without chunked prefill. A step also pays
+the calibrated overheads the roofline lacks (`RolloutEfficiency.step_overhead_s` and
+`step_per_seq_s`, 0 by default, through `decode_step_seconds`); measured per generated token, they
+include the prefill passes an engine interleaves with its steps, so a prefill stall here costs its
+tokens only. A turn's time outside the engine (`request_s`) is the rollout loop's (`rollout.py`).
 
 KV: a turn is admitted only when the cache can hold every admitted sequence's context at the end
 of its turn (`reserved`), so the context held never exceeds the capacity (`peak_kv` records it).
@@ -64,6 +68,7 @@ class CostModelInstance:
     capacity: float = field(init=False, default=0.0)
     max_seqs: int = field(init=False, default=0)
     prefill_per_token: float = field(init=False, default=0.0)
+    request_s: float = field(init=False, default=0.0)  # a turn's time outside the engine
     fixed: float = field(init=False, default=0.0)  # the step's cost without KV reads, at `seqs`
     fixed_by_seqs: dict = field(init=False, default_factory=dict)  # that cost by running sequences
 
@@ -75,6 +80,7 @@ class CostModelInstance:
         self.capacity = e.kv_capacity_tokens * self.replicas
         self.max_seqs = e.eff.max_seqs * self.replicas
         self.prefill_per_token = e.prefill_seconds(1) / self.replicas
+        self.request_s = e.eff.request_s
         self.last = self.up_at
 
     def fits(self, unit: Unit) -> bool:

@@ -73,6 +73,7 @@ class Instance(Protocol):
     version: int  # bumped at every batch change: a completion event of an older version is void
     last: float
     stall: float  # seconds during which the batch makes no progress (prefill, weight sync)
+    request_s: float  # seconds a turn spends outside the engine (the reply's way back to the gateway)
     busy_s: float
     peak_kv: float
     routed: int

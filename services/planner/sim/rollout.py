@@ -9,7 +9,9 @@ runs), called exactly as the rollout gateway calls it:
                       └─ tool latency (TOOL event) ◀─ tool_returned ◀────┤ another turn follows
                                                        finish(total) ◀───┘ the last turn
 
-A turn prefills its whole context where its KV cache is not (new trajectory, or moved), only the
+A turn's reply reaches the gateway the instance's `request_s` after its last token (the time a
+turn spends outside the engine: HTTP, the routing call; 0 unless calibrated), before the tool runs
+or the trajectory finishes. A turn prefills its whole context where its KV cache is not (new trajectory, or moved), only the
 tool payload where it stays. A turn that no serving instance can hold waits ("parked") until one
 that can comes up. The loop owns the instances in force and the routing counters; it does not own
 the clock's other events (releases, training: `cluster.py`) nor the speed of an instance
@@ -35,7 +37,7 @@ from libra.services.planner.sim.result import RolloutResult
 from libra.services.planner.sim.simple import SimpleModel
 from libra.traces.spec import TrajectorySpec, check_spec
 
-TOOL, DONE, UP = "tool", "done", "up"
+TOOL, DONE, UP, FINISH = "tool", "done", "up", "finish"
 NONE: frozenset[str] = frozenset()
 
 
@@ -154,6 +156,8 @@ class Rollout:
             self.route(item)
         elif kind == UP:
             self.up(item)
+        elif kind == FINISH:
+            self.finish(item)
         else:
             raise AssertionError(f"unknown event {kind!r}")
 
@@ -238,13 +242,20 @@ class Rollout:
             unit.context += turn.payload_tokens
             unit.turn, unit.turn_left = k + 1, float(spec.turns[k + 1].output_tokens)
             unit.prefill = float(turn.payload_tokens)
-            self.events.push(now + turn.latency_s, TOOL, unit)
+            self.events.push(now + instance.request_s + turn.latency_s, TOOL, unit)
+        elif instance.request_s > 0:
+            self.events.push(now + instance.request_s, FINISH, unit)
         else:
-            unit.policy.finish(spec.trajectory_id, spec.prompt_id, spec.output_tokens)
-            self.last_finish = now
-            if self.on_finish is not None:
-                self.on_finish(unit)
+            self.finish(unit)
         self.kick(instance)
+
+    def finish(self, unit: Unit) -> None:
+        """The trajectory's last turn is back at the gateway."""
+        spec = unit.spec
+        unit.policy.finish(spec.trajectory_id, spec.prompt_id, spec.output_tokens)
+        self.last_finish = self.events.now
+        if self.on_finish is not None:
+            self.on_finish(unit)
 
     def busy(self, makespan_s: float) -> dict[str, float]:
         """Per bucket: the mean fraction of `makespan_s` its instances were busy."""

@@ -46,6 +46,7 @@ class SimpleInstance:
         self.running: dict[Unit, float] = {}  # unit -> work left, in steps
         self.waiting: deque[Unit] = deque()
         self.last, self.busy_s, self.stall, self.version, self.routed = up_at, 0.0, 0.0, 0, 0
+        self.request_s = 0.0
         self.up, self.alive = False, True
 
     def fits(self, unit: Unit) -> bool:

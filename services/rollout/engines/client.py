@@ -79,6 +79,7 @@ class Generation:
     seconds: float  # wall-clock time of the request
     text: str = field(default="", compare=False)  # the server's decoding, for display only
     versions: list[int] = field(default_factory=list)  # policy version of each id (generate; chat: none)
+    batch: float = 0.0  # mean requests in flight on the worker over this one, itself included (the pool's)
 
 
 class EngineClient:
