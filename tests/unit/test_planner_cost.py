@@ -156,10 +156,16 @@ def test_training_layout_must_divide_the_batch():
         ct.step_time(model, gpu, Layout(1, 1, 3, 1), 64, 1000, TRAIN)
 
 
-@pytest.mark.parametrize("model_name,tp", [("qwen3-14b", 1), ("qwen3-14b", 4), ("qwen3-30b-a3b", 2)])
-def test_finish_estimate_uses_the_documented_step_time(model_name, tp):
-    inst = cr.instance(model_named(model_name), gpu_named("h100-80g"), tp, EFF)
+@pytest.mark.parametrize("model_name,tp,overheads", [("qwen3-14b", 1, False), ("qwen3-14b", 4, False),
+                                                      ("qwen3-30b-a3b", 2, False), ("qwen3-14b", 4, True)])
+def test_finish_estimate_uses_the_documented_step_time(model_name, tp, overheads):
+    eff = EFF.model_copy(update={"step_overhead_s": 0.003, "step_per_seq_s": 0.0002}) if overheads else EFF
+    inst = cr.instance(model_named(model_name), gpu_named("h100-80g"), tp, eff)
     alone = cr.finish_seconds(inst, cr._Load(inst.prefill_seconds(800), 1000, 800 + 500.0, 1000, 1))
     expected = inst.prefill_seconds(800) + 1000 * inst.decode_step_seconds(1, 1300)
     assert alone == pytest.approx(expected, rel=1e-12)
     assert cr.rollout_time([(800, 1000)], [inst]) == pytest.approx(expected, rel=1e-12)
+    if overheads:  # the calibrated overheads are in every step, the closed form's and the instance's
+        plain = cr.instance(model_named(model_name), gpu_named("h100-80g"), tp, EFF)
+        assert expected - plain.prefill_seconds(800) - 1000 * plain.decode_step_seconds(1, 1300) == \
+            pytest.approx(1000 * 0.0032, rel=1e-9)

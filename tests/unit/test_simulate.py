@@ -116,3 +116,21 @@ def test_the_same_replay_runs_on_cost_model_engines():
     assert fast.trajectories == slow.trajectories == 60 and fast.output_tokens == slow.output_tokens
     assert fast.routes == slow.routes == sum(len(s.turns) for s in trace)
     assert fast.makespan_s < slow.makespan_s
+
+
+def test_calibrated_step_overheads_and_the_time_outside_the_engine():
+    """One trajectory alone on an engine: each decode step costs the fitted fixed and per-sequence
+    overheads on top of the roofline, and each of its two turns takes `request_s` more on its way back
+    to the gateway (before the tool runs, before the trajectory finishes)."""
+    model, gpu = model_named("qwen2.5-3b"), gpu_named("h200-141g")
+    spec = TrajectorySpec("t", "p", 0, 300, (TurnSpec(100, "calc", "success", 20, 2.0), TurnSpec(50)))
+    base = SearchConfig(total_gpus=8).rollout
+
+    def makespan(**terms) -> float:
+        engines = CostModelEngines(model, gpu, (1,), base.model_copy(update=terms))
+        return Window([Group("tp1", 1, 1)], [spec], engines).run(LoadBalance(10**6)).makespan_s
+
+    plain = makespan()
+    assert makespan(request_s=0.25) == pytest.approx(plain + 2 * 0.25)
+    # 150 decode steps of one sequence each: 150 x (fixed + per sequence)
+    assert makespan(step_overhead_s=0.004, step_per_seq_s=0.001) == pytest.approx(plain + 150 * 0.005, rel=1e-3)
