@@ -146,11 +146,25 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma") 
     for turn in run.turns:
         cal.observe_turn(max(1, turn["tp"]), turn["prompt_tokens"], turn["output_tokens"], turn["seconds"],
                          turn["batch"])
+    overheads = trainer_overheads(run)
     for step in run.steps:
         lengths = list(zip(step["prompt_lengths"], step["output_lengths"]))
         if lengths and step["train_seconds"] > 0:
-            cal.observe_train(layout, lengths, step["train_seconds"])
+            overhead = step.get("overhead_seconds") or overheads.get(int(step["step"]), 0.0)
+            cal.observe_train(layout, lengths, step["train_seconds"], overhead)
     return cal
+
+
+def trainer_overheads(run: Loaded) -> dict[int, float]:
+    """Per step, the trainer's seconds since the previous step outside its wait, training and publish,
+    from its run record: what a step's history record carries as `overhead_seconds` since the trainer
+    reports it (runs recorded before that have it only in their run record)."""
+    steps = run.record.steps
+    out = {}
+    for before, step in zip(steps, steps[1:]):
+        timers = sum(step["scalars"].get(f"time/{k}_s", 0.0) for k in ("wait", "train", "publish"))
+        out[int(step["step"])] = max(0.0, step["t"] - before["t"] - timers)
+    return out
 
 
 def plans(run: Loaded, first: Candidate) -> dict[int, control.PlanChange]:
@@ -242,6 +256,7 @@ def replay(run: Loaded, how: str = "ewma") -> tuple[dict[str, float], dict]:
     layout = Layout(1, 1, 1, trainer.micro_batch_size)
     cal = calibrate(run, model, layout, how)
     rollout = cal.rollout_efficiency()
+    train_overhead = cal.train_efficiency().step_overhead_s  # in the simulated step; not in a busy fraction
     search = SearchConfig(total_gpus=1 + workers, group_size=trainer.group_size, tp_choices=(1,),
                           rollout=rollout, train=cal.train_efficiency())
     first = Candidate(layout, ((1, workers),), 0.0, 0.0)
@@ -267,14 +282,14 @@ def replay(run: Loaded, how: str = "ewma") -> tuple[dict[str, float], dict]:
     lat = engines.latencies
     predicted = {"step_s": statistics.fmean(r.interval_s for r in records[1:]),
                  "turn_p50_s": percentile(lat, 50), "turn_p90_s": percentile(lat, 90),
-                 "busy_train": sum(r.train_s for r in records) / span,
+                 "busy_train": sum(r.train_s - train_overhead for r in records) / span,
                  "busy_rollout": statistics.fmean(min(1.0, e.busy_s / span) for e in engines.engines)}
     snap = cal.snapshot()
     notes = {"slowdowns": {k: v["slowdown"] for k, v in snap["estimators"].items()},
              "turn_fit": {k: v for k, v in snap["turn_fit"].items()},
              "rejected": snap["rejected"], "plan_changes": len(result.plan_changes),
              "sim_usage": {k: round(v, 3) for k, v in simulator.usage.fractions().items()},
-             "sim_train_s": statistics.fmean(r.train_s for r in records),
+             "sim_train_s": statistics.fmean(r.train_s for r in records) - train_overhead,
              "real_train_s": statistics.fmean(s["scalars"]["time/train_s"] for s in run.record.steps),
              "sync_s": publish,
              "turns_per_bucket": {"measured": dict(Counter(t["bucket"] for t in run.turns)),

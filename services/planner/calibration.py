@@ -9,7 +9,7 @@ divides the configured efficiency:
 
     calibrated_efficiency = clip(base_efficiency / slowdown, 1e-4, 1)
 
-Three estimators:
+Four estimators:
 
     turns     (every measured turn: a least-squares fit of     -> RolloutEfficiency.prefill_mfu,
                the turn model's five terms, `turnfit.py`)         decode_bw, step_overhead_s, step_per_seq_s,
@@ -18,6 +18,8 @@ Three estimators:
                the cluster simulator plays for the same
                batches under the plan in force)
     train     (a step's training seconds vs cost_train)        -> TrainEfficiency.mfu
+    overhead  (a step's seconds outside its wait, training and -> TrainEfficiency.step_overhead_s
+               publish, as the trainer measures them)
 
 `pipeline` calibrates the simulator the replanner ranks plans with (`sim/rank.py`): a batch's
 rollout span (its first trajectory released to its last finished) is what the asynchronous
@@ -25,7 +27,7 @@ pipeline really took, tool calls, queueing and the previous batch's tail include
 the absolute slowdown that would make the simulated spans match: measured / simulated x the
 pipeline slowdown in force when the simulation ran.
 
-pipeline and train are EWMAs of slowdown samples with a change-point rule (`Ewma.update`): once
+pipeline, train and overhead are EWMAs (of slowdowns; of seconds) with a change-point rule (`Ewma.update`): once
 `min_samples` samples are in, a sample further than `reset_sigmas` standard deviations from the
 mean (the deviation has a floor of `relative_floor` x mean, so a very steady series does not call
 every wobble a shift) is held back, not folded in. `reset_after` such samples in a row, all on the
@@ -158,7 +160,7 @@ class Calibration:
     rejected: Counter = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
-        self.estimators = {name: Ewma(self.settings) for name in ("pipeline", "train")}
+        self.estimators = {name: Ewma(self.settings) for name in ("pipeline", "train", "overhead")}
         b = self.base_rollout
         self.fit = TurnFit((1.0, 1.0, b.step_overhead_s, b.step_per_seq_s, b.request_s), self.settings.turn_window,
                            self.settings.prior_turns)
@@ -178,7 +180,10 @@ class Calibration:
 
     def train_efficiency(self) -> TrainEfficiency:
         b = self.base_train
-        return b.model_copy(update={"mfu": _scaled(b.mfu, self.estimators["train"].value())})
+        overhead = self.estimators["overhead"]
+        return b.model_copy(update={"mfu": _scaled(b.mfu, self.estimators["train"].value()),
+                                    "step_overhead_s": min(3600.0, overhead.value()) if overhead.samples
+                                    else b.step_overhead_s})
 
     # -- samples ---------------------------------------------------------------------------
     def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1) -> str | None:
@@ -209,12 +214,18 @@ class Calibration:
         self.fit.add(x, max(0.0, seconds - comm), 1.0 / batch)  # its share of the engine's steps
         return None
 
-    def observe_train(self, layout: Layout, lengths: Sequence[tuple[int, int]], seconds: float) -> str | None:
-        """One step's measured training seconds on `layout` for a batch of `lengths`."""
-        reason = _bad_numbers(seconds=seconds) or ("a step with no sequences" if not lengths else None)
+    def observe_train(self, layout: Layout, lengths: Sequence[tuple[int, int]], seconds: float,
+                      overhead_s: float = 0.0) -> str | None:
+        """One step's measured training seconds on `layout` for a batch of `lengths`, and its seconds
+        outside wait, training and publish (`overhead_s`; 0: not reported)."""
+        reason = (_bad_numbers(seconds=seconds) or _bad_numbers(seconds=overhead_s)
+                  or ("a step with no sequences" if not lengths else None))
         if reason:
             return self._reject("step", reason)
-        estimate = _train_estimate(self.model, self.gpu, layout, lengths, self.base_train)
+        if overhead_s > 0:
+            self.estimators["overhead"].update(overhead_s)
+        base = self.base_train.model_copy(update={"step_overhead_s": 0.0})  # the optimizer step alone
+        estimate = _train_estimate(self.model, self.gpu, layout, lengths, base)
         if estimate is None:
             return self._reject("step", f"training layout tp{layout.tp} pp{layout.pp} dp{layout.dp} cannot be "
                                         f"costed for this batch")
@@ -254,7 +265,9 @@ class Calibration:
                                     "calibrated": round(r.step_overhead_s, 9)},
                 "step_per_seq_s": {"base": self.base_rollout.step_per_seq_s, "calibrated": round(r.step_per_seq_s, 9)},
                 "request_s": {"base": self.base_rollout.request_s, "calibrated": round(r.request_s, 9)},
-                "train_mfu": {"base": self.base_train.mfu, "calibrated": round(t.mfu, 6)}},
+                "train_mfu": {"base": self.base_train.mfu, "calibrated": round(t.mfu, 6)},
+                "train_overhead_s": {"base": self.base_train.step_overhead_s,
+                                     "calibrated": round(t.step_overhead_s, 6)}},
             "turn_time": self.turns.snapshot(),
             "step_time": self.steps.snapshot(),
             "rejected": dict(self.rejected),

@@ -90,7 +90,8 @@ class HistoryFeeder:
             step=record.step, time_s=record.seconds, rollout_s=record.rollout_seconds,
             train_s=record.train_seconds or record.seconds,
             queue_depth=_mean(self.pending_queue), active_rollouts=_mean(self.pending_active),
-            rejected_rollouts=record.rejected_rollouts, lengths=tuple(lengths), sequences=record.sequences)
+            rejected_rollouts=record.rejected_rollouts, lengths=tuple(lengths), sequences=record.sequences,
+            overhead_s=record.overhead_seconds)
         reason = replanner.observe_step(obs)
         self.pending_queue, self.pending_active, self.pending_lengths = [], [], []
         return reason
@@ -150,7 +151,8 @@ def calibration_report(snapshot: dict, read: dict, now: float) -> planner_pb2.Ca
             for term, name in (("prefill", "prefill_mfu"), ("decode", "decode_bw"))}
     rows.update({name: {"slowdown": 0.0, "samples": fit.get("samples", 0)}  # seconds, not efficiencies
                  for name in ("step_overhead_s", "step_per_seq_s", "request_s")})
-    rows.update({"train_mfu": estimators.get("train", {}), "rollout_pipeline": estimators.get("pipeline", {})})
+    rows.update({"train_mfu": estimators.get("train", {}), "rollout_pipeline": estimators.get("pipeline", {}),
+                 "train_overhead_s": {**estimators.get("overhead", {}), "slowdown": 0.0}})
     for name, e in rows.items():
         eff = snapshot.get("efficiency", {}).get(name, {})
         report.efficiencies.append(planner_pb2.Efficiency(
@@ -202,19 +204,19 @@ def render_explain(reply: planner_pb2.ExplainResponse) -> str:
         lines.append(f"calibration ({c.turns_read} turns, {c.steps_read} steps read):")
         for e in c.efficiencies:
             if e.name == "rollout_pipeline":  # no efficiency of its own: divides both rollout ones
-                lines.append(f"  {e.name:<13} slowdown {e.slowdown:.3f} ± {e.std:.3f} ({e.samples} samples, "
+                lines.append(f"  {e.name:<16} slowdown {e.slowdown:.3f} ± {e.std:.3f} ({e.samples} samples, "
                              f"{e.resets} resets; measured batch rollout spans / simulated ones, on top of "
                              f"prefill and decode)")
                 continue
-            if e.name.endswith("_s"):  # an overhead in seconds, from the turn fit
-                lines.append(f"  {e.name:<15} base {e.base:.4g}s -> {e.calibrated:.4g}s  (turn fit, {e.samples} "
-                             f"turns)")
+            if e.name.endswith("_s"):  # seconds: the turn fit's terms, the trainer's overhead (an EWMA)
+                source = f"EWMA, {e.samples} steps" if e.name == "train_overhead_s" else f"turn fit, {e.samples} turns"
+                lines.append(f"  {e.name:<16} base {e.base:.4g}s -> {e.calibrated:.4g}s  ({source})")
                 continue
             if e.name in ("prefill_mfu", "decode_bw"):
-                lines.append(f"  {e.name:<15} base {e.base:.3f} -> {e.calibrated:.3f}  (slowdown {e.slowdown:.3f}, "
+                lines.append(f"  {e.name:<16} base {e.base:.3f} -> {e.calibrated:.3f}  (slowdown {e.slowdown:.3f}, "
                              f"turn fit, {e.samples} turns)")
                 continue
-            lines.append(f"  {e.name:<15} base {e.base:.3f} -> {e.calibrated:.3f}  (slowdown {e.slowdown:.3f} "
+            lines.append(f"  {e.name:<16} base {e.base:.3f} -> {e.calibrated:.3f}  (slowdown {e.slowdown:.3f} "
                          f"± {e.std:.3f}, {e.samples} samples, {e.resets} resets)")
         for t in c.times:
             lines.append(f"  {t.what} time: predicted {t.predicted_seconds:.3f}s, measured {t.measured_seconds:.3f}s "

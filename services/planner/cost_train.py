@@ -26,6 +26,9 @@ class TrainEfficiency(Section):
     comm: float = Field(0.7, gt=0, le=1, description="fraction of link bandwidth collectives reach")
     dp_overlap: float = Field(0.5, ge=0, le=1, description="share of DP gradient traffic hidden by compute")
     logprob_recompute: bool = Field(True, description="one extra forward pass for the old log-probs")
+    step_overhead_s: float = Field(0.0, ge=0, le=3600, description="seconds of every step outside the optimizer "
+                                   "step (the batch's assembly, the behaviour log-prob check, acks, checkpoints, "
+                                   "records); 0: none; the online calibration measures it")
     activation_bytes_per_token_layer: float = Field(
         34.0, gt=0, le=1000, description="activation bytes per token per layer, in units of hidden_size "
                                          "(34: selective recompute, bf16)")
@@ -105,7 +108,7 @@ def step_time(model: ModelSpec, gpu: GpuSpec, layout: Layout, batch_sequences: i
                / (layout.gpus * gpu.bf16_tflops * 1e12 * eff.mfu))
     bubble = (layout.pp - 1) / (m + layout.pp - 1)
     tp_comm, pp_comm, dp_comm = _comm_seconds(model, gpu, layout, m, seq_len, eff)
-    seconds = compute / (1.0 - bubble) + tp_comm + pp_comm + (1.0 - eff.dp_overlap) * dp_comm
+    seconds = compute / (1.0 - bubble) + tp_comm + pp_comm + (1.0 - eff.dp_overlap) * dp_comm + eff.step_overhead_s
     return TrainEstimate(seconds, compute, bubble, tp_comm, pp_comm, dp_comm, memory / GIB, m)
 
 

@@ -35,19 +35,22 @@ class StepObservation:
     lengths: Sequence[tuple[int, int]] = ()
     sequences: int = 0
     trajectories: Sequence = ()
+    overhead_s: float = 0.0  # the trainer's seconds outside its wait, training and publish (0: not reported)
 
 
 
 def check_step(obs: StepObservation) -> str | None:
     """Why a step's facts are unusable (None: they are fine)."""
-    for name in ("time_s", "rollout_s", "train_s", "queue_depth", "active_rollouts", "rejected_rollouts"):
+    for name in ("time_s", "rollout_s", "train_s", "queue_depth", "active_rollouts", "rejected_rollouts",
+                 "overhead_s"):
         value = getattr(obs, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return f"{name} is not a finite number ({value!r})"
         if value < 0:
             return f"{name} is negative ({value!r})"
-    if max(obs.time_s, obs.rollout_s, obs.train_s) > 7 * 86_400:
-        return f"step seconds are absurd (over one week: {obs.time_s}, {obs.rollout_s}, {obs.train_s})"
+    if max(obs.time_s, obs.rollout_s, obs.train_s, obs.overhead_s) > 7 * 86_400:
+        return (f"step seconds are absurd (over one week: {obs.time_s}, {obs.rollout_s}, {obs.train_s}, "
+                f"{obs.overhead_s})")
     if obs.sequences < 0:
         return f"sequences is negative ({obs.sequences})"
     for index, (p, o) in enumerate(obs.lengths):

@@ -111,7 +111,7 @@ class Replanner:
         if self._current is not None and obs.lengths:
             predicted = self.predict(self._current, list(obs.lengths))
             self.calibration.record_step(predicted[2], obs.time_s)
-            self.calibration.observe_train(self._current.layout, list(obs.lengths), obs.train_s)
+            self.calibration.observe_train(self._current.layout, list(obs.lengths), obs.train_s, obs.overhead_s)
         self.window.append(obs)
         self.lengths.extend((int(p), int(o)) for p, o in obs.lengths)
         self.steps_observed += 1

@@ -191,12 +191,17 @@ class GrpoLoop:
         record = await self.step()
         await self.store.save_step_record(record.step, record.SerializeToString())
         lengths = getattr(self, "step_lengths", [])
+        now, previous = time.monotonic(), getattr(self, "recorded_at", None)
+        self.recorded_at = now  # the planner's history: what a step costs beyond its three timers
+        overhead = 0.0 if previous is None else max(
+            0.0, now - previous - record.wait_seconds - record.train_seconds - record.publish_seconds)
         await self.store.append_history("step", common_pb2.HistoryRecord(
             kind="step", timestamp=record.timestamp, step=record.step, output_tokens=record.tokens,
             seconds=record.wait_seconds + record.train_seconds + record.publish_seconds,
             train_seconds=record.train_seconds, rollout_seconds=getattr(self, "step_rollout_s", 0.0),
             rejected_rollouts=record.rejected_stale, sequences=record.trajectories,
-            prompt_lengths=[p for p, _ in lengths], output_lengths=[o for _, o in lengths]))
+            prompt_lengths=[p for p, _ in lengths], output_lengths=[o for _, o in lengths],
+            overhead_seconds=overhead))
         if record.step % self.cfg.checkpoint_every == 0 or record.step == self.cfg.steps:
             await self.checkpoint()
         await self.status.add_record(record)

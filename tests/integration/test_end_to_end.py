@@ -134,5 +134,11 @@ async def _check_state(redis_url: str, run_id: str, steps: int) -> None:
         assert consumed == steps * GROUPS * SAMPLES  # none lost, none counted twice
         turns = await store.read_history("turn", 100_000)
         assert {t.bucket for t in turns} == {"short", "long"}
+        assert all(t.batch >= 1 for t in turns)  # each turn's mean batch over its span, itself included
+        records = await store.read_history("step", 100_000)
+        # the trainer's seconds outside its timers: on every record but a trainer process's first (no
+        # predecessor: this run's trainer started twice)
+        assert records and all(r.overhead_seconds >= 0 for r in records)
+        assert records[0].overhead_seconds == 0 and sum(r.overhead_seconds == 0 for r in records) <= 2
     finally:
         await store.close()

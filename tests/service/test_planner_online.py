@@ -84,7 +84,7 @@ def test_online_planner_calibrates_decides_applies_and_resumes(redis_url, run_id
     assert reply.calibration.steps_read == 4 and reply.calibration.turns_read == 1
     names = {e.name for e in reply.calibration.efficiencies}
     assert names == {"prefill_mfu", "decode_bw", "step_overhead_s", "step_per_seq_s", "request_s", "train_mfu",
-                     "rollout_pipeline"}
+                     "train_overhead_s", "rollout_pipeline"}
 
     # pressure persists: the cooldown gates it, once (a repeat is not stored again)
     for step in range(5, 7):

@@ -197,3 +197,18 @@ def test_training_efficiency_follows_a_regime_change_within_reset_after_samples(
         cal.observe_train(layout, lengths, base_train * 4.0)
     assert cal.estimators["train"].resets == 1
     assert cal.train_efficiency().mfu == pytest.approx(slow / 2, rel=0.02)
+
+
+def test_the_trainers_overhead_is_an_ewma_in_seconds_that_the_step_time_includes():
+    cal = calibration()
+    layout, lengths = Layout(1, 1, 8, 1), [(1000, 2000)] * 64
+    base_train, _ = predicted_times(MODEL, GPU, layout, ((1, 8),), lengths, RolloutEfficiency(), TrainEfficiency())
+    for _ in range(10):  # the optimizer step as the model says, and 0.4 s of bookkeeping around it
+        assert cal.observe_train(layout, lengths, base_train, overhead_s=0.4) is None
+    eff = cal.train_efficiency()
+    assert eff.step_overhead_s == pytest.approx(0.4) and eff.mfu == pytest.approx(TrainEfficiency().mfu)
+    train_s, _ = predicted_times(MODEL, GPU, layout, ((1, 8),), lengths, cal.rollout_efficiency(), eff)
+    assert train_s == pytest.approx(base_train + 0.4, rel=1e-6)
+    assert cal.snapshot()["efficiency"]["train_overhead_s"]["calibrated"] == pytest.approx(0.4)
+    assert cal.observe_train(layout, lengths, base_train, overhead_s=-1.0) is not None  # rejected, counted
+    assert calibration().train_efficiency().step_overhead_s == 0.0  # none reported: the configured value
