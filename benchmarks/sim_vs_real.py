@@ -26,16 +26,17 @@ Per run, with nothing taken from the run but what the planner could know:
 3. Compare, predicted (simulated) against measured, over the RL phase (first step's start to the
    last step's end): mean step time (steps 2..N: the first includes the workers' start), turn
    latency p50 / p90 (measured: the rollout gateway's turn seconds, route to reply; simulated: a
-   turn's arrival at its engine to its last token, plus the calibrated time outside the engine), busy fraction per pool (training: training
-   seconds / span; rollout: per worker, the fraction of the span it had a request in flight
-   (measured from the rollout service's samples of in-flight requests; simulated: the engine's
-   busy time), averaged over the workers).
+   turn's arrival at its engine to its last token, plus the calibrated time outside the engine),
+   busy fraction per pool (training: training seconds / span, the trainer's overhead outside its
+   timers not counted on either side; rollout: per worker, the fraction of the span it had a
+   request in flight (measured from the rollout service's samples of in-flight requests;
+   simulated: the engine's busy time), averaged over the workers).
 
-Prints one JSON line per run (both sides of every figure, the calibrated slowdowns, turns per
-bucket measured and simulated, training seconds measured and simulated, and turn seconds per
-generated token by the worker's batch beside the calibrated cost model's decode step), a table per
-design (median over its runs: predicted, measured, their ratio, within 10% or not), and a plot of predicted / measured per figure and
-design against the 10% band. What the misses point to is in docs/benchmarks.md.
+Prints one JSON line per run (both sides of every figure, the turn fit's terms and the EWMAs,
+turns per bucket measured and simulated, training seconds measured and simulated, and turn
+seconds per generated token by the worker's batch beside the calibrated cost model's decode step),
+a table per design (median over its runs: predicted, measured, their ratio, within 10% or not),
+and a plot of predicted / measured per figure and design against the 10% band. What the misses point to is in docs/benchmarks.md.
 """
 
 from __future__ import annotations

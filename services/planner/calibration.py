@@ -12,8 +12,8 @@ divides the configured efficiency:
 Four estimators:
 
     turns     (every measured turn: a least-squares fit of     -> RolloutEfficiency.prefill_mfu,
-               the turn model's five terms, `turnfit.py`)         decode_bw, step_overhead_s, step_per_seq_s,
-                                                                  request_s
+               the turn model's five terms, `turnfit.py`)         decode_bw, step_overhead_s,
+                                                                  step_per_seq_s, request_s
     pipeline  (batches' measured rollout spans vs the spans     -> all of those, on top of the fit
                the cluster simulator plays for the same
                batches under the plan in force)
@@ -27,12 +27,12 @@ pipeline really took, tool calls, queueing and the previous batch's tail include
 the absolute slowdown that would make the simulated spans match: measured / simulated x the
 pipeline slowdown in force when the simulation ran.
 
-pipeline, train and overhead are EWMAs (of slowdowns; of seconds) with a change-point rule (`Ewma.update`): once
-`min_samples` samples are in, a sample further than `reset_sigmas` standard deviations from the
-mean (the deviation has a floor of `relative_floor` x mean, so a very steady series does not call
-every wobble a shift) is held back, not folded in. `reset_after` such samples in a row, all on the
-same side, mean the regime changed (a new kernel, a slower node): the estimator restarts from
-those samples. A sample back inside the band drops the held ones (an isolated spike). Before
+pipeline, train and overhead are EWMAs (of slowdowns; of seconds) with a change-point rule
+(`Ewma.update`): once `min_samples` samples are in, a sample further than `reset_sigmas` standard
+deviations from the mean (the deviation has a floor of `relative_floor` x mean, so a very steady
+series does not call every wobble a shift) is held back, not folded in. `reset_after` such samples
+in a row, all on the same side, mean the regime changed (a new kernel, a slower node): the
+estimator restarts from those samples. A sample back inside the band drops the held ones (an isolated spike). Before
 `min_samples`, alpha is max(alpha, 1/n), so the first samples are averaged plainly instead of
 being biased towards the first one. The turn fit forgets instead (`turn_window`).
 
@@ -171,12 +171,13 @@ class Calibration:
     # -- efficiencies ----------------------------------------------------------------------
     def rollout_efficiency(self) -> RolloutEfficiency:
         pipeline = self.pipeline_slowdown()
-        prefill, decode, overhead, row, request = self.fit.coefficients()
+        prefill, decode, overhead, per_seq, request = self.fit.coefficients()
         b = self.base_rollout
         return b.model_copy(update={"prefill_mfu": _scaled(b.prefill_mfu, prefill * pipeline),
                                     "decode_bw": _scaled(b.decode_bw, decode * pipeline),
                                     "step_overhead_s": min(10.0, overhead * pipeline),
-                                    "step_per_seq_s": min(1.0, row * pipeline), "request_s": min(60.0, request * pipeline)})
+                                    "step_per_seq_s": min(1.0, per_seq * pipeline),
+                                    "request_s": min(60.0, request * pipeline)})
 
     def train_efficiency(self) -> TrainEfficiency:
         b = self.base_train
@@ -207,8 +208,9 @@ class Calibration:
         roofline = prefill + x[1] + comm
         limit = self.settings.max_slowdown
         if seconds * limit < roofline:
-            return self._reject("turn", f"turns: measured/predicted {seconds / roofline:.3g} outside [1/{limit:g}, "
-                                        f"{limit:g}] (faster than the hardware allows)", "turn faster than the roofline")
+            return self._reject("turn", f"turns: measured/predicted {seconds / roofline:.3g} outside "
+                                        f"[1/{limit:g}, {limit:g}] (faster than the hardware allows)",
+                                "turn faster than the roofline")
         c = self.fit.coefficients()
         self.turns.add(sum(ci * xi for ci, xi in zip(c, x)) + comm, seconds)
         self.fit.add(x, max(0.0, seconds - comm), 1.0 / batch)  # its share of the engine's steps
@@ -263,7 +265,8 @@ class Calibration:
                 "decode_bw": {"base": self.base_rollout.decode_bw, "calibrated": round(r.decode_bw, 6)},
                 "step_overhead_s": {"base": self.base_rollout.step_overhead_s,
                                     "calibrated": round(r.step_overhead_s, 9)},
-                "step_per_seq_s": {"base": self.base_rollout.step_per_seq_s, "calibrated": round(r.step_per_seq_s, 9)},
+                "step_per_seq_s": {"base": self.base_rollout.step_per_seq_s,
+                                   "calibrated": round(r.step_per_seq_s, 9)},
                 "request_s": {"base": self.base_rollout.request_s, "calibrated": round(r.request_s, 9)},
                 "train_mfu": {"base": self.base_train.mfu, "calibrated": round(t.mfu, 6)},
                 "train_overhead_s": {"base": self.base_train.step_overhead_s,

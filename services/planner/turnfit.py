@@ -21,7 +21,9 @@ turn's time is per step and per request, which no efficiency of the roofline sca
 ratio then swings with the turn's length (short turns are mostly waiting), and the calibrated
 simulator replayed the same run 2x faster or slower depending on its last turns.
 
-The fit minimises sum_i w_i (y_i - x_i . c)^2 + prior, with w_i = (1 - 1/window)^(age of turn i):
+The fit minimises sum_i w_i (y_i - x_i . c)^2 + prior, with w_i = s_i (1 - 1/window)^(age of turn
+i) and s_i the weight the caller gives the turn (the calibration: 1 / batch, the turn's share of its
+engine's steps, so that the fit matches engine time rather than the sum of overlapping latencies):
 the sufficient statistics (X'WX, X'Wy) are decayed and updated per turn, so a fit costs a 5 x 5
 solve whatever the history. The prior (a ridge) pulls each coefficient towards its base value
 (slowdown 1, overheads as configured) with the weight of `prior_turns` turns, in units of each
@@ -47,7 +49,7 @@ class TurnFit:
         n = len(TERMS)
         self.xx = [[0.0] * n for _ in range(n)]
         self.xy = [0.0] * n
-        self.weight = 0.0  # sum of weights (the effective number of turns remembered)
+        self.weight = 0.0  # the decayed sum of the turns' weights
         self.samples = 0
         self._solved: tuple[float, ...] | None = None
 
