@@ -13,9 +13,9 @@ A turn's reply reaches the gateway the instance's `request_s` after its last tok
 turn spends outside the engine: HTTP, the routing call; 0 unless calibrated), before the tool runs
 or the trajectory finishes. A turn prefills its whole context where its KV cache is not (new
 trajectory, or moved), only the tool payload where it stays. A turn that no serving instance can
-hold waits ("parked") until one that can comes up. The loop owns the instances in force and the routing counters; it does not own
-the clock's other events (releases, training: `cluster.py`) nor the speed of an instance
-(`instance.py`). Deterministic: events at the same time run in the order they were scheduled.
+hold waits ("parked") until one that can comes up. The loop owns the instances in force and the
+routing counters; it does not own the clock's other events (releases, training: `cluster.py`) nor
+the speed of an instance (`instance.py`). Deterministic: events at the same time run in the order they were scheduled.
 
 A plan change replaces the policy while turns it routed still run on the instances the new plan
 keeps. Those instances register with the new policy carrying the load the new policy would have
