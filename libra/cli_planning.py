@@ -20,6 +20,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     missing = [f"--{name}" for name in ("cluster", "model", "trace", "gpus") if getattr(args, name) is None]
     if missing:
         raise ConfigError(f"libra plan needs {', '.join(missing)} (or `libra plan explain --config FILE`)")
+    if args.simulate and not 0 <= args.staleness <= 64:  # before any search: a bad flag fails at once
+        raise ConfigError(f"--staleness must be in 0..64 (the staleness bound of the run), got {args.staleness}")
     options = {"group_size": args.group_size, "whole_nodes": args.whole_nodes}
     for name in ("tp_choices", "pp_choices", "min_train_gpus", "min_rollout_gpus"):
         if getattr(args, name) is not None:
@@ -67,8 +69,6 @@ def _simulated(args: argparse.Namespace, model, gpu, batch, options: dict):
     from libra.services.planner.sim.rank import first_plan
 
     config = search_config(args.gpus, args.top_k, options)
-    if not 0 <= args.staleness <= 64:
-        raise ConfigError(f"--staleness must be in 0..64 (the staleness bound of the run), got {args.staleness}")
     sim = SimConfig(staleness=args.staleness, policy=args.policy, batching="in_order")
     return first_plan(model, gpu, config, sim, batch, ReplanSettings())
 

@@ -92,3 +92,5 @@ def test_plan_simulate_ranks_the_shortlist_on_the_simulator_and_keeps_the_batchs
     assert lines[-1].startswith("rollout buckets: tp")
     bad = libra("plan", "--trace", path, "--gpus", "16", "--simulate", "--staleness", "99")
     assert refused(bad, "--staleness must be in 0..64")
+    early = libra("plan", "--trace", "/nonexistent.jsonl", "--gpus", "16", "--simulate", "--staleness", "99")
+    assert refused(early, "--staleness must be in 0..64")  # checked before the trace is read or searched
