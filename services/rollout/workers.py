@@ -201,6 +201,7 @@ class WorkerPool:
             except asyncio.TimeoutError:
                 _log.warning("drain timed out; in-flight turns will be retried elsewhere", worker=worker_id)
         await asyncio.to_thread(worker.process.stop)
+        await worker.client.close()  # its connections go with it (a later call would open a new session)
         self.launcher.release(worker_id)
         worker.state = common_pb2.WORKER_STATE_STOPPED
 

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from libra.errors import Unavailable
+from libra.services.rollout.engines.client import Generation
 from libra.services.elastic.driver import GrpcReplicaDriver, HybridProcesses
 from libra.services.elastic.server import ElasticService
 from libra.v1 import common_pb2, elastic_pb2 as epb, elastic_pb2_grpc, rollout_pb2, rollout_pb2_grpc
@@ -42,10 +43,11 @@ class GatedEngineClient:
     async def generate(self, prompt_ids, **sampling):
         self.calls += 1
         await self.gate.wait()
-        return {"token_ids": [7, 8], "finished_at": time.monotonic()}
+        self.finished_at = time.monotonic()
+        return Generation([7, 8], [-0.1, -0.1], "stop", 0.0)
 
     async def close(self) -> None:
-        pass
+        self.closed = True
 
 
 def test_a_drained_worker_gets_no_new_turns_while_its_in_flight_turn_finishes(redis_url, run_id, tmp_path, arun,
@@ -103,7 +105,9 @@ def test_a_drained_worker_gets_no_new_turns_while_its_in_flight_turn_finishes(re
             client.gate.set()
             finished = await in_flight
             assert (await drain).applied
-            assert process.stopped_at >= finished["finished_at"] and engines["short-1"][0].alive
+            assert finished.token_ids == [7, 8] and finished.batch >= 1  # the pool's mean batch over the turn
+            assert process.stopped_at >= engines["short-0"][1].finished_at and engines["short-1"][0].alive
+            assert getattr(engines["short-0"][1], "closed", False)  # the drained worker's client is closed
             members = (await elastic_pb2_grpc.ElasticCoordinatorStub(elastic_chan).ListMembers(
                 epb.ListMembersRequest())).members
             assert {m.member_id: m.state for m in members}["short-0"] == S.MEMBER_STATE_OFFLINE
