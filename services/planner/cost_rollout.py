@@ -190,8 +190,14 @@ def finish_seconds(inst: Instance, load: _Load) -> float:
     return _Costs(inst).finish(load)
 
 
+def longest_first(trace: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The trace in the order the greedy assigns it (longest prompt + output first), for callers that
+    cost many fleets on one trace (`rollout_time(..., ordered=True)` then skips the sort)."""
+    return sorted(trace, key=lambda r: r[0] + r[1], reverse=True)
+
+
 def rollout_time(trace: Sequence[tuple[int, int]], instances: Sequence[Instance],
-                 cutoff: float = math.inf, allow_idle: bool = False) -> float:
+                 cutoff: float = math.inf, allow_idle: bool = False, ordered: bool = False) -> float:
     """Makespan of serving `trace` [(prompt tokens, output tokens)] on `instances`.
 
     `allow_idle=False` is the plain greedy below. Like every list-scheduling rule it has Graham's
@@ -203,11 +209,13 @@ def rollout_time(trace: Sequence[tuple[int, int]], instances: Sequence[Instance]
     Requests go longest-first (prompt + output) to the instance whose estimated finish after taking
     the request is earliest, among instances whose KV cache can hold the whole request. Instances of
     one TP degree are identical, so only the least-loaded of each degree is a candidate (one heap per
-    degree). Returns `math.inf` as soon as any finish reaches `cutoff` (used for pruning).
+    degree). Returns `math.inf` as soon as any finish reaches `cutoff` (used for pruning). `ordered`:
+    the trace is already longest-first (`longest_first`), as the search passes it for every fleet.
     """
+    ordered_trace = trace if ordered else longest_first(trace)
     if allow_idle:
-        return _best_sub_fleet(trace, instances, cutoff)
-    return _greedy(trace, instances, cutoff)
+        return _best_sub_fleet(ordered_trace, instances, cutoff)
+    return _greedy(ordered_trace, instances, cutoff)
 
 
 IDLE_LATTICE_LIMIT = 4096
@@ -242,7 +250,7 @@ def _greedy(trace: Sequence[tuple[int, int]], instances: Sequence[Instance], cut
         by_tp[inst.tp][1].append((0.0, index, _Load()))
     classes = list(by_tp.values())
     makespan = 0.0
-    for prompt, output in sorted(trace, key=lambda r: r[0] + r[1], reverse=True):
+    for prompt, output in trace:  # longest first (`longest_first`)
         best = None
         for costs, heap in classes:
             if prompt + output > costs.capacity:

@@ -210,7 +210,7 @@ class _RolloutTable:
 
     def __init__(self, trace, instances: dict[int, cost_rollout.Instance], config: SearchConfig,
                  packing: placement.Packing, rejected: Rejections):
-        self.trace, self.instances, self.config = trace, instances, config
+        self.trace, self.instances, self.config = cost_rollout.longest_first(trace), instances, config
         self.packing, self.rejected = packing, rejected
         self.cache: dict[tuple[int, int], tuple[float, Multiset]] = {}
         self.failed_up_to = 0
@@ -236,7 +236,7 @@ class _RolloutTable:
             fleet = [self.instances[tp] for tp, n in mix for _ in range(n)]
             bar = best[-1][0] if len(best) >= keep else math.inf
             try:
-                seconds = cost_rollout.rollout_time(self.trace, fleet, cutoff=min(cutoff, bar))
+                seconds = cost_rollout.rollout_time(self.trace, fleet, cutoff=min(cutoff, bar), ordered=True)
             except Infeasible as error:
                 self.rejected.add(f"rollout: {error}")
                 continue
