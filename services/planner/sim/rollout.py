@@ -15,7 +15,8 @@ or the trajectory finishes. A turn prefills its whole context where its KV cache
 trajectory, or moved), only the tool payload where it stays. A turn that no serving instance can
 hold waits ("parked") until one that can comes up. The loop owns the instances in force and the
 routing counters; it does not own the clock's other events (releases, training: `cluster.py`) nor
-the speed of an instance (`instance.py`). Deterministic: events at the same time run in the order they were scheduled.
+the speed of an instance (`instance.py`). Deterministic: events at the same time run in the order
+they were scheduled.
 
 A plan change replaces the policy while turns it routed still run on the instances the new plan
 keeps. Those instances register with the new policy carrying the load the new policy would have
