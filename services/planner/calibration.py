@@ -211,7 +211,7 @@ class Calibration:
             return self._reject("turn", f"turns: measured/predicted {seconds / roofline:.3g} outside "
                                         f"[1/{limit:g}, {limit:g}] (faster than the hardware allows)",
                                 "turn faster than the roofline")
-        c = self.fit.coefficients()
+        c = self.fit.in_force  # the calibration in force (no solve per turn: the fit solves when asked)
         self.turns.add(sum(ci * xi for ci, xi in zip(c, x)) + comm, seconds)
         self.fit.add(x, max(0.0, seconds - comm), 1.0 / batch)  # its share of the engine's steps
         return None

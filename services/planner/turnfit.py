@@ -52,6 +52,7 @@ class TurnFit:
         self.weight = 0.0  # the decayed sum of the turns' weights
         self.samples = 0
         self._solved: tuple[float, ...] | None = None
+        self.in_force = self.base  # the coefficients of the last solve (what the planner last used)
 
     def add(self, x: tuple[float, ...], y: float, weight: float = 1.0) -> None:
         keep = 1.0 - 1.0 / self.window
@@ -71,7 +72,7 @@ class TurnFit:
         if self.samples == 0:
             return self.base
         if self._solved is None:
-            self._solved = self._solve()
+            self._solved = self.in_force = self._solve()
         return self._solved
 
     def _solve(self) -> tuple[float, ...]:
@@ -116,6 +117,7 @@ class TurnFit:
         self.xx = [list(map(float, row)) for row in state[0]]
         self.xy = list(map(float, state[1]))
         self.weight, self.samples, self._solved = float(state[2]), int(state[3]), None
+        self.in_force = self.coefficients()
 
 
 def _solve_subset(a: list[list[float]], b: list[float], free: tuple[int, ...]) -> list[float] | None:
