@@ -48,7 +48,6 @@ import re
 import statistics
 import sys
 from collections import Counter
-from dataclasses import dataclass
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -56,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from headline_cpu import DESIGNS  # noqa: E402
-from libra.config import load_run_config  # noqa: E402
+from kept_runs import Loaded, load, measured, percentile, trainer_overheads  # noqa: E402
 from libra.routing.registry import make_policy  # noqa: E402
 from libra.services.planner import cost_rollout  # noqa: E402
 from libra.services.planner.calibration import Calibration  # noqa: E402
@@ -67,7 +66,6 @@ from libra.services.planner.search import Candidate, SearchConfig  # noqa: E402
 from libra.services.planner.sim import control  # noqa: E402
 from libra.services.planner.sim.cluster import SimConfig, Simulator  # noqa: E402
 from libra.services.planner.sim.engines import CostModelEngines  # noqa: E402
-from libra.telemetry import record as run_record  # noqa: E402
 from libra.traces import files  # noqa: E402
 
 # One core of this machine as the cost model's "device": nominal figures (fp32 on a 2-core VM);
@@ -87,51 +85,6 @@ def tiny_model(config) -> ModelSpec:
                      layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, head_dim=m.hidden_size // m.heads,
                      intermediate_size=m.intermediate_size, vocab_size=m.vocab_size, bytes_per_param=4.0,
                      kv_bytes_per_value=4.0)
-
-
-# ---- what the run measured ----------------------------------------------------------------------
-@dataclass
-class Loaded:
-    name: str
-    design: str
-    config: object
-    record: run_record.RunRecord
-    turns: list[dict]
-    steps: list[dict]  # history step records
-    trace: pathlib.Path
-
-
-def load(keep: pathlib.Path, entry: dict) -> Loaded:
-    base = keep / entry["dir"]
-    run_dir = base / "run"
-    history = [json.loads(line) for line in (base / "history.jsonl").read_text().splitlines() if line.strip()]
-    return Loaded(entry["dir"], entry["design"], load_run_config(str(run_dir / "config.yaml")),
-                  run_record.load(run_dir), [h for h in history if h["kind"] == "turn"],
-                  [h for h in history if h["kind"] == "step"], run_dir / "trace.jsonl")
-
-
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
-
-
-def measured(run: Loaded) -> dict[str, float]:
-    steps = run.record.steps
-    ends = [s["t"] for s in steps]
-    start = ends[0] - steps[0]["scalars"]["time/step_s"]
-    span = ends[-1] - start
-    lat = [t["seconds"] for t in run.turns]
-    busy = {}  # worker -> [samples with a request in flight, samples]
-    for sample in run.record.rollout:
-        if start <= sample["t"] <= ends[-1]:
-            for worker in sample.get("workers", []):
-                if worker.get("state") in ("serving", "draining"):
-                    seen = busy.setdefault(worker["id"], [0, 0])
-                    seen[0] += worker.get("inflight", 0) > 0
-                    seen[1] += 1
-    return {"step_s": statistics.fmean(b - a for a, b in zip(ends, ends[1:])),
-            "turn_p50_s": percentile(lat, 50), "turn_p90_s": percentile(lat, 90),
-            "busy_train": sum(s["scalars"]["time/train_s"] for s in steps) / span,
-            "busy_rollout": statistics.fmean(a / n for a, n in busy.values() if n) if busy else float("nan")}
 
 
 # ---- calibrate and replay -----------------------------------------------------------------------
@@ -154,18 +107,6 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma") 
             overhead = step.get("overhead_seconds") or overheads.get(int(step["step"]), 0.0)
             cal.observe_train(layout, lengths, step["train_seconds"], overhead)
     return cal
-
-
-def trainer_overheads(run: Loaded) -> dict[int, float]:
-    """Per step, the trainer's seconds since the previous step outside its wait, training and publish,
-    from its run record: what a step's history record carries as `overhead_seconds` since the trainer
-    reports it (runs recorded before that have it only in their run record)."""
-    steps = run.record.steps
-    out = {}
-    for before, step in zip(steps, steps[1:]):
-        timers = sum(step["scalars"].get(f"time/{k}_s", 0.0) for k in ("wait", "train", "publish"))
-        out[int(step["step"])] = max(0.0, step["t"] - before["t"] - timers)
-    return out
 
 
 def plans(run: Loaded, first: Candidate) -> dict[int, control.PlanChange]:
@@ -298,15 +239,6 @@ def replay(run: Loaded, how: str = "ewma") -> tuple[dict[str, float], dict]:
                                                             for _ in range(e.routed)))},
              "s_per_token_by_batch": per_token(run.turns, cost_rollout.instance(model, CPU_CORE, 1, rollout))}
     return predicted, notes
-
-
-def handoff(run: Loaded) -> float:
-    """A synchronous run's median hand-off per step: the step's interval less its rollout span and its
-    training (the weights' publish and reload, the next batch's release), from the step records."""
-    ends = [s["t"] for s in run.record.steps]
-    gaps = [(ends[i] - ends[i - 1]) - step["rollout_seconds"] - step["train_seconds"]
-            for i, step in enumerate(run.steps[1:len(ends)], start=1)]
-    return statistics.median(gaps) if gaps else 0.0
 
 
 BATCHES = ((1, 4), (5, 16), (17, 64))
