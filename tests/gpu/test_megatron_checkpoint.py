@@ -58,11 +58,11 @@ def _backend(model_dir: str, tp: int):
 
 
 def _states(backend) -> tuple[dict, dict]:
-    from libra.services.trainer.megatron import checkpoint
+    from libra.services.trainer.megatron import optimizer_state
 
     model = {k: v.detach().float().cpu().clone() for k, v in backend.model.state_dict().items()
              if not k.endswith("_extra_state")}
-    return model, checkpoint.optimizer_state(backend.model, backend.optimizer).get_states()
+    return model, optimizer_state.optimizer_state(backend.model, backend.optimizer).get_states()
 
 
 def _equal(a: dict, b: dict) -> list[str]:

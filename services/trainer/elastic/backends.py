@@ -22,7 +22,7 @@ State in a snapshot, per kind:
             per trainable parameter index, {exp_avg, exp_avg_sq, main}: Adam's moments and the fp32
             master (GPU mixed precision; on CPU the parameter itself), whole on every core rank
             since the distributed optimizer is refused with a hook; Adam's step count in `extra`.
-            Loading goes through `megatron.checkpoint`'s optimizer adapters, the same code that
+            Loading goes through `megatron.optimizer_state`'s adapters, the same code that
             restores checkpoints, so torch AdamW (CPU) and Megatron's optimizers (GPU) both work.
 """
 
@@ -163,16 +163,16 @@ def load_state(backend: Any, model: dict[str, Any], optimizer: dict[int, Any], g
 def _megatron_state(backend: Any) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[dict], dict[str, Any]]:
     import torch
 
-    from libra.services.trainer.megatron import checkpoint as ckpt
+    from libra.services.trainer.megatron import optimizer_state as opt_state
 
     model = {k: t.detach().clone() for k, t in backend.model.state_dict().items() if torch.is_tensor(t)}
-    adapter = ckpt.optimizer_state(backend.model, backend.optimizer)
-    params = ckpt.trainable_parameters(backend.model)
+    adapter = opt_state.optimizer_state(backend.model, backend.optimizer)
+    params = opt_state.trainable_parameters(backend.model)
     optimizer = {}
     for index, (name, p) in enumerate(params):
         tensors = adapter.whole(name, p)
         optimizer[index] = {k: (tensors[k] if k in tensors else torch.zeros(p.numel(), device=p.device))
-                            .detach().float().reshape(p.shape).clone() for k in ("main", *ckpt.MOMENTS)}
+                            .detach().float().reshape(p.shape).clone() for k in ("main", *opt_state.MOMENTS)}
     # Adam's step read locally: the adapter's `step()` is a collective over all ranks, and only the
     # hybrid's core rank takes its snapshot.
     extra = {"names": [name for name, _ in params], "adam_step": adapter.local_step()}
@@ -181,12 +181,12 @@ def _megatron_state(backend: Any) -> tuple[dict[str, Any], dict[int, dict[str, A
 
 def _load_megatron_state(backend: Any, model: dict[str, Any], optimizer: dict[int, Any],
                          extra: dict[str, Any]) -> None:
-    from libra.services.trainer.megatron import checkpoint as ckpt
+    from libra.services.trainer.megatron import optimizer_state as opt_state
     from libra.services.trainer.megatron.build import load_state
 
-    names = [name for name, _ in ckpt.trainable_parameters(backend.model)]
+    names = [name for name, _ in opt_state.trainable_parameters(backend.model)]
     if names != extra["names"]:
         raise ValueError(f"the snapshot's parameters {extra['names'][:3]}… are not this model's {names[:3]}…")
     load_state(backend.model, model)
     states = {name: optimizer[index] for index, name in enumerate(names)}
-    ckpt.optimizer_state(backend.model, backend.optimizer).set_states(states, float(extra["adam_step"]))
+    opt_state.optimizer_state(backend.model, backend.optimizer).set_states(states, float(extra["adam_step"]))
