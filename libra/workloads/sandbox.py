@@ -54,8 +54,9 @@ from typing import Sequence
 
 from libra import log as liblog
 from libra import procs
-from libra.workloads.sandbox_guard import (HINT, UNSHARE_NET, SandboxUnavailable, check_unisolated, give_to,
-                                           network_namespace_available, preexec)
+from libra.workloads.sandbox_guard import (GUARD_SITECUSTOMIZE, HINT, UNSHARE_NET, SandboxUnavailable,
+                                           check_unisolated, give_to, network_namespace_available, preexec)
+from libra.workloads.sandbox_launcher import LAUNCHER
 
 _log = liblog.get("libra.sandbox")
 UIDS_PER_PROCESS = 256
@@ -111,74 +112,6 @@ class SandboxRun:
 
 _SIGNAL_REASONS = {"SIGXCPU": "CPU-time limit", "SIGXFSZ": "file size limit", "SIGKILL": "killed",
                    "SIGSEGV": "segmentation fault", "SIGABRT": "aborted"}
-
-# Runs as `python -I -c _LAUNCHER PARAMS` inside the new namespaces, as root, and stays pid 1 of
-# the pid namespace: when it exits, the kernel kills whatever the program left running.
-_LAUNCHER = r"""
-import json, os, resource, shutil, subprocess, sys
-p = json.loads(sys.argv[1])
-status = open(p["status"], "w")
-def mount(*args):
-    subprocess.run(["mount", *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-box, uid = p["box"], p["uid"]
-mount("-t", "tmpfs", "-o", "size=%dm,mode=1777" % p["disk_mb"], "tmpfs", box)
-work = os.path.join(box, "work")
-shutil.copytree(p["source"], work, symlinks=True)
-for root, dirs, files in os.walk(work):
-    for name in [root] + [os.path.join(root, n) for n in dirs + files]:
-        os.lchown(name, uid, uid)
-for blocked, child, stash in p["reveal"]:
-    # `blocked` is not traversable by other users (e.g. /root holding the interpreter): show only
-    # `child` through it, on an empty tmpfs, in this namespace only.
-    os.makedirs(stash, exist_ok=True)
-    mount("--bind", child, stash)
-    mount("-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", blocked)
-    os.makedirs(child, exist_ok=True)
-    mount("--move", stash, child)
-for path in p["keep"]:
-    # The interpreter or its environment lives under /tmp (e.g. a checkout's .venv there): show it
-    # at the same place on the new /tmp, read-only.
-    target = os.path.join(box, os.path.relpath(path, "/tmp"))
-    os.makedirs(target, exist_ok=True)
-    mount("--bind", path, target)
-    mount("-o", "remount,bind,ro", target)
-mount("--move", box, "/tmp")
-for path in ("/dev/shm", "/var/tmp"):
-    if os.path.isdir(path):
-        mount("-t", "tmpfs", "-o", "size=1m,mode=1777", "tmpfs", path)
-pid = os.fork()
-if pid == 0:
-    try:
-        limits = p["rlimits"]
-        for name, (soft, hard) in limits.items():
-            resource.setrlimit(getattr(resource, name), (soft, hard))
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-        os.chdir("/tmp/work")
-        os.execve(p["argv"][0], p["argv"], p["env"])
-    except BaseException as error:
-        sys.stderr.write("sandbox: cannot start the program: %r\n" % (error,))
-    os._exit(127)
-_, code = os.waitpid(pid, 0)
-json.dump({"exit": os.WEXITSTATUS(code) if os.WIFEXITED(code) else None,
-           "signal": os.WTERMSIG(code) if os.WIFSIGNALED(code) else None}, status)
-status.close()
-"""
-
-# The `guard` isolation's network block, for Python programs (PYTHONPATH points at it).
-_GUARD_SITECUSTOMIZE = '''
-import socket as _socket
-def _blocked(*args, **kwargs):
-    raise OSError(101, "network access is disabled in the Libra sandbox")
-class _Socket(_socket.socket):
-    def __init__(self, *args, **kwargs):
-        _blocked()
-_socket.socket = _Socket
-_socket.create_connection = _blocked
-_socket.getaddrinfo = _blocked
-'''
-
 
 @functools.lru_cache(maxsize=1)
 def isolation_available() -> bool:
@@ -308,7 +241,7 @@ async def _run_namespaced(argv: list[str], scratch: pathlib.Path, stage: pathlib
     # SIGKILL when the rollout process dies: `--kill-child` then takes the whole namespace down.
     command = procs.with_parent_death_signal(
         ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
-         sys.executable, "-I", "-c", _LAUNCHER, json.dumps(params)], signal.SIGKILL)
+         sys.executable, "-I", "-c", LAUNCHER, json.dumps(params)], signal.SIGKILL)
     result = await _supervise(command, None, limits, "namespaces")
     status_path = scratch / "status.json"
     try:
@@ -327,7 +260,7 @@ async def _run_guarded(argv: list[str], scratch: pathlib.Path, stage: pathlib.Pa
                        env: dict[str, str] | None) -> SandboxRun:
     guard = scratch / "guard"
     guard.mkdir()
-    (guard / "sitecustomize.py").write_text(_GUARD_SITECUSTOMIZE)
+    (guard / "sitecustomize.py").write_text(GUARD_SITECUSTOMIZE)
     rlimits = _rlimits(limits)
     uid = None
     if os.geteuid() == 0:  # never root: an unused uid (RLIMIT_NPROC then counts this run only)

@@ -30,6 +30,19 @@ from typing import Callable
 
 from libra.errors import FailedPrecondition
 
+# The `guard` isolation's network block, for Python programs (PYTHONPATH points at it).
+GUARD_SITECUSTOMIZE = '''
+import socket as _socket
+def _blocked(*args, **kwargs):
+    raise OSError(101, "network access is disabled in the Libra sandbox")
+class _Socket(_socket.socket):
+    def __init__(self, *args, **kwargs):
+        _blocked()
+_socket.socket = _Socket
+_socket.create_connection = _blocked
+_socket.getaddrinfo = _blocked
+'''
+
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 
