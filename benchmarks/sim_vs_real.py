@@ -99,7 +99,7 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma") 
     cal = Calibration(model, CPU_CORE, RolloutEfficiency(), TrainEfficiency(), settings)
     for turn in run.turns:
         cal.observe_turn(max(1, turn["tp"]), turn["prompt_tokens"], turn["output_tokens"], turn["seconds"],
-                         turn["batch"])
+                         turn["batch"], turn.get("gap_seconds", 0.0))
     overheads = trainer_overheads(run)
     for step in run.steps:
         lengths = list(zip(step["prompt_lengths"], step["output_lengths"]))

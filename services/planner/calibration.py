@@ -9,7 +9,7 @@ divides the configured efficiency:
 
     calibrated_efficiency = clip(base_efficiency / slowdown, 1e-4, 1)
 
-Four estimators:
+Five estimators:
 
     turns     (every measured turn: a least-squares fit of     -> RolloutEfficiency.prefill_mfu,
                the turn model's five terms, `turnfit.py`)         decode_bw, step_overhead_s,
@@ -20,6 +20,9 @@ Four estimators:
     train     (a step's training seconds vs cost_train)        -> TrainEfficiency.mfu
     overhead  (a step's seconds outside its wait, training and -> TrainEfficiency.step_overhead_s
                publish, as the trainer measures them)
+    gap       (a trajectory's seconds before each turn outside   -> RolloutEfficiency.turn_gap_s
+               tool calls, as the gateway measures them: a mean
+               with the turn fit's forgetting, `turnfit.ForgettingMean`)
 
 `pipeline` calibrates the simulator the replanner ranks plans with (`sim/rank.py`): a batch's
 rollout span (its first trajectory released to its last finished) is what the asynchronous
@@ -56,7 +59,7 @@ from libra.services.planner import cost_rollout, cost_train
 from libra.services.planner.cost_rollout import Infeasible, RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
 from libra.services.planner.hardware import GpuSpec, ModelSpec
-from libra.services.planner.turnfit import TERMS, TurnFit
+from libra.services.planner.turnfit import TERMS, ForgettingMean, TurnFit
 
 MIN_EFFICIENCY = 1e-4
 
@@ -164,6 +167,7 @@ class Calibration:
         b = self.base_rollout
         self.fit = TurnFit((1.0, 1.0, b.step_overhead_s, b.step_per_seq_s, b.request_s), self.settings.turn_window,
                            self.settings.prior_turns)
+        self.gap = ForgettingMean(b.turn_gap_s, self.settings.turn_window)
         self.turns = Comparison(alpha=self.settings.alpha)
         self.steps = Comparison(alpha=self.settings.alpha)
         self._instances: dict[int, cost_rollout.Instance] = {}
@@ -177,7 +181,8 @@ class Calibration:
                                     "decode_bw": _scaled(b.decode_bw, decode * pipeline),
                                     "step_overhead_s": min(10.0, overhead * pipeline),
                                     "step_per_seq_s": min(1.0, per_seq * pipeline),
-                                    "request_s": min(60.0, request * pipeline)})
+                                    "request_s": min(60.0, request * pipeline),
+                                    "turn_gap_s": min(600.0, self.gap.value())})
 
     def train_efficiency(self) -> TrainEfficiency:
         b = self.base_train
@@ -187,10 +192,13 @@ class Calibration:
                                     else b.step_overhead_s})
 
     # -- samples ---------------------------------------------------------------------------
-    def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1) -> str | None:
-        """One measured turn on a TP-`tp` instance of `batch` running sequences; returns why it was
-        rejected, or None."""
-        reason = _bad_numbers(seconds=seconds, prompt=prompt, output=output, tp=tp, batch=batch)
+    def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1,
+                     gap_s: float = 0.0) -> str | None:
+        """One measured turn on a TP-`tp` instance of `batch` running sequences, `gap_s` seconds after
+        its trajectory's previous turn or start (outside tool calls; 0: not measured); returns why it
+        was rejected, or None."""
+        reason = (_bad_numbers(seconds=seconds, prompt=prompt, output=output, tp=tp, batch=batch)
+                  or _bad_numbers(seconds=gap_s))
         if reason is None and output + prompt == 0:
             reason = "a turn with no tokens"
         inst = None if reason else self._instance(tp)
@@ -211,6 +219,8 @@ class Calibration:
             return self._reject("turn", f"turns: measured/predicted {seconds / roofline:.3g} outside "
                                         f"[1/{limit:g}, {limit:g}] (faster than the hardware allows)",
                                 "turn faster than the roofline")
+        if gap_s > 0:
+            self.gap.add(gap_s)
         c = self.fit.in_force  # the calibration in force (no solve per turn: the fit solves when asked)
         self.turns.add(sum(ci * xi for ci, xi in zip(c, x)) + comm, seconds)
         self.fit.add(x, max(0.0, seconds - comm), 1.0 / batch)  # its share of the engine's steps
@@ -268,6 +278,8 @@ class Calibration:
                 "step_per_seq_s": {"base": self.base_rollout.step_per_seq_s,
                                    "calibrated": round(r.step_per_seq_s, 9)},
                 "request_s": {"base": self.base_rollout.request_s, "calibrated": round(r.request_s, 9)},
+                "turn_gap_s": {"base": self.base_rollout.turn_gap_s, "calibrated": round(r.turn_gap_s, 6),
+                               "samples": self.gap.samples},
                 "train_mfu": {"base": self.base_train.mfu, "calibrated": round(t.mfu, 6)},
                 "train_overhead_s": {"base": self.base_train.step_overhead_s,
                                      "calibrated": round(t.step_overhead_s, 6)}},
@@ -281,6 +293,7 @@ class Calibration:
         return {"estimators": {name: [e.mean, e.var, e.samples, e.resets, list(e.pending)]
                                for name, e in self.estimators.items()},
                 "turn_fit": self.fit.state(),
+                "turn_gap": self.gap.state(),
                 "turns": [self.turns.predicted_s, self.turns.measured_s, self.turns.samples],
                 "steps": [self.steps.predicted_s, self.steps.measured_s, self.steps.samples],
                 "rejected": dict(self.rejected)}
@@ -292,6 +305,8 @@ class Calibration:
                 e.mean, e.var, e.samples, e.resets, e.pending = row[0], row[1], int(row[2]), int(row[3]), list(row[4])
         if "turn_fit" in state:
             self.fit.restore(state["turn_fit"])
+        if "turn_gap" in state:
+            self.gap.restore(state["turn_gap"])
         for name in ("turns", "steps"):
             if name in state:
                 c = getattr(self, name)

@@ -64,7 +64,7 @@ class HistoryFeeder:
         for record in turns:
             tp = record.tp or bucket_tp.get(record.bucket) or 1
             reason = replanner.observe_turn(tp, record.prompt_tokens, record.output_tokens, record.seconds,
-                                            record.batch or 1)
+                                            record.batch or 1, record.gap_seconds)
             if reason:
                 fed.rejected.append(("turn", reason))
                 continue
@@ -152,7 +152,9 @@ def calibration_report(snapshot: dict, read: dict, now: float) -> planner_pb2.Ca
     rows.update({name: {"slowdown": 0.0, "samples": fit.get("samples", 0)}  # seconds, not efficiencies
                  for name in ("step_overhead_s", "step_per_seq_s", "request_s")})
     rows.update({"train_mfu": estimators.get("train", {}), "rollout_pipeline": estimators.get("pipeline", {}),
-                 "train_overhead_s": {**estimators.get("overhead", {}), "slowdown": 0.0}})
+                 "train_overhead_s": {**estimators.get("overhead", {}), "slowdown": 0.0},
+                 "turn_gap_s": {"slowdown": 0.0,
+                                "samples": snapshot.get("efficiency", {}).get("turn_gap_s", {}).get("samples", 0)}})
     for name, e in rows.items():
         eff = snapshot.get("efficiency", {}).get(name, {})
         report.efficiencies.append(planner_pb2.Efficiency(
@@ -208,8 +210,9 @@ def render_explain(reply: planner_pb2.ExplainResponse) -> str:
                              f"{e.resets} resets; measured batch rollout spans / simulated ones, on top of "
                              f"prefill and decode)")
                 continue
-            if e.name.endswith("_s"):  # seconds: the turn fit's terms, the trainer's overhead (an EWMA)
-                source = f"EWMA, {e.samples} steps" if e.name == "train_overhead_s" else f"turn fit, {e.samples} turns"
+            if e.name.endswith("_s"):  # seconds: the turn fit's terms, the trainer's overhead, the turn gap
+                source = {"train_overhead_s": f"EWMA, {e.samples} steps",
+                          "turn_gap_s": f"mean, {e.samples} turns"}.get(e.name, f"turn fit, {e.samples} turns")
                 lines.append(f"  {e.name:<16} base {e.base:.4g}s -> {e.calibrated:.4g}s  ({source})")
                 continue
             if e.name in ("prefill_mfu", "decode_bw"):

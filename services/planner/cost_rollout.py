@@ -56,6 +56,9 @@ class RolloutEfficiency(Section):
                                   "beyond the roofline (per-row sampling, bookkeeping); the calibration measures it")
     request_s: float = Field(0.0, ge=0, le=60, description="seconds a turn spends outside the engine (the "
                              "gateway, its routing call, HTTP); the online calibration measures it")
+    turn_gap_s: float = Field(0.0, ge=0, le=600, description="seconds of a trajectory before each of its turns "
+                              "outside tool calls (the gateway's reports, records and queue; the simulator "
+                              "charges it); the online calibration measures it")
 
 
 @dataclass(frozen=True)

@@ -101,21 +101,33 @@ class Verdict:
     cost_s: float = 0.0
     gain_s: float = 0.0
     ranked: list[tuple[Candidate, float, float]] | None = None  # (candidate, per-step seconds, move cost)
+    q: float = math.nan  # the plan in force: measured / replayed seconds per step (before the recalibration)
+
+
+def measured_per_step(observations: Sequence, intervals: int) -> float:
+    """The run's mean seconds per step over its last `intervals` steps (a replay's measured part)."""
+    recent = [o.time_s for o in list(observations)[-intervals:]] if intervals > 0 else []
+    return sum(recent) / len(recent) if recent else 0.0
 
 
 def by_simulation(ranker: Ranker, observations: Sequence, current: Candidate, shortlist: Sequence[Candidate],
                   calibration: Calibration, settings: ReplanSettings, calibrate_from: int,
-                  transition: Callable[[Candidate, Candidate], float]) -> Verdict:
+                  transition: Callable[[Candidate, Candidate], float], horizon: int | None = None,
+                  margin: float = 0.0) -> Verdict:
     """Rank `shortlist` against `current` on the replayed window (module docstring).
 
     `calibrate_from`: index into `observations` of the first step measured wholly under `current`
-    (steps before it ran through a plan change and would skew the pipeline calibration)."""
+    (steps before it ran through a plan change and would skew the pipeline calibration).
+    `horizon`: the steps a gain is counted over (default `horizon_steps`); `margin`: added to
+    `min_gain_ratio` (the replays' measured error, audit.py)."""
     window = ranker.window(observations)
     if window is None:
         return Verdict(False, "not evaluated: too few recent steps to replay")
     rollout, train = calibration.rollout_efficiency(), calibration.train_efficiency()
     base = ranker.play(window, current, rollout, train)
     steps = base.steps
+    measured_s = measured_per_step(observations, base.intervals)
+    q = measured_s / base.per_step_s if measured_s > 0 and 0 < base.per_step_s < math.inf else math.nan
     measured = [o.rollout_s for o in observations[-steps:]]
     pairs = [(m, s) for index, (m, s) in enumerate(zip(measured, base.rollout_spans))  # warm replayed steps, run
              if index > max(base.warm, calibrate_from - (len(observations) - steps) - 1) and m > 0]  # under `current`
@@ -137,21 +149,22 @@ def by_simulation(ranker: Ranker, observations: Sequence, current: Candidate, sh
             cost = max(0.0, moved.elapsed_s - b * moved.intervals)
         ranked.append((candidate, b, cost))
     if not ranked:
-        return Verdict(False, "not applied: the search found no other plan to simulate", current_s=a)
-    horizon = settings.horizon_steps
+        return Verdict(False, "not applied: the search found no other plan to simulate", current_s=a, q=q)
+    horizon = horizon or settings.horizon_steps
     best = max(ranked, key=lambda row: (a - row[1]) * horizon - row[2] if math.isfinite(row[1]) else -math.inf)
     if not math.isfinite(best[1]):
-        return Verdict(False, "not applied: no candidate can run the recent steps", current_s=a)
+        return Verdict(False, "not applied: no candidate can run the recent steps", current_s=a, q=q)
     if not math.isfinite(a):
         return Verdict(True, f"the plan in force cannot run the recent steps; moving to {best[0].describe()}",
-                       best[0], a, best[1], best[2], math.inf, ranked)
-    applied, gain, reason = accept(a, best[1], best[2], settings)
+                       best[0], a, best[1], best[2], math.inf, ranked, q)
+    applied, gain, reason = accept(a, best[1], best[2], settings, horizon, margin)
     reason = (f"{reason}; simulated on the last {steps} steps ({base.warm + 1} to warm up), {len(ranked)} "
               f"candidates (pipeline slowdown {calibration.pipeline_slowdown():.3f})")
-    return Verdict(applied, reason, best[0], a, best[1], best[2], gain, ranked)
+    return Verdict(applied, reason, best[0], a, best[1], best[2], gain, ranked, q)
 
 
-def by_closed_form(current_s: float, best: Candidate, cost_s: float, settings: ReplanSettings) -> Verdict:
+def by_closed_form(current_s: float, best: Candidate, cost_s: float, settings: ReplanSettings,
+                   horizon: int | None = None) -> Verdict:
     """The synchronous one-step prediction (module docstring)."""
-    applied, gain, reason = accept(current_s, best.step_s, cost_s, settings)
+    applied, gain, reason = accept(current_s, best.step_s, cost_s, settings, horizon)
     return Verdict(applied, reason, best, current_s, best.step_s, cost_s, gain)

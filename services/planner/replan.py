@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from libra.errors import ConfigError
+from libra.services.planner.audit import Audits, Move
 from libra.services.planner.calibration import Calibration, predicted_times
 from libra.services.planner.config import ReplanSettings
 from libra.services.planner.cost_rollout import Infeasible
@@ -76,7 +77,8 @@ class Replanner:
     """Decides when to replan and whether to apply; holds the plan it believes is in force."""
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, gpus: int, settings: ReplanSettings,
-                 search_config: SearchConfig, current: Candidate | None = None, ranker: Ranker | None = None):
+                 search_config: SearchConfig, current: Candidate | None = None, ranker: Ranker | None = None,
+                 total_steps: int | None = None):
         if gpus < 2:
             raise ConfigError(f"gpus must be >= 2 (one to train, one to roll out), got {gpus}")
         self.model, self.gpu, self.settings = model, gpu, settings
@@ -87,6 +89,9 @@ class Replanner:
         self.ranker = ranker if settings.rank == "simulate" else None
         self._applied_at_step = 0  # steps_observed when the plan in force was applied
         self._calls = 0  # simulated evaluations in a row that called for a move
+        self.total_steps = total_steps  # the run's length, when known: a gain is counted over what is left
+        self.audits = Audits()  # every simulated move measured before the next (audit.py)
+        self._q = math.nan  # the plan in force: measured / replayed seconds per step, last seen
         self.window: deque[StepObservation] = deque(maxlen=settings.window_steps)
         self.lengths: deque[tuple[int, int]] = deque(maxlen=settings.trace_window)
         self.steps_observed = 0
@@ -126,9 +131,10 @@ class Replanner:
         self.lengths.extend((int(p), int(o)) for p, o in lengths)
         return None
 
-    def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1) -> str | None:
-        """One measured turn on a TP-`tp` instance (calibrates prefill/decode efficiency)."""
-        return self.calibration.observe_turn(tp, prompt, output, seconds, batch)  # counts its rejections
+    def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1,
+                     gap_s: float = 0.0) -> str | None:
+        """One measured turn on a TP-`tp` instance (calibrates the turn model and the gap between turns)."""
+        return self.calibration.observe_turn(tp, prompt, output, seconds, batch, gap_s)  # counts its rejections
 
     def adopt(self, candidate: Candidate | None) -> None:
         """The plan in force changed outside `consider` (e.g. a resumed planner)."""
@@ -142,7 +148,7 @@ class Replanner:
                 "rejected": dict(self.rejected), "origin_s": self._origin_s,
                 "last_evaluated_s": self._last_evaluated_s, "last_searched_s": self._last_searched_s,
                 "last_applied_s": self._last_applied_s, "applied_at_step": self._applied_at_step,
-                "calibration": self.calibration.state()}
+                "calibration": self.calibration.state(), "audits": self.audits.state()}
 
     def restore(self, state: dict) -> None:
         """Continue from `state()` of an earlier instance. Nothing is observed again: restored window
@@ -160,6 +166,7 @@ class Replanner:
         self._last_applied_s = state.get("last_applied_s")
         self._applied_at_step = int(state.get("applied_at_step", 0))
         self.calibration.restore(state.get("calibration", {}))
+        self.audits.restore(state.get("audits", {}))
 
     # -- the decision ----------------------------------------------------------------------
     def consider(self, now_s: float) -> ReplanDecision:
@@ -180,7 +187,17 @@ class Replanner:
                                   record=not repeat)
         self._last_gate = None
         self._last_searched_s = now_s
-        decision = self._evaluate(trigger, inputs)
+        audited = self._audit(trigger, inputs)
+        if audited is not None and audited.applied:  # the last move measurably lost: back to the plan before it
+            decision = audited
+        else:
+            decision = self._evaluate(trigger, inputs)
+            if audited is not None:
+                decision.reason = f"{decision.reason}; audit: {audited.reason}"
+            if decision.applied and self.ranker is not None and math.isfinite(self._q) and self._current is not None \
+                    and math.isfinite(decision.predicted_current_s) and decision.predicted_current_s > 0:
+                predicted = 1.0 - decision.predicted_new_s / decision.predicted_current_s
+                self.audits.pending = Move(self.steps_observed, self._current, predicted, self._q)
         if decision.applied:
             self._current = decision.chosen
             self._last_applied_s = now_s
@@ -206,6 +223,7 @@ class Replanner:
             "rejected_fraction": rejected / (rejected + trained) if rejected + trained else 0.0,
             "rollout_train_ratio": sum(o.rollout_s for o in window) / train if train > 0 else 0.0,
             "measured_step_s": _mean([o.time_s for o in window]),
+            "replay_error_margin": self.audits.margin(),
             "calibration": self.calibration.snapshot(),
             "rejected_inputs": self.rejected_inputs(),
         }
@@ -245,6 +263,8 @@ class Replanner:
             return f"cooldown ({s.cooldown_s - (now_s - self._last_applied_s):.0f}s left)"
         if self._last_searched_s is not None and now_s - self._last_searched_s < s.recheck_s:
             return f"recheck wait ({s.recheck_s - (now_s - self._last_searched_s):.0f}s left)"
+        if self.ranker is not None:
+            return self.audits.wait(self.steps_observed, s.sim_window_steps)
         return ""
 
     def trace(self) -> list[tuple[int, int]]:
@@ -289,7 +309,36 @@ class Replanner:
             base.reason = f"not applied: the plan in force is already the best ({best.step_s:.2f}s per step)"
             return base
         cost = transition_cost_s(self._current, best, self.model, self.settings)
-        return self._judged(base, by_closed_form(current[2], best, cost, self.settings))
+        return self._judged(base, by_closed_form(current[2], best, cost, self.settings, self.horizon()))
+
+    def horizon(self) -> int:
+        """The steps a gain is counted over: `horizon_steps`, or fewer when the run ends sooner."""
+        if self.total_steps is None or not self.window:
+            return self.settings.horizon_steps
+        left = self.total_steps - (self.window[-1].step + 1)
+        return max(1, min(self.settings.horizon_steps, left))
+
+    def _audit(self, trigger: str, inputs: dict) -> ReplanDecision | None:
+        """The pending move's audit, once due (the gate waited for it): a decision to go back when
+        the move measurably lost (applied), else one whose reason tells how it went (not applied)."""
+        move = self.audits.pending
+        if self.ranker is None or move is None or self._current is None:
+            return None
+        observations = list(self.window)
+        outcome = self.audits.judge(self.ranker, observations, self._current, self.calibration,
+                                    self.settings.min_gain_ratio, self.horizon(),
+                                    lambda old, new: transition_cost_s(old, new, self.model, self.settings))
+        if outcome is None:
+            return None
+        decision = ReplanDecision(outcome.revert, outcome.reason, trigger, self._current, inputs=inputs)
+        if outcome.revert:
+            downtime = transition_cost_s(self._current, move.old, self.model, self.settings)
+            decision.chosen, decision.trace = move.old, self.trace()
+            decision.predicted_current_s, decision.predicted_new_s = outcome.measured_s, outcome.old_s
+            decision.transition_cost_s = decision.downtime_s = downtime
+            decision.gain_s = (outcome.measured_s - outcome.old_s) * self.horizon()
+            self._q = move.q_old
+        return decision
 
     def _simulated(self, result: SearchResult, trace, config: SearchConfig) -> Verdict:
         candidates = shortlist(result, self.model, self.gpu, trace, config, self._current, self.settings.shortlist,
@@ -297,8 +346,13 @@ class Replanner:
         observations = list(self.window)
         first = self.steps_observed - len(observations) + 1  # the step number of observations[0]
         calibrate_from = max(0, self._applied_at_step + 3 - first)  # steps wholly run on the plan in force
-        return by_simulation(self.ranker, observations, self._current, candidates, self.calibration, self.settings,
-                             calibrate_from, lambda old, new: transition_cost_s(old, new, self.model, self.settings))
+        verdict = by_simulation(self.ranker, observations, self._current, candidates, self.calibration,
+                                self.settings, calibrate_from,
+                                lambda old, new: transition_cost_s(old, new, self.model, self.settings),
+                                self.horizon(), self.audits.margin())
+        if math.isfinite(verdict.q) and verdict.q > 0:
+            self._q = verdict.q
+        return verdict
 
     def _confirmed(self, verdict: Verdict) -> Verdict:
         """A simulated move waits until `confirm` evaluations in a row have called for one (it goes

@@ -121,7 +121,7 @@ class PlannerService(Service):
                         core_replicas=self.config.elastic.core_replicas)
         ranker = SimRanker(model, gpu, search_config, sim, settings.sim_window_steps, settings.sim_warmup_steps)
         self.replanner = Replanner(model, gpu, cluster.gpus, settings, search_config,
-                                   candidate_from_plan(await self.store.get_plan()), ranker)
+                                   candidate_from_plan(await self.store.get_plan()), ranker, total_steps=trainer.steps)
         blob = await self.store.load_blob(ONLINE_BLOB)
         self.online = json.loads(blob) if blob else {"cursor": {"turn": "", "step": ""},
                                                       "read": {"turn": 0, "step": 0}, "decisions": 0}

@@ -9,7 +9,10 @@ under the calibrated model, for the plan in force and for the best candidate):
 
     gain_s = (predicted_current_s - predicted_new_s) * horizon_steps
     net_s  = gain_s - transition_cost_s
-    apply iff net_s > 0 and net_s / (predicted_current_s * horizon_steps) >= min_gain_ratio
+    apply iff net_s > 0 and net_s / (predicted_current_s * horizon_steps) >= min_gain_ratio (+ margin)
+
+(horizon_steps: at most the steps the run has left; margin: the replays' error measured on earlier
+moves, audit.py)
 
 Transition cost (`transition_cost_s`): the side that changes stalls while its GPUs drain, start
 new processes and load state; both sides change in parallel, so the cost is the larger stall.
@@ -50,10 +53,13 @@ def transition_cost_s(old: Candidate | None, new: Candidate, model: ModelSpec, s
     return max(train, rollout)
 
 
-def accept(current_s: float, new_s: float, cost_s: float, settings: ReplanSettings) -> tuple[bool, float, str]:
+def accept(current_s: float, new_s: float, cost_s: float, settings: ReplanSettings, horizon: int | None = None,
+           margin: float = 0.0) -> tuple[bool, float, str]:
     """(apply?, gain_s, reason) of moving from a plan predicted at `current_s` per step to one at
-    `new_s` at a transition cost of `cost_s` (the acceptance rule in the module docstring)."""
-    horizon = settings.horizon_steps
+    `new_s` at a transition cost of `cost_s` (the acceptance rule in the module docstring), the gain
+    counted over `horizon` steps (default `horizon_steps`; the replanner passes fewer when the run
+    ends sooner) and the ratio required raised by `margin` (the replays' measured error, audit.py)."""
+    horizon = horizon or settings.horizon_steps
     gain = (current_s - new_s) * horizon
     net = gain - cost_s
     ratio = net / (current_s * horizon) if current_s > 0 else 0.0
@@ -61,8 +67,11 @@ def accept(current_s: float, new_s: float, cost_s: float, settings: ReplanSettin
                f"transition {cost_s:.1f}s, net {net:.1f}s ({ratio:.1%})")
     if net <= 0:
         return False, gain, f"not applied: gain does not pay for the transition ({numbers})"
-    if ratio < settings.min_gain_ratio:
-        return False, gain, f"not applied: net gain below min_gain_ratio {settings.min_gain_ratio:.1%} ({numbers})"
+    required = settings.min_gain_ratio + margin
+    if ratio < required:
+        why = (f"min_gain_ratio {settings.min_gain_ratio:.1%}" if not margin else
+               f"min_gain_ratio {settings.min_gain_ratio:.1%} + the replays' measured error {margin:.1%}")
+        return False, gain, f"not applied: net gain below {why} ({numbers})"
     return True, gain, f"applied: {numbers}"
 
 

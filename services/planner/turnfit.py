@@ -120,6 +120,32 @@ class TurnFit:
         self.in_force = self.coefficients()
 
 
+class ForgettingMean:
+    """The mean of a series with the turn fit's forgetting (weight (1 - 1/window)^age): the time a
+    trajectory spends between its turns, which the simulator charges before each turn as a constant.
+    A plain mean, not a change-point EWMA: the gaps are skewed (most short, a queue's tail long) and
+    what the simulator needs is their sum, which a median or a clipped mean would understate."""
+
+    def __init__(self, base: float, window: float):
+        self.base, self.window = base, window
+        self.total = self.weight = 0.0
+        self.samples = 0
+
+    def add(self, value: float) -> None:
+        keep = 1.0 - 1.0 / self.window
+        self.total, self.weight = self.total * keep + value, self.weight * keep + 1.0
+        self.samples += 1
+
+    def value(self) -> float:
+        return self.total / self.weight if self.weight > 0 else self.base
+
+    def state(self) -> list:
+        return [self.total, self.weight, self.samples]
+
+    def restore(self, state: list) -> None:
+        self.total, self.weight, self.samples = float(state[0]), float(state[1]), int(state[2])
+
+
 def _solve_subset(a: list[list[float]], b: list[float], free: tuple[int, ...]) -> list[float] | None:
     """Solve a[free][free] c = b[free] by Gaussian elimination with partial pivoting (None: singular)."""
     m = [[a[i][j] for j in free] + [b[i]] for i in free]

@@ -62,6 +62,7 @@ class TurnOutcome:
     retries: int
     versions: list[int] = field(default_factory=list)  # the policy version of each id
     batch: float = 0.0  # mean requests in flight on the worker over the turn, itself included (0: unknown)
+    gap: float = 0.0  # the trajectory's seconds since its previous turn outside tool calls (0: not measured)
 
 
 @dataclass
@@ -77,6 +78,11 @@ class Playback:
     turns: int = 0
     retries: int = 0
     generated: int = 0
+    # the time between turns outside tool calls (routing, reports, records, the gateway's queue):
+    # `mark` is the monotonic instant up to which the trajectory's time is accounted (0: not measured,
+    # an external harness's turns), `gap` what has accrued since the last turn
+    mark: float = 0.0
+    gap: float = 0.0
 
     def append(self, ids: list[int], trained: bool, logprobs: list[float] | None, version: int | list[int]) -> None:
         """Append a segment; `version`: one per id (generated ids), or one for all (tool, harness tokens)."""
@@ -131,12 +137,13 @@ class AgentRunner:
     async def play(self, trajectory: common_pb2.Trajectory) -> common_pb2.Trajectory:
         """Run the trajectory to an answer, a budget or the turn limit; fill in the result fields."""
         trajectory.started_at = time.time()
+        begun = time.monotonic()
         limits = TurnBudget(self.config.max_turns, self.config.max_new_tokens, self.config.max_total_tokens)
         episode = self.workload.episode(int(trajectory.prompt_id), trajectory.sample_index,
                                         episode_seed(self.seed, trajectory.trajectory_id), limits)
         try:
             ids = list(self.tokenizer(episode.prompt.text, add_special_tokens=True).input_ids)
-            state = Playback(ids=ids, prompt_length=len(ids))
+            state = Playback(ids=ids, prompt_length=len(ids), mark=begun)
             answer, finish = None, "max_turns"
             for turn in range(episode.budget.max_turns):
                 budget = episode.max_new_tokens(turn, len(state.ids))
@@ -176,11 +183,13 @@ class AgentRunner:
                 state.retries += 1
                 continue
             seconds = time.monotonic() - started
+            gap = state.gap + (started - state.mark) if state.mark else 0.0
+            state.mark, state.gap = (started + seconds, 0.0) if state.mark else (0.0, 0.0)
             await self.router.turn_done(trajectory.trajectory_id, decision.worker_id, len(generation.token_ids),
                                         seconds, False)
             outcome = TurnOutcome(list(generation.token_ids), list(generation.logprobs), versions[-1],
                                   decision.worker_id, decision.bucket, generation.finish_reason, seconds, attempt,
-                                  versions, generation.batch)
+                                  versions, generation.batch, gap)
             state.append(outcome.token_ids, True, outcome.logprobs, versions)
             state.turns += 1
             state.generated += len(outcome.token_ids)
@@ -206,6 +215,8 @@ class AgentRunner:
     async def _tool_turn(self, trajectory, state: Playback, turn: int, action, version: int,
                          episode: Episode) -> None:
         started = time.monotonic()
+        if state.mark:
+            state.gap += started - state.mark
         if isinstance(action, ToolCall):
             timeout_s = self.config.tool_timeout_s
             try:
@@ -220,6 +231,8 @@ class AgentRunner:
         status = TOOL_STATUS_PB[ToolStatus(result.status)]
         state.events.append(common_pb2.ToolEvent(turn=turn, tool=result.tool, status=status,
                                                  payload_tokens=len(tool_ids), seconds=time.monotonic() - started))
+        if state.mark:
+            state.mark = started + state.events[-1].seconds
         await self.router.tool_returned(trajectory.trajectory_id, result.tool, status, len(tool_ids))
 
     @staticmethod

@@ -224,7 +224,8 @@ class RolloutService(Service):
             kind="turn", timestamp=time.time(), bucket=outcome.bucket, prompt_tokens=context_tokens,
             output_tokens=len(outcome.token_ids), seconds=outcome.seconds, queue_depth=self.queue.qsize(),
             active_rollouts=self.playing, tp=self._tp_of(outcome.worker_id),
-            batch=max(1, round(outcome.batch)) if outcome.batch else self._inflight_of(outcome.worker_id)))
+            batch=max(1, round(outcome.batch)) if outcome.batch else self._inflight_of(outcome.worker_id),
+            gap_seconds=outcome.gap))
 
     def _tp_of(self, worker_id: str) -> int:
         worker = self.pool.workers.get(worker_id)

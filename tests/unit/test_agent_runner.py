@@ -211,3 +211,46 @@ def test_a_turn_waits_for_workers_a_plan_is_restarting(setup, wait_s):
     traj = asyncio.run(play)
     assert traj.reward == 1.0 and router.gaps == 0 and [e for e in router.events if e[0] == "route"] == [
         ("route", 0, ())]
+
+
+def test_each_turn_carries_the_trajectorys_time_since_its_previous_turn_outside_tool_calls(setup):
+    """The gap between turns (routing, reports, the gateway's queue) is measured per turn, the
+    first from the trajectory's start; a tool call's own seconds are not in it."""
+    workload, _ = setup
+    prompt = workload.prompt(0)
+    runner, router, _, _ = runner_for(setup, [f"<calc>{prompt.meta['expression']}</calc>",
+                                              f"<answer>{prompt.answer}</answer>"])
+    plain_route, plain_tool_returned = router.route, router.tool_returned
+
+    async def slow_route(*args):
+        await asyncio.sleep(0.05)
+        return await plain_route(*args)
+
+    async def slow_report(*args):
+        await asyncio.sleep(0.03)
+        return await plain_tool_returned(*args)
+
+    class SlowTools:  # the workload, its tool calls taking 0.3 s
+        def __getattr__(self, name):
+            return getattr(workload, name)
+
+        def episode(self, *args, **kwargs):
+            episode = workload.episode(*args, **kwargs)
+            call = episode.call_tool
+
+            async def slow_call(action, timeout_s):
+                await asyncio.sleep(0.3)
+                return await call(action, timeout_s)
+            episode.call_tool = slow_call
+            return episode
+
+    router.route, router.tool_returned, runner.workload = slow_route, slow_report, SlowTools()
+    gaps = []
+
+    async def on_turn(outcome, context_tokens):
+        gaps.append(outcome.gap)
+    runner.on_turn = on_turn
+    traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g0-s0", prompt_id="0", group_id="g0")))
+    assert traj.turns == 2 and traj.tool_events[0].seconds >= 0.3
+    assert 0.05 <= gaps[0] < 0.25, gaps  # the route before the first turn
+    assert 0.08 <= gaps[1] < 0.28, gaps  # the tool's report and the second route, not the 0.3 s tool call

@@ -181,9 +181,11 @@ def test_state_round_trips():
     cal.observe_turn(1, 10, 10, -1.0)
     for prompt, output, batch in varied_turns(20):
         cal.observe_turn(1, prompt, output, measured_on(TRUTH, prompt, output, batch), batch)
+        cal.observe_turn(1, prompt, output, measured_on(TRUTH, prompt, output, batch), batch, gap_s=0.05 * batch)
     other = calibration()
     other.restore(cal.state())
     assert other.snapshot() == cal.snapshot()
+    assert other.rollout_efficiency().turn_gap_s == cal.rollout_efficiency().turn_gap_s > 0
 
 
 def test_training_efficiency_follows_a_regime_change_within_reset_after_samples():
@@ -212,3 +214,21 @@ def test_the_trainers_overhead_is_an_ewma_in_seconds_that_the_step_time_includes
     assert cal.snapshot()["efficiency"]["train_overhead_s"]["calibrated"] == pytest.approx(0.4)
     assert cal.observe_train(layout, lengths, base_train, overhead_s=-1.0) is not None  # rejected, counted
     assert calibration().train_efficiency().step_overhead_s == 0.0  # none reported: the configured value
+
+
+def test_the_gap_between_turns_is_the_mean_of_the_measured_gaps():
+    """The gateway's seconds before each turn (skewed: most short, a queue's tail long) calibrate
+    `turn_gap_s` as their plain mean, which is what the simulator's constant per turn must add up
+    to; turns that did not measure one (0: an external harness) change nothing."""
+    cal = calibration()
+    assert cal.rollout_efficiency().turn_gap_s == 0.0  # nothing measured: the configured value
+    for prompt, output, batch in varied_turns(40):
+        seconds = measured_on(TRUTH, prompt, output, batch)
+        assert cal.observe_turn(1, prompt, output, seconds, batch, gap_s=0.01) is None
+        assert cal.observe_turn(1, prompt, output, seconds, batch, gap_s=0.0) is None
+    for prompt, output, batch in varied_turns(10):
+        cal.observe_turn(1, prompt, output, measured_on(TRUTH, prompt, output, batch), batch, gap_s=0.41)
+    assert cal.rollout_efficiency().turn_gap_s == pytest.approx(0.09, rel=0.02)  # (40 x 0.01 + 10 x 0.41) / 50
+    assert cal.snapshot()["efficiency"]["turn_gap_s"]["samples"] == 50
+    reason = cal.observe_turn(1, 10, 10, 1.0, 1, gap_s=-0.5)
+    assert reason is not None and "negative" in reason

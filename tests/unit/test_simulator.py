@@ -165,3 +165,20 @@ def test_the_cluster_loop_runs_on_the_simple_instance_model_too():
     assert result.trajectories == trace.batch * 2 and simulator.left == [0, 0]
     assert result.output_tokens == sum(s.output_tokens for step in trace.steps for s in step)
     assert all(type(i).__name__ == "SimpleInstance" for i in simulator.rollout.instances.values())
+
+
+def test_the_gap_between_turns_is_charged_before_every_turn():
+    """`RolloutEfficiency.turn_gap_s` (the gateway's time between a trajectory's turns, calibrated
+    from the turns' `gap_seconds`) delays each turn, the first included: a lone trajectory of three
+    turns takes 3 gaps longer, its tool latencies as before (the first batch: later ones also wait
+    for weight syncs, which a gap can hide)."""
+    turns = (TurnSpec(50, "search", "success", 20, 0.5), TurnSpec(40, "search", "success", 20, 0.5), TurnSpec(30))
+    trace = Trace(tuple((TrajectorySpec(f"t{i}", f"p{i}", i, 200, turns),) for i in range(2)))
+    config = SearchConfig(total_gpus=2, group_size=1)
+    plan = search(MODEL, GPU, trace.pairs(0), config).best
+    spans = {}
+    for gap in (0.0, 2.0):
+        gapped = config.model_copy(update={"rollout": RolloutEfficiency(turn_gap_s=gap)})
+        spans[gap] = sim_run.run_plan(MODEL, GPU, trace, plan, gapped).steps[0].rollout_s
+    assert spans[0.0] > 1.0  # the two tool calls and the decode
+    assert spans[2.0] == pytest.approx(spans[0.0] + 3 * 2.0, abs=1e-6), spans

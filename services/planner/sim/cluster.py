@@ -135,7 +135,8 @@ class Simulator:
     def _run(self, progress: Callable[[StepRecord], None] | None) -> SimResult:
         started, cpu = time.perf_counter(), time.process_time()
         self.events = Events()
-        self.rollout = Rollout(self.events, None, self.config.turn_budget_tokens, on_finish=self._finished)
+        self.rollout = Rollout(self.events, None, self.config.turn_budget_tokens, on_finish=self._finished,
+                               gap_s=self.search_config.rollout.turn_gap_s)
         self.usage = Usage(self.config.colocated)
         self.feeder = feeder(self.config.batching, self.trace, self.config.staleness)
         if hasattr(self.instance_model, "on_start"):  # the version of each trajectory's first token

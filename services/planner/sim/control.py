@@ -108,7 +108,9 @@ class Online(SearchOnce):
                                                                                self.settings.min_history_samples)})
         ranker = SimRanker(self.model, self.gpu, self.config, self.sim, settings.sim_window_steps,
                            settings.sim_warmup_steps)
-        self.replanner = Replanner(self.model, self.gpu, self.config.total_gpus, settings, self.config, best, ranker)
+        steps = self.sim.steps or len(trace.steps)
+        self.replanner = Replanner(self.model, self.gpu, self.config.total_gpus, settings, self.config, best, ranker,
+                                   total_steps=steps)
         self.trace = trace
         return best
 

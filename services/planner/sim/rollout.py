@@ -11,12 +11,14 @@ runs), called exactly as the rollout gateway calls it:
 
 A turn's reply reaches the gateway the instance's `request_s` after its last token (the time a
 turn spends outside the engine: HTTP, the routing call; 0 unless calibrated), before the tool runs
-or the trajectory finishes. A turn prefills its whole context where its KV cache is not (new
-trajectory, or moved), only the tool payload where it stays. A turn that no serving instance can
-hold waits ("parked") until one that can comes up. The loop owns the instances in force and the
-routing counters; it does not own the clock's other events (releases, training: `cluster.py`) nor
-the speed of an instance (`instance.py`). Deterministic: events at the same time run in the order
-they were scheduled.
+or the trajectory finishes. Every turn, the first included, is routed `gap_s` after the trajectory's
+previous turn and tool call ended (or its release): the gateway's time between turns (reports,
+records, its queue; `RolloutEfficiency.turn_gap_s`, 0 unless calibrated). A turn prefills its
+whole context where its KV cache is not (new trajectory, or moved), only the tool payload where it
+stays. A turn that no serving instance can hold waits ("parked") until one that can comes up. The
+loop owns the instances in force and the routing counters; it does not own the clock's other
+events (releases, training: `cluster.py`) nor the speed of an instance (`instance.py`).
+Deterministic: events at the same time run in the order they were scheduled.
 
 A plan change replaces the policy while turns it routed still run on the instances the new plan
 keeps. Those instances register with the new policy carrying the load the new policy would have
@@ -70,8 +72,9 @@ class Rollout:
     """The instances in force, the policy that routes onto them, and every turn in flight."""
 
     def __init__(self, events: Events, policy: Policy | None, turn_budget_tokens: int,
-                 on_finish: Callable[[Unit], None] | None = None):
+                 on_finish: Callable[[Unit], None] | None = None, gap_s: float = 0.0):
         self.events, self.policy, self.turn_budget_tokens = events, policy, turn_budget_tokens
+        self.gap_s = gap_s
         self.on_finish = on_finish
         self.instances: dict[str, Instance] = {}
         self.running: dict[str, set[Unit]] = {}  # instance -> the units whose turn it runs or queues
@@ -163,9 +166,12 @@ class Rollout:
             raise AssertionError(f"unknown event {kind!r}")
 
     def start(self, spec: TrajectorySpec) -> Unit:
-        """A trajectory is released now: route its first turn."""
+        """A trajectory is released now: route its first turn (`gap_s` later)."""
         unit = self.new_unit(spec)
-        self.route(unit)
+        if self.gap_s > 0:
+            self.events.push(self.events.now + self.gap_s, TOOL, unit)
+        else:
+            self.route(unit)
         return unit
 
     def new_unit(self, spec: TrajectorySpec) -> Unit:
@@ -243,7 +249,7 @@ class Rollout:
             unit.context += turn.payload_tokens
             unit.turn, unit.turn_left = k + 1, float(spec.turns[k + 1].output_tokens)
             unit.prefill = float(turn.payload_tokens)
-            self.events.push(now + instance.request_s + turn.latency_s, TOOL, unit)
+            self.events.push(now + instance.request_s + turn.latency_s + self.gap_s, TOOL, unit)
         elif instance.request_s > 0:
             self.events.push(now + instance.request_s, FINISH, unit)
         else:
