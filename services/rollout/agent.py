@@ -134,39 +134,49 @@ class AgentRunner:
         self.config, self.stop_ids, self.seed = config, stop_ids, seed
         self.on_turn: Callable[[TurnOutcome, int], Awaitable[None]] | None = None
 
-    async def play(self, trajectory: common_pb2.Trajectory) -> common_pb2.Trajectory:
-        """Run the trajectory to an answer, a budget or the turn limit; fill in the result fields."""
+    async def play(self, trajectory: common_pb2.Trajectory, queued_at: float | None = None) -> common_pb2.Trajectory:
+        """Run the trajectory to an answer, a budget or the turn limit; fill in the result fields.
+        `queued_at`: the monotonic instant it was queued (the first turn's gap counts from there).
+        Each turn is recorded (`on_turn`) with its gap; an answering turn after the reward, its gap
+        then including the time from its reply to the trajectory's end."""
         trajectory.started_at = time.time()
-        begun = time.monotonic()
+        begun = time.monotonic() if queued_at is None else min(queued_at, time.monotonic())
         limits = TurnBudget(self.config.max_turns, self.config.max_new_tokens, self.config.max_total_tokens)
         episode = self.workload.episode(int(trajectory.prompt_id), trajectory.sample_index,
                                         episode_seed(self.seed, trajectory.trajectory_id), limits)
         try:
             ids = list(self.tokenizer(episode.prompt.text, add_special_tokens=True).input_ids)
             state = Playback(ids=ids, prompt_length=len(ids), mark=begun)
-            answer, finish = None, "max_turns"
+            answer, finish, last = None, "max_turns", None
             for turn in range(episode.budget.max_turns):
                 budget = episode.max_new_tokens(turn, len(state.ids))
                 if budget <= 0:
                     finish = "budget"
                     break
-                outcome = await self.model_turn(trajectory, state, turn, budget)
+                outcome = await self.model_turn(trajectory, state, turn, budget, record=False)
                 action = episode.parse_turn(self.tokenizer.decode(outcome.token_ids, skip_special_tokens=False))
                 if isinstance(action, FinalAnswer):
-                    answer, finish = action, "answer"
+                    answer, finish, last = action, "answer", outcome
                     break
+                await self._record(outcome, state)
                 await self._tool_turn(trajectory, state, turn, action, outcome.version, episode)
             reward = episode.reward(answer)
             if asyncio.iscoroutine(reward):  # workloads that score by running code (sandboxed tests)
                 reward = await reward
+            if last is not None:  # the answer's record, its gap with the trajectory's tail (parse, reward)
+                if state.mark:
+                    last.gap += time.monotonic() - state.mark
+                await self._record(last, state)
         finally:
             await episode.close()
         return self.fill_result(trajectory, state, reward, finish)
 
-    async def model_turn(self, trajectory, state: Playback, turn: int, budget: int) -> TurnOutcome:
+    async def model_turn(self, trajectory, state: Playback, turn: int, budget: int,
+                         record: bool = True) -> TurnOutcome:
         """One routed model turn of at most `budget` tokens on `state`'s ids, retried on another worker
-        when one is unavailable; the tokens are appended to `state` (trained) and the scheduler told.
-        `play` and the OpenAI gateway (an external harness's turns) both generate through it."""
+        when one is unavailable; the tokens are appended to `state` (trained), the scheduler told and,
+        with `record`, the turn recorded (`on_turn`). `play` and the OpenAI gateway (an external
+        harness's turns) both generate through it."""
         exclude: list[str] = []
         for attempt in range(self.config.turn_retries + 1):
             decision = await self._route(trajectory, turn, len(state.ids), budget, exclude)
@@ -193,10 +203,14 @@ class AgentRunner:
             state.append(outcome.token_ids, True, outcome.logprobs, versions)
             state.turns += 1
             state.generated += len(outcome.token_ids)
-            if self.on_turn is not None:
-                await self.on_turn(outcome, len(state.ids))
+            if record:
+                await self._record(outcome, state)
             return outcome
         raise Unavailable(f"turn {turn} of {trajectory.trajectory_id} failed on {len(exclude)} workers: {exclude}")
+
+    async def _record(self, outcome: TurnOutcome, state: Playback) -> None:
+        if self.on_turn is not None:
+            await self.on_turn(outcome, len(state.ids))
 
     async def _route(self, trajectory, turn: int, prompt_tokens: int, budget: int, exclude: list[str]):
         """The scheduler's decision; while no worker serves at all (a plan is restarting them), ask

@@ -63,6 +63,7 @@ class RolloutService(Service):
         self.weights = WeightDelivery(self.pool, config.weights, config.run_path / "weights")
         self.queue: asyncio.Queue[str] = asyncio.Queue()
         self.queued: set[str] = set()
+        self.queued_at: dict[str, float] = {}  # monotonic instant each queued trajectory was queued
         self.counters = collections.Counter()
         self.rewards: collections.deque[float] = collections.deque(maxlen=256)
         self.runner: AgentRunner | None = None
@@ -157,6 +158,7 @@ class RolloutService(Service):
                 await self.store.put_trajectory(traj)
             if tid not in self.queued:
                 self.queued.add(tid)
+                self.queued_at[tid] = time.monotonic()
                 self.queue.put_nowait(tid)
                 queued += 1
         return queued
@@ -259,20 +261,21 @@ class RolloutService(Service):
             if not self.accepting:
                 break
             self.queued.discard(tid)
+            queued_at = self.queued_at.pop(tid, None)
             self.playing += 1
             try:
-                await self._play(tid)
+                await self._play(tid, queued_at)
             finally:
                 self.playing -= 1
 
-    async def _play(self, tid: str) -> None:
+    async def _play(self, tid: str, queued_at: float | None = None) -> None:
         traj = await self.store.get_trajectory(tid)
         if traj.status not in (T.TRAJECTORY_STATUS_QUEUED, T.TRAJECTORY_STATUS_RUNNING):
             return
         traj.status = T.TRAJECTORY_STATUS_RUNNING
         await self.store.put_trajectory(traj)
         try:
-            traj = await self.runner.play(traj)
+            traj = await self.runner.play(traj, queued_at)
         except (LibraError, asyncio.TimeoutError) as error:  # the trajectory fails, the gateway goes on
             traj.status, traj.error, traj.finished_at = T.TRAJECTORY_STATUS_FAILED, str(error), time.time()
             self.counters["failed"] += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -215,7 +216,8 @@ def test_a_turn_waits_for_workers_a_plan_is_restarting(setup, wait_s):
 
 def test_each_turn_carries_the_trajectorys_time_since_its_previous_turn_outside_tool_calls(setup):
     """The gap between turns (routing, reports, the gateway's queue) is measured per turn, the
-    first from the trajectory's start; a tool call's own seconds are not in it."""
+    first from the moment the trajectory was queued, the answer's up to the trajectory's end (its
+    reward); a tool call's own seconds are not in it."""
     workload, _ = setup
     prompt = workload.prompt(0)
     runner, router, _, _ = runner_for(setup, [f"<calc>{prompt.meta['expression']}</calc>",
@@ -230,27 +232,32 @@ def test_each_turn_carries_the_trajectorys_time_since_its_previous_turn_outside_
         await asyncio.sleep(0.03)
         return await plain_tool_returned(*args)
 
-    class SlowTools:  # the workload, its tool calls taking 0.3 s
+    class Slow:  # the workload, its tool calls taking 0.3 s and its reward 0.1 s
         def __getattr__(self, name):
             return getattr(workload, name)
 
         def episode(self, *args, **kwargs):
             episode = workload.episode(*args, **kwargs)
-            call = episode.call_tool
+            call, reward = episode.call_tool, episode.reward
 
             async def slow_call(action, timeout_s):
                 await asyncio.sleep(0.3)
                 return await call(action, timeout_s)
-            episode.call_tool = slow_call
+
+            async def slow_reward(answer):
+                await asyncio.sleep(0.1)
+                return reward(answer)
+            episode.call_tool, episode.reward = slow_call, slow_reward
             return episode
 
-    router.route, router.tool_returned, runner.workload = slow_route, slow_report, SlowTools()
+    router.route, router.tool_returned, runner.workload = slow_route, slow_report, Slow()
     gaps = []
 
     async def on_turn(outcome, context_tokens):
         gaps.append(outcome.gap)
     runner.on_turn = on_turn
-    traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g0-s0", prompt_id="0", group_id="g0")))
-    assert traj.turns == 2 and traj.tool_events[0].seconds >= 0.3
-    assert 0.05 <= gaps[0] < 0.25, gaps  # the route before the first turn
-    assert 0.08 <= gaps[1] < 0.28, gaps  # the tool's report and the second route, not the 0.3 s tool call
+    queued = time.monotonic() - 0.2  # queued 0.2 s before a runner took it
+    traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g0-s0", prompt_id="0", group_id="g0"), queued))
+    assert traj.turns == 2 and traj.tool_events[0].seconds >= 0.3 and traj.reward == 1.0
+    assert 0.25 <= gaps[0] < 0.45, gaps  # the queue and the route before the first turn
+    assert 0.18 <= gaps[1] < 0.38, gaps  # the tool's report, the second route, the reward; not the 0.3 s tool call
