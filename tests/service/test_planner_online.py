@@ -9,6 +9,8 @@ import math
 import socket
 import sys
 
+import pytest
+
 from libra.runtime import RunningService
 from libra.services.elastic.server import ElasticService
 from libra.services.planner.preflight import load_trace
@@ -65,6 +67,8 @@ def test_online_planner_calibrates_decides_applies_and_resumes(redis_url, run_id
     arun(store.append_history("step", step_record(4, seconds=-5.0)))  # bad: ignored with a reason
     arun(store.append_history("turn", common_pb2.HistoryRecord(kind="turn", bucket="short", prompt_tokens=10,
                                                                output_tokens=10, seconds=math.nan)))
+    arun(store.append_history("turn", common_pb2.HistoryRecord(kind="turn", bucket="short", prompt_tokens=10,
+                                                               output_tokens=10, seconds=0.5, gap_seconds=0.2)))
     decision = arun(service.tick())
     assert decision.trigger == "ratio" and decision.applied, decision.reason
     assert decision.chosen.generation == 2 and decision.chosen.source == "replan"
@@ -73,7 +77,7 @@ def test_online_planner_calibrates_decides_applies_and_resumes(redis_url, run_id
     assert plan.generation == 2 and plan.source == "replan" and plan.reason == decision.reason[:400]
     assert arun(store.recall_result("ElasticCoordinator.ApplyPlan", "planner-apply-gen2")) is not None  # it got there
     blob = json.loads(arun(store.load_blob(ONLINE_BLOB)))
-    assert "pending_apply" not in blob and blob["read"] == {"turn": 1, "step": 4}
+    assert "pending_apply" not in blob and blob["read"] == {"turn": 2, "step": 4}
 
     # Explain: the config decision, then the replan, with reasons and the calibration
     reply = explain(arun, chan)
@@ -81,10 +85,11 @@ def test_online_planner_calibrates_decides_applies_and_resumes(redis_url, run_id
     assert reply.mode == "online" and reply.plan.generation == 2
     rejected = dict(reply.calibration.rejected)
     assert rejected["step: time_s is negative"] == 1 and rejected["turn: seconds is not a finite number"] == 1
-    assert reply.calibration.steps_read == 4 and reply.calibration.turns_read == 1
-    names = {e.name for e in reply.calibration.efficiencies}
-    assert names == {"prefill_mfu", "decode_bw", "step_overhead_s", "step_per_seq_s", "request_s", "train_mfu",
-                     "train_overhead_s", "rollout_pipeline"}
+    assert reply.calibration.steps_read == 4 and reply.calibration.turns_read == 2
+    names = {e.name: e for e in reply.calibration.efficiencies}
+    assert set(names) == {"prefill_mfu", "decode_bw", "step_overhead_s", "step_per_seq_s", "request_s", "turn_gap_s",
+                          "train_mfu", "train_overhead_s", "rollout_pipeline"}
+    assert names["turn_gap_s"].calibrated == pytest.approx(0.2) and names["turn_gap_s"].samples == 1
 
     # pressure persists: the cooldown gates it, once (a repeat is not stored again)
     for step in range(5, 7):
