@@ -229,6 +229,7 @@ def replay(run: Loaded, how: str = "ewma") -> tuple[dict[str, float], dict]:
     snap = cal.snapshot()
     notes = {"slowdowns": {k: v["slowdown"] for k, v in snap["estimators"].items()},
              "turn_fit": {k: v for k, v in snap["turn_fit"].items()},
+             "turn_gap_s": snap["efficiency"]["turn_gap_s"]["calibrated"],
              "rejected": snap["rejected"], "plan_changes": len(result.plan_changes),
              "sim_usage": {k: round(v, 3) for k, v in simulator.usage.fractions().items()},
              "sim_train_s": statistics.fmean(r.train_s for r in records) - train_overhead,
