@@ -18,8 +18,10 @@ Triggers, checked in this order (the first that fires names the decision):
 A threshold of 0 disables its trigger.
 
 Gates, in order: warm-up (`warmup_steps` steps observed), minimum history (`min_history_samples`
-lengths), cooldown (`cooldown_s` since the last applied plan) and recheck (`recheck_s` since the
-last evaluation that searched). A gated decision is returned with its reason; `record` is False
+lengths), cooldown (`cooldown_s` since the last applied plan), recheck (`recheck_s` since the
+last evaluation that searched) and, with a simulated judge, the last move's audit (audit.py: no
+evaluation until the replay's measured steps all ran on the plan it moved to; then the move is
+measured against its prediction, undone if it lost, and its error raises the gain later moves need). A gated decision is returned with its reason; `record` is False
 when it repeats the previous gated decision (same trigger, same gate), so a persistent signal does
 not flood the decision log.
 
