@@ -196,7 +196,10 @@ class Replanner:
             decision = self._evaluate(trigger, inputs)
             if audited is not None:
                 decision.reason = f"{decision.reason}; audit: {audited.reason}"
-            if decision.applied and self.ranker is not None and math.isfinite(self._q) and self._current is not None \
+            forced = decision.applied and not math.isfinite(decision.gain_s)  # the plan in force could not run
+            if forced:
+                self.audits.pending = None  # nothing to measure a move against
+            elif decision.applied and self.ranker is not None and math.isfinite(self._q) and self._current is not None \
                     and math.isfinite(decision.predicted_current_s) and decision.predicted_current_s > 0:
                 predicted = 1.0 - decision.predicted_new_s / decision.predicted_current_s
                 self.audits.pending = Move(self.steps_observed, self._current, predicted, self._q)
@@ -265,8 +268,9 @@ class Replanner:
             return f"cooldown ({s.cooldown_s - (now_s - self._last_applied_s):.0f}s left)"
         if self._last_searched_s is not None and now_s - self._last_searched_s < s.recheck_s:
             return f"recheck wait ({s.recheck_s - (now_s - self._last_searched_s):.0f}s left)"
-        if self.ranker is not None:
-            return self.audits.wait(self.steps_observed, s.sim_window_steps)
+        wait = self.audits.wait(self.steps_observed, s.sim_window_steps) if self.ranker is not None else ""
+        if wait and self._runs_recent_trace():  # (a plan in force that cannot run the trace moves at once)
+            return wait
         return ""
 
     def trace(self) -> list[tuple[int, int]]:
@@ -313,6 +317,11 @@ class Replanner:
         cost = transition_cost_s(self._current, best, self.model, self.settings)
         return self._judged(base, by_closed_form(current[2], best, cost, self.settings, self.horizon()))
 
+    def _runs_recent_trace(self) -> bool:
+        """Whether the plan in force can run the recent trace at all (the closed form's check)."""
+        trace = self.trace()
+        return self._current is None or not trace or math.isfinite(self.predict(self._current, trace)[2])
+
     def horizon(self) -> int:
         """The steps a gain is counted over: `horizon_steps`, or fewer when the run ends sooner."""
         if self.total_steps is None or not self.window:
@@ -324,8 +333,9 @@ class Replanner:
         """The pending move's audit, once due (the gate waited for it): a decision to go back when
         the move measurably lost (applied), else one whose reason tells how it went (not applied)."""
         move = self.audits.pending
-        if self.ranker is None or move is None or self._current is None:
-            return None
+        if self.ranker is None or move is None or self._current is None \
+                or self.audits.wait(self.steps_observed, self.settings.sim_window_steps):
+            return None  # nothing pending, or not due (a forced move passed the gate)
         observations = list(self.window)
         outcome = self.audits.judge(self.ranker, observations, self._current, self.calibration,
                                     self.settings.min_gain_ratio, self.horizon(),

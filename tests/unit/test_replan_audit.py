@@ -91,3 +91,17 @@ def test_a_gain_is_counted_over_the_steps_the_run_has_left():
     last.consider(10.0)
     d = last.consider(20.0)
     assert not d.applied and "does not pay for the transition" in d.reason and math.isfinite(d.gain_s), d.reason
+
+
+def test_a_plan_in_force_that_cannot_run_the_trace_moves_at_once_even_with_an_audit_pending():
+    ranker = ScriptedRanker({8: 100.0}, move_extra=0.0)
+    ranker.per_step.update({g: 80.0 for g in range(1, 16) if g != 8})
+    r = replanner(ranker)
+    moved_to = moved(r).chosen
+    run(r, 80.0, 1)
+    assert "measured first" in r.consider(100.0).reason
+    plain = r.predict
+    r.predict = lambda candidate, trace: ((math.inf,) * 3 if candidate == moved_to else plain(candidate, trace))
+    forced = r.consider(200.0)  # e.g. the trace outgrew every engine's KV cache
+    assert forced.applied and forced.reason.startswith("the plan in force cannot run the recent trace"), forced.reason
+    assert r.audits.pending is None and r.audits.audited == 0  # nothing to measure the earlier move against now
