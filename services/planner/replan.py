@@ -202,7 +202,8 @@ class Replanner:
             elif decision.applied and self.ranker is not None and math.isfinite(self._q) and self._current is not None \
                     and math.isfinite(decision.predicted_current_s) and decision.predicted_current_s > 0:
                 predicted = 1.0 - decision.predicted_new_s / decision.predicted_current_s
-                self.audits.pending = Move(self.steps_observed, self._current, predicted, self._q)
+                self.audits.pending = Move(self.steps_observed, self._current, predicted, self._q,
+                                           self.window[-1].step if self.window else -1)
         if decision.applied:
             self._current = decision.chosen
             self._last_applied_s = now_s

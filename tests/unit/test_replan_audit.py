@@ -46,10 +46,10 @@ def test_a_move_that_measurably_lost_is_undone_and_its_error_raises_the_margin()
     move = moved(r)
     run(r, 110.0, 2)  # the new plan really takes 110 s a step (its replay said 80)
     waiting = r.consider(100.0)
-    assert not waiting.applied and "the move after step 6 is measured first (2 of 4 steps" in waiting.reason
+    assert not waiting.applied and "the move after step 5 is measured first (2 of 4 steps" in waiting.reason
     run(r, 110.0, 2)
     back = r.consider(200.0)
-    assert back.applied and back.reason.startswith("reverted: the move after step 6 was predicted +20.0% per step "
+    assert back.applied and back.reason.startswith("reverted: the move after step 5 was predicted +20.0% per step "
                                                    "and measured -10.0%"), back.reason
     assert back.chosen.layout == POOR.layout and r.current.layout == POOR.layout and back.chosen != move.chosen
     assert back.predicted_current_s == pytest.approx(110.0) and back.predicted_new_s == pytest.approx(100.0)
@@ -69,7 +69,7 @@ def test_a_move_that_paid_as_predicted_is_kept_and_leaves_no_margin():
     moved(r)
     run(r, 80.0, 4)  # measured as replayed
     d = r.consider(200.0)
-    assert not d.applied and "audit: the move after step 6 was predicted +20.0% per step and measured +20.0%" \
+    assert not d.applied and "audit: the move after step 5 was predicted +20.0% per step and measured +20.0%" \
         in d.reason, d.reason
     assert r.audits.margin() == pytest.approx(0.0) and r.audits.audited == 1 and r.audits.reverted == 0
     state = r.state()
