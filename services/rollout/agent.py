@@ -160,13 +160,15 @@ class AgentRunner:
                     break
                 await self._record(outcome, state)
                 await self._tool_turn(trajectory, state, turn, action, outcome.version, episode)
-            reward = episode.reward(answer)
-            if asyncio.iscoroutine(reward):  # workloads that score by running code (sandboxed tests)
-                reward = await reward
-            if last is not None:  # the answer's record, its gap with the trajectory's tail (parse, reward)
-                if state.mark:
-                    last.gap += time.monotonic() - state.mark
-                await self._record(last, state)
+            try:
+                reward = episode.reward(answer)
+                if asyncio.iscoroutine(reward):  # workloads that score by running code (sandboxed tests)
+                    reward = await reward
+            finally:  # the answer's record (also when scoring failed), its gap with the tail (parse, reward)
+                if last is not None:
+                    if state.mark:
+                        last.gap += time.monotonic() - state.mark
+                    await self._record(last, state)
         finally:
             await episode.close()
         return self.fill_result(trajectory, state, reward, finish)

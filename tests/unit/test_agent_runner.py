@@ -261,3 +261,30 @@ def test_each_turn_carries_the_trajectorys_time_since_its_previous_turn_outside_
     assert traj.turns == 2 and traj.tool_events[0].seconds >= 0.3 and traj.reward == 1.0
     assert 0.25 <= gaps[0] < 0.45, gaps  # the queue and the route before the first turn
     assert 0.18 <= gaps[1] < 0.38, gaps  # the tool's report, the second route, the reward; not the 0.3 s tool call
+
+
+def test_the_answering_turn_is_recorded_even_when_scoring_fails(setup):
+    workload, _ = setup
+    prompt = workload.prompt(0)
+    runner, _, _, _ = runner_for(setup, [f"<answer>{prompt.answer}</answer>"])
+
+    class Failing:  # the workload, its reward raising (a sandbox that died)
+        def __getattr__(self, name):
+            return getattr(workload, name)
+
+        def episode(self, *args, **kwargs):
+            episode = workload.episode(*args, **kwargs)
+
+            def broken(answer):
+                raise RuntimeError("sandbox died")
+            episode.reward = broken
+            return episode
+
+    runner.workload, recorded = Failing(), []
+
+    async def on_turn(outcome, context_tokens):
+        recorded.append(outcome)
+    runner.on_turn = on_turn
+    with pytest.raises(RuntimeError, match="sandbox died"):
+        asyncio.run(runner.play(pb.Trajectory(trajectory_id="g0-s1", prompt_id="0", group_id="g0")))
+    assert len(recorded) == 1 and recorded[0].gap > 0
