@@ -190,7 +190,8 @@ def test_history_feeder_builds_steps_from_records():
 
     r = replanner()
     turns = [common_pb2.HistoryRecord(kind="turn", bucket="long", prompt_tokens=100, output_tokens=50, seconds=1.0,
-                                      queue_depth=q, active_rollouts=a) for q, a in ((4, 10), (8, 30))]
+                                      queue_depth=q, active_rollouts=a, gap_seconds=g)
+             for q, a, g in ((4, 10, 0.1), (8, 30, 0.3))]
     plan = common_pb2.Plan(buckets=[common_pb2.BucketSpec(name="long", tp=2, replicas=1)])
     feeder = HistoryFeeder()
     bare_step = common_pb2.HistoryRecord(kind="step", step=1, seconds=10.0, train_seconds=4.0, rollout_seconds=6.0)
@@ -214,6 +215,8 @@ def test_history_feeder_builds_steps_from_records():
 
     text = render_explain(planner_pb2.ExplainResponse(mode="online", calibration=report))
     assert "request_s" in text and "turn fit, 2 turns" in text
+    assert fitted["turn_gap_s"].calibrated == pytest.approx(0.2, rel=1e-3) and fitted["turn_gap_s"].samples == 2
+    assert "turn_gap_s       base 0s -> 0.2s  (mean, 2 turns)" in text, text
 
 
 def test_explain_prints_the_verdict_once():
