@@ -19,8 +19,8 @@ from libra.services.rollout.engines.client import Generation
 from libra.services.elastic.driver import GrpcReplicaDriver, HybridProcesses
 from libra.services.elastic.server import ElasticService
 from libra.v1 import common_pb2, elastic_pb2 as epb, elastic_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from tests.service.elastic_doubles import S, RolloutDouble, meta
 from tests.service.helpers import run_config, start
-from tests.service.test_elastic_coordinator import S, RolloutDouble, meta
 
 
 class StoppableEngine:

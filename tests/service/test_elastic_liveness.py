@@ -20,8 +20,8 @@ import pytest
 from libra.services.elastic.report import pool_lines
 from libra.services.elastic.server import ElasticService
 from libra.v1 import common_pb2, elastic_pb2 as epb, elastic_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2_grpc
+from tests.service.elastic_doubles import Pool, RolloutDouble, TrainerDouble, meta
 from tests.service.helpers import run_config, start
-from tests.service.test_elastic_coordinator import Pool, RolloutDouble, TrainerDouble, meta
 
 S = epb.MemberState
 TIMEOUT_S = 0.6

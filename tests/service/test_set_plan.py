@@ -19,8 +19,8 @@ from libra.services.planner.delivery import request_id
 from libra.services.planner.observation import candidate_from_plan
 from libra.services.planner.server import PlannerService
 from libra.v1 import common_pb2, elastic_pb2 as epb, planner_pb2, planner_pb2_grpc
+from tests.service.elastic_doubles import Pool, meta
 from tests.service.helpers import code_of, run_config, start
-from tests.service.test_elastic_coordinator import Pool, meta
 from tests.service.test_grpcurl import grpcurl, needs_grpcurl
 from tests.service.test_planner_online import free_port, planner_config
 
