@@ -1,4 +1,5 @@
-"""The planner's cost model: specs and loaders, the rollout instance model, and training steps."""
+"""The planner's cost model: specs and loaders, the rollout instance model, training steps, and
+mixture-of-experts models (active parameters for compute, total for memory)."""
 
 from __future__ import annotations
 
@@ -169,3 +170,30 @@ def test_finish_estimate_uses_the_documented_step_time(model_name, tp, overheads
         plain = cr.instance(model_named(model_name), gpu_named("h100-80g"), tp, EFF)
         assert expected - plain.prefill_seconds(800) - 1000 * plain.decode_step_seconds(1, 1300) == \
             pytest.approx(1000 * 0.0032, rel=1e-9)
+
+
+def test_planner_costs_moe_compute_by_active_and_memory_by_total_parameters():
+    """Qwen3-30B-A3B against a dense model of its active size (each layer's routed MLP as one MLP of
+    width k · moe_intermediate, no router): training and prefill compute scale with the active
+    parameters; weights, gradients, optimizer states and the rollout's weight reads with the total."""
+    moe = model_named("qwen3-30b-a3b")
+    dense = moe.model_copy(update={"name": "dense-a3b", "experts": 0, "active_experts": 0,
+                                   "intermediate_size": moe.active_experts * moe.intermediate_size})
+    router = moe.layers * moe.hidden_size * moe.experts
+    assert moe.active_params == dense.active_params + router == pytest.approx(3.3e9, rel=0.03)
+    assert moe.total_params == pytest.approx(30.5e9, rel=0.02) and dense.total_params == dense.active_params
+    gpu, eff = gpu_named("h200-141g"), ct.TrainEfficiency()
+    layout = ct.Layout(tp=2, pp=2, dp=2, micro_batch=1)
+    a, b = (ct.step_time(m, gpu, layout, 16, 2048, eff) for m in (moe, dense))
+    assert a.compute_s / b.compute_s == pytest.approx(moe.active_params / dense.active_params, rel=1e-12)
+    per_param = (moe.bytes_per_param + 4.0 + 12.0 / layout.dp) / (layout.tp * layout.pp)  # weights, grads, Adam
+    grown = ct.memory_bytes(moe, layout, 2048, eff) - ct.memory_bytes(dense, layout, 2048, eff)
+    assert grown == pytest.approx((moe.total_params - dense.total_params) * per_param, rel=1e-12)
+    rollout = cr.RolloutEfficiency()
+    one, other = cr.instance(moe, gpu, 2, rollout), cr.instance(dense, gpu, 2, rollout)
+    assert one.weight_bytes_per_gpu == pytest.approx(moe.total_params * moe.bytes_per_param / 2)
+    assert one.prefill_seconds(4096) / other.prefill_seconds(4096) == pytest.approx(
+        moe.active_params / dense.active_params, rel=1e-12)
+    # A decode step of one sequence reads the dense weights and its k experts; a large batch, all of them.
+    assert one.decode_step_seconds(1, 0) < one.decode_step_seconds(4096, 0)
+    assert cr._expert_read_fraction(moe, 100_000) == pytest.approx(1.0)
