@@ -47,11 +47,7 @@ class Move:
     old: Candidate
     predicted_ratio: float  # (a_old - b_new) / a_old, as the judge predicted it
     q_old: float  # the old plan's measured / replayed seconds per step, last seen
-    step: int = -1  # the number of the last step before it (for messages; -1: `after_step` - 1)
-
-    @property
-    def label(self) -> int:
-        return self.step if self.step >= 0 else self.after_step - 1
+    step: int  # the number of the last step before it (what messages name)
 
 
 @dataclass
@@ -84,7 +80,7 @@ class Audits:
         ran = steps_observed - self.pending.after_step
         if ran > measured_steps:  # the transition's step, then every measured step on the new plan
             return ""
-        return (f"the move after step {self.pending.label} is measured first ({ran} of {measured_steps + 1} "
+        return (f"the move after step {self.pending.step} is measured first ({ran} of {measured_steps + 1} "
                 f"steps on the new plan)")
 
     def judge(self, ranker: Ranker, observations: Sequence, current: Candidate, calibration: Calibration,
@@ -108,7 +104,7 @@ class Audits:
         cost = downtime(current, move.old)
         revert = (-realized >= min_gain_ratio and math.isfinite(old_s)
                   and (measured - old_s) * horizon > cost)
-        said = (f"the move after step {move.label} was predicted {move.predicted_ratio:+.1%} per step and "
+        said = (f"the move after step {move.step} was predicted {move.predicted_ratio:+.1%} per step and "
                 f"measured {realized:+.1%} ({measured:.2f}s per step against {old_s:.2f}s for the plan before "
                 f"it on the same steps; its replay was {error:+.1%} off, relative to the old plan's)")
         if revert:

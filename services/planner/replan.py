@@ -203,7 +203,7 @@ class Replanner:
                     and math.isfinite(decision.predicted_current_s) and decision.predicted_current_s > 0:
                 predicted = 1.0 - decision.predicted_new_s / decision.predicted_current_s
                 self.audits.pending = Move(self.steps_observed, self._current, predicted, self._q,
-                                           self.window[-1].step if self.window else -1)
+                                           self.window[-1].step)
         if decision.applied:
             self._current = decision.chosen
             self._last_applied_s = now_s
