@@ -11,7 +11,7 @@ import pytest
 from libra.services.planner.config import ReplanSettings
 from libra.services.planner.replan import Replanner, StepObservation
 from libra.services.planner.search import SearchConfig
-from tests.unit.test_replan_simulated import EVERY_STEP, GPU, MODEL, POOR, ScriptedRanker
+from tests.unit.replan_scripted import EVERY_STEP, GPU, MODEL, POOR, ScriptedRanker
 
 LENGTHS = [(1000, 2000)] * 64
 
