@@ -232,7 +232,7 @@ def test_each_turn_carries_the_trajectorys_time_since_its_previous_turn_outside_
         await asyncio.sleep(0.03)
         return await plain_tool_returned(*args)
 
-    class Slow:  # the workload, its tool calls taking 0.3 s and its reward 0.1 s
+    class Slow:  # the workload, its tool calls taking 0.6 s and its reward 0.1 s
         def __getattr__(self, name):
             return getattr(workload, name)
 
@@ -241,7 +241,7 @@ def test_each_turn_carries_the_trajectorys_time_since_its_previous_turn_outside_
             call, reward = episode.call_tool, episode.reward
 
             async def slow_call(action, timeout_s):
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.6)
                 return await call(action, timeout_s)
 
             async def slow_reward(answer):
@@ -258,9 +258,9 @@ def test_each_turn_carries_the_trajectorys_time_since_its_previous_turn_outside_
     runner.on_turn = on_turn
     queued = time.monotonic() - 0.2  # queued 0.2 s before a runner took it
     traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g0-s0", prompt_id="0", group_id="g0"), queued))
-    assert traj.turns == 2 and traj.tool_events[0].seconds >= 0.3 and traj.reward == 1.0
-    assert 0.25 <= gaps[0] < 0.45, gaps  # the queue and the route before the first turn
-    assert 0.18 <= gaps[1] < 0.38, gaps  # the tool's report, the second route, the reward; not the 0.3 s tool call
+    assert traj.turns == 2 and traj.tool_events[0].seconds >= 0.6 and traj.reward == 1.0
+    assert 0.25 <= gaps[0] < 0.55, gaps  # the queue and the route before the first turn (slack for a busy machine)
+    assert 0.18 <= gaps[1] < 0.55, gaps  # the tool's report, the second route, the reward; not the 0.6 s tool call
 
 
 def test_the_answering_turn_is_recorded_even_when_scoring_fails(setup):
