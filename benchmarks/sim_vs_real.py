@@ -188,8 +188,9 @@ class RunBuckets(Simulator):
         self.rollout.policy = make_policy(self.routing, self.run_buckets)
 
 
-def replay(run: Loaded, how: str = "ewma") -> tuple[dict[str, float], dict]:
-    """The run replayed in the calibrated simulator: predicted figures and how it was calibrated."""
+def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[str, float], dict]:
+    """The run replayed in the calibrated simulator: predicted figures and how it was calibrated
+    (`turn_gap=False`: the gap between turns left out, to show what that term changes)."""
     config, trainer = run.config, run.config.trainer
     model = tiny_model(config)
     steps = len(run.record.steps)
@@ -198,6 +199,8 @@ def replay(run: Loaded, how: str = "ewma") -> tuple[dict[str, float], dict]:
     layout = Layout(1, 1, 1, trainer.micro_batch_size)
     cal = calibrate(run, model, layout, how)
     rollout = cal.rollout_efficiency()
+    if not turn_gap:
+        rollout = rollout.model_copy(update={"turn_gap_s": 0.0})
     train_overhead = cal.train_efficiency().step_overhead_s  # in the simulated step; not in a busy fraction
     search = SearchConfig(total_gpus=1 + workers, group_size=trainer.group_size, tp_choices=(1,),
                           rollout=rollout, train=cal.train_efficiency())
@@ -312,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="", help="every run's figures, predicted and measured")
     parser.add_argument("--calibration", choices=("ewma", "mean"), default="ewma",
                         help="ewma: the online planner's settings (default); mean: each estimator over the whole run")
+    parser.add_argument("--no-turn-gap", action="store_true",
+                        help="replay without the calibrated gap between turns (what that term changes)")
     args = parser.parse_args(argv)
     keep = pathlib.Path(args.keep_runs)
     index = keep / "runs.json"
@@ -321,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     per_run, by_design = [], {}
     for entry in entries:
         run = load(keep, entry)
-        predicted, notes = replay(run, how=args.calibration)
+        predicted, notes = replay(run, how=args.calibration, turn_gap=not args.no_turn_gap)
         real = measured(run)
         per_run.append({"run": run.name, "predicted": predicted, "measured": real, **notes})
         print(json.dumps({"run": run.name, **{f: [round(predicted[f], 3), round(real[f], 3)] for f in FIGURES},
