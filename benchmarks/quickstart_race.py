@@ -10,9 +10,11 @@ Contenders, each run `--runs` times, one after the other (never two at once):
   sync-loop        benchmarks/sync_grpo_loop.py: one process, transformers `generate` + the same
                    loss, no services
 
-All three start from the same warm-started weights: the model cache's entry for the quickstart's
-recipe, built once before the first run and not timed (`libra up` then copies it into the run
-directory; the plain loop copies it too). Each `libra up` gets free ports and a fresh run directory.
+Run i of every contender uses seed i - 1 (the config's `seed:`, which also shapes the warm start),
+so the contenders meet on the same seeds and the runs of one contender are different samples. Runs
+of one seed start from the same warm-started weights: the model cache's entry for the quickstart's
+recipe with that seed, built before the first run and not timed (`libra up` then copies it into the
+run directory; the plain loop copies it too). Each `libra up` gets free ports and a fresh run directory.
 
 Per run: the step at which the 10-step mean reward first reaches --target (0.65), and when (seconds
 from the process start, and from the start of the first RL step), wall time to the end, peak memory
@@ -154,6 +156,7 @@ class TreeMonitor(threading.Thread):
 class Result:
     contender: str
     run: int
+    seed: int  # the run's seed (`seed:` of the config): the same for every contender's run of that index
     returncode: int
     wall_s: float
     rl_start_s: float | None  # seconds from the start to the start of the first RL step
@@ -185,15 +188,15 @@ def _free_port() -> int:
     return free_port()
 
 
-def command(contender: str, work: pathlib.Path, steps: int) -> list[str]:
+def command(contender: str, work: pathlib.Path, steps: int, seed: int) -> list[str]:
     config = str(ROOT / CONFIGS[contender])
     if contender == "sync-loop":
         extra = ["--steps", str(steps)] if steps else []
         return [sys.executable, str(ROOT / "benchmarks" / "sync_grpo_loop.py"), "--config", config,
-                "--out", str(work / "steps.jsonl"), *extra, *SYNC_LOOP_ARGS]
+                "--out", str(work / "steps.jsonl"), "--set", f"seed={seed}", *extra, *SYNC_LOOP_ARGS]
     sets = [f"addresses.{s}=127.0.0.1:{_free_port()}" for s in ("planner", "elastic", "scheduler", "rollout",
                                                                  "trainer")]
-    sets += ["metrics.base_port=0", "rollout.worker.base_port=0"]
+    sets += ["metrics.base_port=0", "rollout.worker.base_port=0", f"seed={seed}"]
     if steps:
         sets.append(f"trainer.steps={steps}")
     return [sys.executable, "-m", "libra.cli", "up", "--config", config, "--run-dir", str(work / "run"),
@@ -223,7 +226,7 @@ def run_once(contender: str, index: int, args: argparse.Namespace, env: dict[str
         work = pathlib.Path(scratch)
         log = open(work / "output.log", "w")
         started = time.time()
-        process = subprocess.Popen(command(contender, work, args.steps), cwd=ROOT, env=env, stdout=log,
+        process = subprocess.Popen(command(contender, work, args.steps, seed_of(index)), cwd=ROOT, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         monitor = TreeMonitor(process.pid)
         monitor.start()
@@ -251,7 +254,7 @@ def run_once(contender: str, index: int, args: argparse.Namespace, env: dict[str
     if rl_start is not None and ended > rl_start:
         busy_rl = (cpu_total - monitor.cpu_at(rl_start)) / (ended - rl_start)
     return Result(
-        contender, index, returncode, ended - started, rl_start - started if rl_start else None, step,
+        contender, index, seed_of(index), returncode, ended - started, rl_start - started if rl_start else None, step,
         rows[step - 1]["t"] - started if step else None, rows[step - 1]["t"] - rl_start if step else None,
         monitor.peak_pss_kib / 2**20, monitor.peak_rss_kib / 2**20, cpu_total / (ended - started), busy_rl,
         len(rows), statistics.fmean(rewards[-WINDOW:]) if rewards else None,
@@ -285,14 +288,21 @@ def table(results: list[Result], target: float) -> str:
     return "\n".join(lines) + "\n(medians over the runs; 'not reached': runs whose 10-step mean never got there)"
 
 
-def warm_cache(env: dict[str, str]) -> None:
-    """Build the quickstart's warm-started model into the cache once (not timed), so every contender
-    starts from the same cached weights; says how long a first run's warm start takes."""
+def seed_of(index: int) -> int:
+    """Run `index` (1-based) of every contender runs with seed index - 1: the contenders meet on the
+    same seeds, and the runs of one contender differ (a deterministic loop would repeat one sample)."""
+    return index - 1
+
+
+def warm_cache(env: dict[str, str], seed: int) -> None:
+    """Build the quickstart's warm-started model of `seed` into the cache once (not timed), so every
+    contender starts from the same cached weights; says how long a first run's warm start takes."""
     code = ("import sys, tempfile, time, pathlib; sys.path.insert(0, '.');"
             "from libra.config import load_run_config; from libra.services.trainer.model_state import base_model;"
             "t = time.time(); d = pathlib.Path(tempfile.mkdtemp()) / 'base';"
-            "hit = base_model(load_run_config('configs/quickstart.yaml'), d);"
-            "print('model cache:', 'hit' if hit else f'built in {time.time() - t:.0f} s (a first run pays this once)')")
+            f"hit = base_model(load_run_config('configs/quickstart.yaml', overrides={{'seed': {seed}}}), d);"
+            f"print('model cache, seed {seed}:', 'hit' if hit else "
+            "f'built in {time.time() - t:.0f} s (a first run pays this once)')")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
 
 
@@ -312,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
-    warm_cache(env)
+    for index in range(1, args.runs + 1):
+        warm_cache(env, seed_of(index))
     results = []
     for index in range(1, args.runs + 1):
         for contender in args.only:  # interleaved, so a drift in the machine touches every contender alike

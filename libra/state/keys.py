@@ -125,6 +125,12 @@ class Keys:
         """Hash: version -> JSON {path, published_at} of each published weight set (path "": not on disk)."""
         return self._key("weights")
 
+    @property
+    def base_model(self) -> str:
+        """String: the directory of the run's base model (what every version's weights fit); rollout
+        workers may start on it while the trainer prepares version 1."""
+        return self._key("base_model")
+
     # -- runtime history -------------------------------------------------------------------
     def history(self, kind: str) -> str:
         """Capped stream of HistoryRecord protos, one per turn or per training step."""

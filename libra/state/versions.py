@@ -1,7 +1,8 @@
 """Policy versions and the trainer's durable progress.
 
-Owns `version`, `weights` (where each version's weight set is on disk, if it is) and the
-`trainer:*` keys (progress for exact resume, and per-step records).
+Owns `version`, `weights` (where each version's weight set is on disk, if it is), `base_model`
+(the model every version is a weight set of) and the `trainer:*` keys (progress for exact
+resume, and per-step records).
 
 The policy version moves by exactly one per published weight set: `publish_version` is a Lua
 compare-and-set, so two trainers (or a trainer and its restarted self) can never both publish
@@ -164,6 +165,18 @@ class VersionStore(StoreBase):
                 return PublishedVersion(version, record["path"], float(record["published_at"]))
             version -= 1
         return None
+
+    async def set_base_model(self, path: str) -> None:
+        """Record where the run's base model is (a model directory of this machine)."""
+        if not path:
+            raise InvalidArgument("base model path must not be empty")
+        redis = await self._ready()
+        await redis.set(self.keys.base_model, path)
+
+    async def base_model(self) -> str:
+        """The run's base model directory; "" before the trainer has one."""
+        redis = await self._ready()
+        return text(await redis.get(self.keys.base_model))
 
     async def set_trainer_progress(self, progress: dict[str, Any]) -> None:
         """Update some fields of the trainer's progress record (see PROGRESS_FIELDS), in one write."""

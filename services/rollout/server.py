@@ -6,6 +6,8 @@
  UpdateWeights ─▶ WeightDelivery: disk, or the weights-group generation the request carries
                  (in place, no drain) ─▶ acks and the serving roster in the reply; a worker that
                  missed it leaves routing, one that caught up comes back
+ start: workers start on the base model as soon as the trainer names it (Redis), load version 1
+        when it is on disk, then join; a restarted gateway starts them on the latest version
  restart: every QUEUED/RUNNING trajectory of an unfinished group is queued again (none lost,
           none counted twice: a stream entry is written once, when a trajectory completes); what
           the dead gateway's workers still held (ports) was stopped first (libra.runtime: adopt)
@@ -94,7 +96,7 @@ class RolloutService(Service):
         await wait_for_peers({s: self.config.address_of(s) for s in ("planner", "scheduler", "elastic")})
         plan = from_proto(await planner_pb2_grpc.PlannerStub(self._channel("planner")).GetPlan(
             planner_pb2.GetPlanRequest(run_id=self.run_id), timeout=10))
-        version, path = await self._wait_for_weights()
+        version, path, early = await self._wait_for_weights(plan)
         workload = build_workload(self.config.workload)
         tokenizer = load_tokenizer(path, light=True)  # no transformers (nor torch) in the gateway where it can
         router = SchedulerRouter(self._channel("scheduler", wait_for_ready=True), self.run_id)  # it may restart
@@ -104,7 +106,10 @@ class RolloutService(Service):
         self.runner = AgentRunner(workload, tokenizer, router, self._generate, self._version_of, self.cfg,
                                   stop_token_ids(tokenizer, workload) + [tokenizer.eos_token_id], self.config.seed)
         self.runner.on_turn = self._record_turn
-        await self._start_plan(plan, path, version)
+        if early is not None:
+            await self._join_early(early, path, version)
+        else:
+            await self._start_plan(plan, path, version)
         await self.membership.forget_others()
         await self._recover()
         if self.cfg.openai_endpoint.enabled:  # an external agent harness drives the trajectories
@@ -112,19 +117,49 @@ class RolloutService(Service):
 
             self.gateway = await OpenAIGateway(self).start()
 
-    async def _wait_for_weights(self) -> tuple[int, str]:
-        """The latest policy version on disk (the trainer writes the warm-started model first)."""
+    async def _wait_for_weights(self, plan: Plan) -> tuple[int, str, asyncio.Task | None]:
+        """The latest policy version on disk (the trainer writes the warm-started model first). While
+        there is none yet, the plan's workers start on the run's base model as soon as the trainer
+        names it (the task returned), so their start-up overlaps the trainer's."""
         found: dict[str, tuple[int, str]] = {}
+        early: list[asyncio.Task] = []
 
         async def published() -> bool:
             latest = await self.store.latest_on_disk()
             if latest is not None:
                 found["v"] = (latest.version, latest.path)
-            return latest is not None
+                return True
+            if early and early[0].done() and not early[0].cancelled() and early[0].exception():
+                return True  # the early start failed: stop waiting, the caller raises its error
+            if not early and (base := await self.store.base_model()):
+                _log.info("starting workers on the base model while the trainer prepares its first version",
+                          model=base)
+                early.append(asyncio.get_running_loop().create_task(self.pool.start(plan, base, 0)))
+            return False
 
         _log.info("waiting for the first published policy version")
-        await retry_until(published, "the trainer's first weights", max_backoff_s=2.0)
-        return found["v"]
+        try:
+            await retry_until(published, "the trainer's first weights", max_backoff_s=0.5)
+        except BaseException:
+            for task in early:
+                task.cancel()
+            raise
+        if "v" not in found:
+            await early[0]  # raises why the workers could not start
+        return (*found["v"], early[0] if early else None)
+
+    async def _join_early(self, early: asyncio.Task, path: str, version: int) -> None:
+        """Workers started on the base model load `version` from `path`, then join (none serves before)."""
+        workers = await early
+        results = await asyncio.gather(*(w.client.load_weights(path, version) for w in workers),
+                                       return_exceptions=True)
+        for worker, result in zip(workers, results):
+            if isinstance(result, BaseException):
+                raise Unavailable(f"worker {worker.worker_id} started on the base model could not load "
+                                  f"v{version} from {path}: {result}")
+            worker.version = version
+        for worker in workers:
+            await self.membership.join(worker)
 
     async def _start_plan(self, plan: Plan, path: str, version: int) -> list:
         workers = await self.pool.start(plan, path, version)

@@ -120,6 +120,7 @@ class ModelState:
         """Create and warm-start the model if needed, or resume from the latest checkpoint."""
         if not (self.base_dir / "config.json").exists():
             await self._create(on_warmup)
+        await self.store.set_base_model(str(self.base_dir))  # rollout workers may start on it meanwhile
         await asyncio.to_thread(self.backend.load, str(self.base_dir))
         position = Position()
         checkpoint = self.latest_checkpoint()

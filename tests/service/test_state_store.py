@@ -155,6 +155,14 @@ def test_a_version_published_before_its_disk_copy_gets_its_path_later(store: Sta
         arun(store.record_path(3, "/w/3"))
 
 
+def test_the_base_model_is_named_once_the_trainer_has_it(store: StateStore, arun) -> None:
+    assert arun(store.base_model()) == ""  # before: workers wait for version 1
+    arun(store.set_base_model("/run/model/base"))
+    assert arun(store.base_model()) == "/run/model/base"
+    with pytest.raises(InvalidArgument, match="must not be empty"):
+        arun(store.set_base_model(""))
+
+
 def test_concurrent_publishers_exactly_one_wins(new_store, arun) -> None:
     first, second = arun(new_store()), arun(new_store())
 
