@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -263,10 +264,13 @@ def run_once(contender: str, index: int, args: argparse.Namespace, env: dict[str
 
 # ---- the table --------------------------------------------------------------------------------
 def _median(values: list) -> str:
+    """The median, a run that never got there (None) counted as slower than every run that did."""
     present = [v for v in values if v is not None]
     if not present:
         return "not reached" if values else "-"
-    middle = statistics.median(present)
+    middle = statistics.median(sorted(present) + [math.inf] * (len(values) - len(present)))
+    if middle == math.inf:
+        return f"not reached ({len(values) - len(present)} of {len(values)} not)"
     text = (f"{middle:.2f}" if middle < 10 else f"{middle:.1f}") if isinstance(present[0], float) else f"{middle:g}"
     return text + (f" ({len(values) - len(present)} not)" if len(present) < len(values) else "")
 
@@ -285,7 +289,7 @@ def table(results: list[Result], target: float) -> str:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(cell).ljust(widths[i]) for i, cell in enumerate(row)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(medians over the runs; 'not reached': runs whose 10-step mean never got there)"
+    return "\n".join(lines) + "\n(medians over the runs; 'not': runs whose 10-step mean never got there, counted as the slowest)"
 
 
 def seed_of(index: int) -> int:
