@@ -34,7 +34,9 @@ Per run, with nothing taken from the run but what the planner could know:
 
 Prints one JSON line per run (both sides of every figure, the turn fit's terms and the EWMAs,
 turns per bucket measured and simulated, training seconds measured and simulated, and turn
-seconds per generated token by the worker's batch beside the calibrated cost model's decode step),
+seconds per generated token by the worker's batch beside the calibrated cost model's decode step,
+the mean batch a turn ran in, simulated and measured, and the median turn as the calibrated turn
+model predicts each measured turn at its measured batch: the model without the simulator's dynamics),
 a table per design (median over its runs: predicted, measured, their ratio, within 10% or not),
 and a plot of predicted / measured per figure and design against the 10% band. What the misses point to is in docs/benchmarks.md.
 """
@@ -126,12 +128,15 @@ def plans(run: Loaded, first: Candidate) -> dict[int, control.PlanChange]:
 
 
 class Timed:
-    """An engine that remembers when each turn arrived and how long it took to its last token."""
+    """An engine that remembers when each turn arrived, how long it took to its last token, and the
+    mean number of sequences the engine ran meanwhile (the batch a real turn record carries)."""
 
-    def __init__(self, inner, latencies: list[float]):
+    def __init__(self, inner, latencies: list[float], batches: list[float]):
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_arrived", {})
         object.__setattr__(self, "_latencies", latencies)
+        object.__setattr__(self, "_batches", batches)
+        object.__setattr__(self, "_area", 0.0)  # integral of running sequences over time
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -139,15 +144,22 @@ class Timed:
     def __setattr__(self, name, value):
         setattr(self._inner, name, value)
 
+    def advance(self, now: float) -> None:
+        object.__setattr__(self, "_area", self._area + self._inner.seqs * max(0.0, now - self._inner.last))
+        self._inner.advance(now)
+
     def enqueue(self, unit) -> None:
-        self._arrived[id(unit)] = self._inner.last  # the simulator advanced the engine to now just before
+        self._arrived[id(unit)] = (self._inner.last, self._area)  # the simulator advanced the engine to now
         self._inner.enqueue(unit)
 
     def complete(self):
         unit = self._inner.complete()
         arrived = self._arrived.pop(id(unit), None)
         if arrived is not None:
-            self._latencies.append(self._inner.last - arrived + self._inner.request_s)  # + the way back
+            span = self._inner.last - arrived[0]
+            self._latencies.append(span + self._inner.request_s)  # + the way back
+            if span > 0:
+                self._batches.append((self._area - arrived[1]) / span)
         return unit
 
     def evict(self):
@@ -161,7 +173,7 @@ class TimedEngines:
     """Timed engines, named into the run's own buckets in the order the simulator creates them."""
 
     def __init__(self, inner: CostModelEngines, buckets: list[str] | None = None):
-        self.inner, self.latencies, self.engines, self.buckets = inner, [], [], buckets
+        self.inner, self.latencies, self.batches, self.engines, self.buckets = inner, [], [], [], buckets
 
     def holds(self, tp: int) -> bool:
         return self.inner.holds(tp)
@@ -172,7 +184,7 @@ class TimedEngines:
     def instance(self, wid: str, bucket: str, tp: int, replicas: int, up_at: float):
         if self.buckets and len(self.engines) < len(self.buckets):
             bucket = self.buckets[len(self.engines)]
-        engine = Timed(self.inner.instance(wid, bucket, tp, replicas, up_at), self.latencies)
+        engine = Timed(self.inner.instance(wid, bucket, tp, replicas, up_at), self.latencies, self.batches)
         self.engines.append(engine)
         return engine
 
@@ -241,11 +253,26 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
              "turns_per_bucket": {"measured": dict(Counter(t["bucket"] for t in run.turns)),
                                   "simulated": dict(Counter(e.bucket for e in engines.engines
                                                             for _ in range(e.routed)))},
-             "s_per_token_by_batch": per_token(run.turns, cost_rollout.instance(model, CPU_CORE, 1, rollout))}
+             "s_per_token_by_batch": per_token(run.turns, cost_rollout.instance(model, CPU_CORE, 1, rollout)),
+             "turn_batch_mean": [round(statistics.fmean(engines.batches), 1),
+                                 round(statistics.fmean(t["batch"] for t in run.turns), 1)],
+             "turn_p50_fitted_s": round(percentile(fitted_turns(run, cal, model), 50), 4)}
     return predicted, notes
 
 
 BATCHES = ((1, 4), (5, 16), (17, 64))
+
+
+def fitted_turns(run: Loaded, cal: Calibration, model: ModelSpec) -> list[float]:
+    """Each measured turn's seconds as the calibrated turn model predicts them at the turn's own
+    measured batch: the model alone, without the simulator's dynamics (which set the batch there)."""
+    engine = cost_rollout.instance(model, CPU_CORE, 1, cal.rollout_efficiency())
+    out = []
+    for t in run.turns:
+        batch, output, prompt = max(1, t["batch"]), t["output_tokens"], t["prompt_tokens"]
+        step = engine.decode_step_seconds(batch, batch * (prompt + output / 2.0))
+        out.append((engine.prefill_seconds(prompt) if prompt else 0.0) + output * step + engine.eff.request_s)
+    return out
 
 
 def per_token(turns: list[dict], engine) -> dict[str, list[float]]:
