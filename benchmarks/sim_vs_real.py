@@ -145,7 +145,9 @@ class Timed:
         setattr(self._inner, name, value)
 
     def advance(self, now: float) -> None:
-        object.__setattr__(self, "_area", self._area + self._inner.seqs * max(0.0, now - self._inner.last))
+        inner = self._inner
+        running = inner.seqs if hasattr(inner, "seqs") else len(inner.running)  # cost-model or simple instance
+        object.__setattr__(self, "_area", self._area + running * max(0.0, now - inner.last))
         self._inner.advance(now)
 
     def enqueue(self, unit) -> None:

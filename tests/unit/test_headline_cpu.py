@@ -7,6 +7,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
+import pytest
 import yaml
 
 from libra.config import load_run_config
@@ -79,7 +80,8 @@ def test_applied_plans_become_scripted_changes_after_the_step_they_followed():
 
 def test_timed_engine_records_arrival_to_last_token():
     latencies: list[float] = []
-    engine = sim_vs_real.Timed(SimpleModel().instance("w", "b", 1, 1, 0.0), latencies)
+    batches: list[float] = []
+    engine = sim_vs_real.Timed(SimpleModel().instance("w", "b", 1, 1, 0.0), latencies, batches)
     spec = TrajectorySpec("t0", "p", 0, 4, (TurnSpec(10),))
     unit = Unit(spec, 1, 4.0, 0, 10.0, 4.0)
     engine.advance(2.0)
@@ -89,6 +91,7 @@ def test_timed_engine_records_arrival_to_last_token():
     engine.advance(done)
     assert engine.complete() is unit
     assert latencies == [done - 2.0] and done > 2.0
+    assert batches == [pytest.approx(1.0)]  # the one sequence ran alone from its admission to its end
     engine.up = True  # attributes the simulator sets land on the engine itself
     assert engine._inner.up is True
 
