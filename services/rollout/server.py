@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import pathlib
 import time
 
 import grpc
@@ -75,6 +76,7 @@ class RolloutService(Service):
         self._channels: list = []
         self.gateway = None  # the OpenAI-compatible endpoint, when rollout.openai_endpoint.enabled
         self._unknown_workers: set[str] = set()  # named by the scheduler, not ours: deregistered once
+        self._unknown_models: set[str] = set()  # base models named in Redis outside the run directory
         self._background: set[asyncio.Task] = set()
 
     def service_names(self) -> list[str]:
@@ -131,7 +133,7 @@ class RolloutService(Service):
                 return True
             if early and early[0].done() and not early[0].cancelled() and early[0].exception():
                 return True  # the early start failed: stop waiting, the caller raises its error
-            if not early and (base := await self.store.base_model()):
+            if not early and (base := await self.store.base_model()) and self._own_model(base):
                 _log.info("starting workers on the base model while the trainer prepares its first version",
                           model=base)
                 early.append(asyncio.get_running_loop().create_task(self.pool.start(plan, base, 0)))
@@ -147,6 +149,16 @@ class RolloutService(Service):
         if "v" not in found:
             await early[0]  # raises why the workers could not start
         return (*found["v"], early[0] if early else None)
+
+    def _own_model(self, path: str) -> bool:
+        """Whether `path` (from Redis) is a directory of this run's: workers start on nothing else."""
+        if pathlib.Path(path).resolve().is_relative_to(self.config.run_path.resolve()):
+            return True
+        if path not in self._unknown_models:
+            self._unknown_models.add(path)
+            _log.warning("the base model named in Redis is outside the run directory; the workers wait "
+                         "for version 1 instead", model=path, run_dir=str(self.config.run_path))
+        return False
 
     async def _join_early(self, early: asyncio.Task, path: str, version: int) -> None:
         """Workers started on the base model load `version` from `path`, then join (none serves before)."""

@@ -1,7 +1,8 @@
 """The gateway's workers start while the trainer prepares its first version (real hf engine workers,
 real Redis, the real RolloutService).
 
-- Nothing starts before the trainer names the run's base model; once it does, the plan's workers
+- Nothing starts before the trainer names the run's base model (nor on a model Redis names outside
+  the run directory); once it does, the plan's workers
   start on it, and when version 1 is on disk (here: other weights than the base's) they load it
   and join routing only then, serving exactly version 1's weights.
 - With a version already on disk (a restarted gateway) nothing starts early: the workers start on
@@ -51,16 +52,22 @@ def test_workers_start_on_the_base_model_and_join_once_they_hold_version_1(weigh
     gateway.store, gateway.membership = store, Joins()
     plan = Plan(0, None, (Bucket("short", 1, 100, 1),))
 
+    base = tmp_path / "run" / "model" / "base"
+    shutil.copytree(weights["base"], base)
+
     async def scenario() -> None:
         waiting = asyncio.create_task(gateway._wait_for_weights(plan))
         await asyncio.sleep(0.5)
         assert not gateway.pool.workers  # no base model named, no version: nothing starts
-        await store.set_base_model(str(weights["base"]))
+        await store.set_base_model(str(weights["base"]))  # a model outside the run directory: refused
+        await asyncio.sleep(1.2)
+        assert not gateway.pool.workers
+        await store.set_base_model(str(base))
         deadline = time.monotonic() + 10
         while not gateway.pool.workers and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         worker = gateway.pool.workers["short-0"]
-        assert str(worker.process.model_dir) == str(weights["base"])
+        assert worker.process.model_dir == base
         v1 = tmp_path / "run" / "weights" / "v1"
         shutil.copytree(weights["v1"], v1)
         assert await store.publish_version(1, str(v1))
