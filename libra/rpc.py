@@ -242,8 +242,8 @@ async def retry_until(attempt: Callable[[], Awaitable[bool]], what: str,
 
 
 async def wait_for_peers(addresses: dict[str, str], timeout_s: float | None = None) -> None:
-    """Block until every named peer reports SERVING (backoff between tries, at most 1 s: a health
+    """Block until every named peer reports SERVING (backoff between tries, at most 0.25 s: a health
     check costs a millisecond, and a longer wait after the peer is ready delays the whole start)."""
     for name, address in addresses.items():
         await retry_until(lambda a=address: peer_serving(a), f"peer {name} at {address}", timeout_s,
-                          max_backoff_s=1.0)
+                          max_backoff_s=0.25)
