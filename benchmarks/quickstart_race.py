@@ -1,6 +1,6 @@
 """Time to first learning: the quickstart against two synchronous baselines, side by side.
 
-    .venv/bin/python benchmarks/quickstart_race.py [--runs 3] [--quick] [--only NAME ...] [--json FILE]
+    .venv/bin/python benchmarks/quickstart_race.py [--runs 3] [--quick] [--only NAME ...] [--set KEY=VALUE] [--json FILE]
 
 Contenders, each run `--runs` times, one after the other (never two at once):
 
@@ -48,7 +48,6 @@ CONFIGS = {"quickstart": "configs/quickstart.yaml", "sync-colocated": "configs/s
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SAMPLE_S = 0.2
 WINDOW = 10
-SYNC_LOOP_ARGS: list[str] = []
 
 
 # ---- the process tree: memory and CPU, sampled ------------------------------------------------
@@ -189,15 +188,18 @@ def _free_port() -> int:
     return free_port()
 
 
-def command(contender: str, work: pathlib.Path, steps: int, seed: int) -> list[str]:
+def command(contender: str, work: pathlib.Path, steps: int, seed: int, overrides: tuple[str, ...] = ()) -> list[str]:
+    """The contender's command line; `overrides` (KEY=VALUE) go to the quickstart's `libra up` only."""
     config = str(ROOT / CONFIGS[contender])
     if contender == "sync-loop":
         extra = ["--steps", str(steps)] if steps else []
         return [sys.executable, str(ROOT / "benchmarks" / "sync_grpo_loop.py"), "--config", config,
-                "--out", str(work / "steps.jsonl"), "--set", f"seed={seed}", *extra, *SYNC_LOOP_ARGS]
+                "--out", str(work / "steps.jsonl"), "--set", f"seed={seed}", *extra]
     sets = [f"addresses.{s}=127.0.0.1:{_free_port()}" for s in ("planner", "elastic", "scheduler", "rollout",
                                                                  "trainer")]
     sets += ["metrics.base_port=0", "rollout.worker.base_port=0", f"seed={seed}"]
+    if contender == "quickstart":
+        sets += list(overrides)
     if steps:
         sets.append(f"trainer.steps={steps}")
     return [sys.executable, "-m", "libra.cli", "up", "--config", config, "--run-dir", str(work / "run"),
@@ -227,7 +229,7 @@ def run_once(contender: str, index: int, args: argparse.Namespace, env: dict[str
         work = pathlib.Path(scratch)
         log = open(work / "output.log", "w")
         started = time.time()
-        process = subprocess.Popen(command(contender, work, args.steps, seed_of(index)), cwd=ROOT, env=env, stdout=log,
+        process = subprocess.Popen(command(contender, work, args.steps, seed_of(index), tuple(args.set)), cwd=ROOT, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         monitor = TreeMonitor(process.pid)
         monitor.start()
@@ -319,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.65, help="10-step mean reward to reach")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
     parser.add_argument("--json", default="", help="write every run's figures here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for the quickstart's libra up only (try a setting against the baselines)")
     parser.add_argument("--keep", default="", help="keep each run's logs and run record under this directory")
     args = parser.parse_args(argv)
     if args.quick:
