@@ -2,9 +2,9 @@
 real Redis, the real RolloutService).
 
 - Nothing starts before the trainer names the run's base model (nor on a model Redis names outside
-  the run directory); once it does, the plan's workers
-  start on it, and when version 1 is on disk (here: other weights than the base's) they load it
-  and join routing only then, serving exactly version 1's weights.
+  the run directory); once it does, the plan's workers start on it, and when version 1 is on disk
+  (here: other weights than the base's) they load it and join routing only then, serving exactly
+  version 1's weights.
 - With a version already on disk (a restarted gateway) nothing starts early: the workers start on
   that version.
 """
@@ -66,15 +66,16 @@ def test_workers_start_on_the_base_model_and_join_once_they_hold_version_1(weigh
         deadline = time.monotonic() + 10
         while not gateway.pool.workers and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        worker = gateway.pool.workers["short-0"]
-        assert worker.process.model_dir == base
-        v1 = tmp_path / "run" / "weights" / "v1"
-        shutil.copytree(weights["v1"], v1)
-        assert await store.publish_version(1, str(v1))
-        version, path, early = await asyncio.wait_for(waiting, 120)
-        assert (version, path) == (1, str(v1)) and early is not None
-        assert gateway.membership.joined == []  # none joins before it holds version 1
         try:
+            assert list(gateway.pool.workers) == ["short-0"], "no worker started on the named base model"
+            worker = gateway.pool.workers["short-0"]
+            assert worker.process.model_dir == base
+            v1 = tmp_path / "run" / "weights" / "v1"
+            shutil.copytree(weights["v1"], v1)
+            assert await store.publish_version(1, str(v1))
+            version, path, early = await asyncio.wait_for(waiting, 120)
+            assert (version, path) == (1, str(v1)) and early is not None
+            assert gateway.membership.joined == []  # none joins before it holds version 1
             await gateway._join_early(early, path, version)
             assert gateway.membership.joined == [("short-0", 1)]
             assert await worker.client.policy_version() == 1
@@ -84,6 +85,7 @@ def test_workers_start_on_the_base_model_and_join_once_they_hold_version_1(weigh
             assert await asyncio.wait_for(gateway._wait_for_weights(plan), 10) == (1, str(v1), None)
             assert list(gateway.pool.workers) == ["short-0"]
         finally:
+            waiting.cancel()
             await gateway.pool.stop_all()
 
     arun(scenario())
