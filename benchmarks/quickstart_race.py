@@ -1,6 +1,7 @@
 """Time to first learning: the quickstart against two synchronous baselines, side by side.
 
-    .venv/bin/python benchmarks/quickstart_race.py [--runs 3] [--quick] [--only NAME ...] [--set KEY=VALUE] [--json FILE]
+    .venv/bin/python benchmarks/quickstart_race.py [--runs 3] [--quick] [--only NAME ...] [--set KEY=VALUE]
+                                                   [--json FILE]
 
 Contenders, each run `--runs` times, one after the other (never two at once):
 
@@ -188,7 +189,8 @@ def _free_port() -> int:
     return free_port()
 
 
-def command(contender: str, work: pathlib.Path, steps: int, seed: int, overrides: tuple[str, ...] = ()) -> list[str]:
+def command(contender: str, work: pathlib.Path, steps: int, seed: int,
+            overrides: tuple[str, ...] = ()) -> list[str]:
     """The contender's command line; `overrides` (KEY=VALUE) go to the quickstart's `libra up` only."""
     config = str(ROOT / CONFIGS[contender])
     if contender == "sync-loop":
@@ -229,7 +231,8 @@ def run_once(contender: str, index: int, args: argparse.Namespace, env: dict[str
         work = pathlib.Path(scratch)
         log = open(work / "output.log", "w")
         started = time.time()
-        process = subprocess.Popen(command(contender, work, args.steps, seed_of(index), tuple(args.set)), cwd=ROOT, env=env, stdout=log,
+        argv = command(contender, work, args.steps, seed_of(index), tuple(args.set))
+        process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         monitor = TreeMonitor(process.pid)
         monitor.start()
@@ -291,7 +294,8 @@ def table(results: list[Result], target: float) -> str:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(cell).ljust(widths[i]) for i, cell in enumerate(row)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(medians over the runs; 'not': runs whose 10-step mean never got there, counted as the slowest)"
+    return "\n".join(lines) + ("\n(medians over the runs; 'not': runs whose 10-step mean never got there, "
+                               "counted as the slowest)")
 
 
 def seed_of(index: int) -> int:
@@ -322,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
     parser.add_argument("--json", default="", help="write every run's figures here")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for the quickstart's libra up only (try a setting against the baselines)")
+                        help="a config override for the quickstart's libra up only (a setting against the baselines)")
     parser.add_argument("--keep", default="", help="keep each run's logs and run record under this directory")
     args = parser.parse_args(argv)
     if args.quick:
