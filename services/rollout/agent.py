@@ -63,6 +63,7 @@ class TurnOutcome:
     versions: list[int] = field(default_factory=list)  # the policy version of each id
     batch: float = 0.0  # mean requests in flight on the worker over the turn, itself included (0: unknown)
     gap: float = 0.0  # the trajectory's seconds since its previous turn outside tool calls (0: not measured)
+    trajectory_id: str = ""  # the trajectory it is a turn of
 
 
 @dataclass
@@ -201,7 +202,7 @@ class AgentRunner:
                                         seconds, False)
             outcome = TurnOutcome(list(generation.token_ids), list(generation.logprobs), versions[-1],
                                   decision.worker_id, decision.bucket, generation.finish_reason, seconds, attempt,
-                                  versions, generation.batch, gap)
+                                  versions, generation.batch, gap, trajectory.trajectory_id)
             state.append(outcome.token_ids, True, outcome.logprobs, versions)
             state.turns += 1
             state.generated += len(outcome.token_ids)

@@ -251,16 +251,18 @@ def test_each_turn_carries_the_trajectorys_time_since_its_previous_turn_outside_
             return episode
 
     router.route, router.tool_returned, runner.workload = slow_route, slow_report, Slow()
-    gaps = []
+    gaps, whose = [], []
 
     async def on_turn(outcome, context_tokens):
         gaps.append(outcome.gap)
+        whose.append(outcome.trajectory_id)
     runner.on_turn = on_turn
     queued = time.monotonic() - 0.2  # queued 0.2 s before a runner took it
     traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g0-s0", prompt_id="0", group_id="g0"), queued))
     assert traj.turns == 2 and traj.tool_events[0].seconds >= 0.6 and traj.reward == 1.0
     assert 0.25 <= gaps[0] < 0.55, gaps  # the queue and the route before the first turn (slack for a busy machine)
     assert 0.18 <= gaps[1] < 0.55, gaps  # the tool's report, the second route, the reward; not the 0.6 s tool call
+    assert whose == ["g0-s0", "g0-s0"]  # each turn record names its trajectory
 
 
 def test_the_answering_turn_is_recorded_even_when_scoring_fails(setup):
