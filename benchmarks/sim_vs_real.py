@@ -131,8 +131,10 @@ class Timed:
     """An engine that remembers when each turn arrived, how long it took to its last token, and the
     mean number of sequences the engine ran meanwhile (the batch a real turn record carries)."""
 
-    def __init__(self, inner, latencies: list[float], batches: list[float]):
+    def __init__(self, inner, latencies: list[float], batches: list[float],
+                 by_trajectory: dict[str, float] | None = None):
         object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_by_trajectory", {} if by_trajectory is None else by_trajectory)
         object.__setattr__(self, "_arrived", {})
         object.__setattr__(self, "_latencies", latencies)
         object.__setattr__(self, "_batches", batches)
@@ -160,6 +162,8 @@ class Timed:
         if arrived is not None:
             span = self._inner.last - arrived[0]
             self._latencies.append(span + self._inner.request_s)  # + the way back
+            tid = unit.spec.trajectory_id
+            self._by_trajectory[tid] = self._by_trajectory.get(tid, 0.0) + span + self._inner.request_s
             if span > 0:
                 self._batches.append((self._area - arrived[1]) / span)
         return unit
@@ -176,6 +180,7 @@ class TimedEngines:
 
     def __init__(self, inner: CostModelEngines, buckets: list[str] | None = None):
         self.inner, self.latencies, self.batches, self.engines, self.buckets = inner, [], [], [], buckets
+        self.by_trajectory: dict[str, float] = {}  # trajectory id -> its turns' seconds, route to reply
 
     def holds(self, tp: int) -> bool:
         return self.inner.holds(tp)
@@ -186,7 +191,8 @@ class TimedEngines:
     def instance(self, wid: str, bucket: str, tp: int, replicas: int, up_at: float):
         if self.buckets and len(self.engines) < len(self.buckets):
             bucket = self.buckets[len(self.engines)]
-        engine = Timed(self.inner.instance(wid, bucket, tp, replicas, up_at), self.latencies, self.batches)
+        engine = Timed(self.inner.instance(wid, bucket, tp, replicas, up_at), self.latencies, self.batches,
+                       self.by_trajectory)
         self.engines.append(engine)
         return engine
 
@@ -258,11 +264,39 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
              "s_per_token_by_batch": per_token(run.turns, cost_rollout.instance(model, CPU_CORE, 1, rollout)),
              "turn_batch_mean": [round(statistics.fmean(engines.batches), 1),
                                  round(statistics.fmean(t["batch"] for t in run.turns), 1)],
-             "turn_p50_fitted_s": round(percentile(fitted_turns(run, cal, model), 50), 4)}
+             "turn_p50_fitted_s": round(percentile(fitted_turns(run, cal, model), 50), 4),
+             "trajectory_time": trajectory_time(run, specs, engines.by_trajectory, rollout.turn_gap_s)}
     return predicted, notes
 
 
 BATCHES = ((1, 4), (5, 16), (17, 64))
+
+
+def trajectory_time(run: Loaded, specs: list, simulated: dict[str, float], gap_s: float) -> dict:
+    """Where a trajectory's time went, simulated against measured, over the trajectories both name
+    (turn records carry their trajectory since HistoryRecord field 20; {} for runs before it): its
+    model turns (route to reply), the gaps before them, its tool calls (the trace's, on both sides),
+    and the whole (their sum: mean and p90), each [simulated, measured], in seconds."""
+    measured: dict[str, list[float]] = {}
+    for turn in run.turns:
+        if turn.get("trajectory_id"):
+            row = measured.setdefault(turn["trajectory_id"], [0.0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += turn["seconds"]
+            row[2] += turn.get("gap_seconds", 0.0)
+    tools = {spec.trajectory_id: sum(t.latency_s for t in spec.turns) for spec in specs}
+    ids = [tid for tid in measured if tid in simulated and tid in tools]
+    if not ids:
+        return {}
+    sim_whole = [simulated[t] + measured[t][0] * gap_s + tools[t] for t in ids]
+    real_whole = [measured[t][1] + measured[t][2] + tools[t] for t in ids]
+
+    def pair(sim: list[float], real: list[float]) -> list[float]:
+        return [round(statistics.fmean(sim), 4), round(statistics.fmean(real), 4)]
+    return {"trajectories": len(ids), "turns_s": pair([simulated[t] for t in ids], [measured[t][1] for t in ids]),
+            "gaps_s": pair([measured[t][0] * gap_s for t in ids], [measured[t][2] for t in ids]),
+            "tools_s": round(statistics.fmean(tools[t] for t in ids), 4), "whole_s": pair(sim_whole, real_whole),
+            "whole_p90_s": [round(percentile(sim_whole, 90), 4), round(percentile(real_whole, 90), 4)]}
 
 
 def fitted_turns(run: Loaded, cal: Calibration, model: ModelSpec) -> list[float]:
