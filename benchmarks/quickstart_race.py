@@ -304,7 +304,7 @@ def seed_of(index: int) -> int:
     return index - 1
 
 
-def warm_cache(env: dict[str, str], seed: int) -> None:
+def warm_cache(env: dict[str, str], seed: int = 0) -> None:
     """Build the quickstart's warm-started model of `seed` into the cache once (not timed), so every
     contender starts from the same cached weights; says how long a first run's warm start takes."""
     code = ("import sys, tempfile, time, pathlib; sys.path.insert(0, '.');"
