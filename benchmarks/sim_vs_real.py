@@ -285,6 +285,12 @@ def trajectory_time(run: Loaded, specs: list, simulated: dict[str, float], gap_s
             row[1] += turn["seconds"]
             row[2] += turn.get("gap_seconds", 0.0)
     tools = {spec.trajectory_id: sum(t.latency_s for t in spec.turns) for spec in specs}
+    played: dict[str, tuple[int, float]] = {}  # the run's id -> (batch, seconds) of its first copy played
+    for sim_id, seconds in simulated.items():  # files.batches names a copy s{batch}-{id}-{index}
+        match = re.fullmatch(r"s(\d+)-(.+)-\d+", sim_id)
+        if match and (match.group(2) not in played or int(match.group(1)) < played[match.group(2)][0]):
+            played[match.group(2)] = (int(match.group(1)), seconds)
+    simulated = {tid: seconds for tid, (_, seconds) in played.items()}
     ids = [tid for tid in measured if tid in simulated and tid in tools]
     if not ids:
         return {}
