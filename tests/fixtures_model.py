@@ -80,3 +80,10 @@ def make_random_llama(path: str | Path, seed: int = 0, hidden_size: int = 64,
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def two_weight_sets(root: Path) -> dict[str, Path]:
+    """Two weight sets of one architecture under `root`: "base" and "sharp" (its output head 3x),
+    so a test can tell which one an engine serves from its log-probs."""
+    return {"base": make_random_llama(root / "base", seed=0),
+            "sharp": make_random_llama(root / "sharp", seed=0, lm_head_scale=3.0)}

@@ -186,11 +186,9 @@ def test_generations_replace_each_other_and_a_cancelled_rendezvous_ends_at_once(
 # ---- the trainer, the gateway and hf engines --------------------------------------------------------
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from tests.fixtures_model import make_random_llama
+    from tests.fixtures_model import two_weight_sets
 
-    root = tmp_path_factory.mktemp("weights")
-    return {"base": make_random_llama(root / "base", seed=0),
-            "sharp": make_random_llama(root / "sharp", seed=0, lm_head_scale=3.0)}
+    return two_weight_sets(tmp_path_factory.mktemp("weights"))
 
 
 class InProcessRollout:

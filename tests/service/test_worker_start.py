@@ -22,11 +22,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from tests.fixtures_model import make_random_llama
+    from tests.fixtures_model import two_weight_sets
 
-    root = tmp_path_factory.mktemp("weights")
-    return {"base": make_random_llama(root / "base", seed=0),
-            "v1": make_random_llama(root / "v1", seed=0, lm_head_scale=3.0)}
+    return two_weight_sets(tmp_path_factory.mktemp("weights"))  # version 1 will be "sharp"
 
 
 class Joins:
@@ -71,7 +69,7 @@ def test_workers_start_on_the_base_model_and_join_once_they_hold_version_1(weigh
             worker = gateway.pool.workers["short-0"]
             assert worker.process.model_dir == base
             v1 = tmp_path / "run" / "weights" / "v1"
-            shutil.copytree(weights["v1"], v1)
+            shutil.copytree(weights["sharp"], v1)
             assert await store.publish_version(1, str(v1))
             version, path, early = await asyncio.wait_for(waiting, 120)
             assert (version, path) == (1, str(v1)) and early is not None
@@ -80,7 +78,7 @@ def test_workers_start_on_the_base_model_and_join_once_they_hold_version_1(weigh
             assert gateway.membership.joined == [("short-0", 1)]
             assert await worker.client.policy_version() == 1
             turn = await worker.client.generate(PROMPT, 8, temperature=0.0)
-            assert turn.logprobs == pytest.approx(trainer_logprobs(weights["v1"], PROMPT, turn.token_ids), abs=2e-4)
+            assert turn.logprobs == pytest.approx(trainer_logprobs(weights["sharp"], PROMPT, turn.token_ids), abs=2e-4)
             # a restarted gateway: version 1 is on disk, so nothing starts early
             assert await asyncio.wait_for(gateway._wait_for_weights(plan), 10) == (1, str(v1), None)
             assert list(gateway.pool.workers) == ["short-0"]
