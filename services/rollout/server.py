@@ -8,6 +8,7 @@
                  missed it leaves routing, one that caught up comes back
  start: workers start on the base model as soon as the trainer names it (Redis), load version 1
         when it is on disk, then join; a restarted gateway starts them on the latest version
+        (first_start.py)
  restart: every QUEUED/RUNNING trajectory of an unfinished group is queued again (none lost,
           none counted twice: a stream entry is written once, when a trajectory completes); what
           the dead gateway's workers still held (ports) was stopped first (libra.runtime: adopt)
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import pathlib
 import time
 
 import grpc
@@ -31,10 +31,11 @@ from libra import log as liblog
 from libra.config import RunConfig
 from libra.errors import FailedPrecondition, InvalidArgument, LibraError, Unavailable
 from libra.plans import Bucket, Plan, from_proto
-from libra.rpc import channel, retry_until, wait_for_peers
+from libra.rpc import channel, wait_for_peers
 from libra.runtime import Service, serve as run_service
 from libra.service_base import connect_store
 from libra.services.rollout.agent import AgentRunner, TurnOutcome
+from libra.services.rollout.first_start import FirstStart
 from libra.services.rollout.membership import Membership
 from libra.services.rollout.router import SchedulerRouter
 from libra.services.rollout.servicer import RolloutServicer
@@ -76,7 +77,6 @@ class RolloutService(Service):
         self._channels: list = []
         self.gateway = None  # the OpenAI-compatible endpoint, when rollout.openai_endpoint.enabled
         self._unknown_workers: set[str] = set()  # named by the scheduler, not ours: deregistered once
-        self._unknown_models: set[str] = set()  # base models named in Redis outside the run directory
         self._background: set[asyncio.Task] = set()
 
     def service_names(self) -> list[str]:
@@ -98,7 +98,8 @@ class RolloutService(Service):
         await wait_for_peers({s: self.config.address_of(s) for s in ("planner", "scheduler", "elastic")})
         plan = from_proto(await planner_pb2_grpc.PlannerStub(self._channel("planner")).GetPlan(
             planner_pb2.GetPlanRequest(run_id=self.run_id), timeout=10))
-        version, path, early = await self._wait_for_weights(plan)
+        first = FirstStart(self.store, self.pool, self.config.run_path)
+        version, path, early = await first.wait(plan)
         workload = build_workload(self.config.workload)
         tokenizer = load_tokenizer(path, light=True)  # no transformers (nor torch) in the gateway where it can
         router = SchedulerRouter(self._channel("scheduler", wait_for_ready=True), self.run_id)  # it may restart
@@ -109,7 +110,8 @@ class RolloutService(Service):
                                   stop_token_ids(tokenizer, workload) + [tokenizer.eos_token_id], self.config.seed)
         self.runner.on_turn = self._record_turn
         if early is not None:
-            await self._join_early(early, path, version)
+            for worker in await first.load(early, path, version):  # none joins before it holds it
+                await self.membership.join(worker)
         else:
             await self._start_plan(plan, path, version)
         await self.membership.forget_others()
@@ -118,60 +120,6 @@ class RolloutService(Service):
             from libra.services.rollout.openai_gateway import OpenAIGateway
 
             self.gateway = await OpenAIGateway(self).start()
-
-    async def _wait_for_weights(self, plan: Plan) -> tuple[int, str, asyncio.Task | None]:
-        """The latest policy version on disk (the trainer writes the warm-started model first). While
-        there is none yet, the plan's workers start on the run's base model as soon as the trainer
-        names it (the task returned), so their start-up overlaps the trainer's."""
-        found: dict[str, tuple[int, str]] = {}
-        early: list[asyncio.Task] = []
-
-        async def published() -> bool:
-            latest = await self.store.latest_on_disk()
-            if latest is not None:
-                found["v"] = (latest.version, latest.path)
-                return True
-            if early and early[0].done() and not early[0].cancelled() and early[0].exception():
-                return True  # the early start failed: stop waiting, the caller raises its error
-            if not early and (base := await self.store.base_model()) and self._own_model(base):
-                _log.info("starting workers on the base model while the trainer prepares its first version",
-                          model=base)
-                early.append(asyncio.get_running_loop().create_task(self.pool.start(plan, base, 0)))
-            return False
-
-        _log.info("waiting for the first published policy version")
-        try:
-            await retry_until(published, "the trainer's first weights", max_backoff_s=0.5)
-        except BaseException:
-            for task in early:
-                task.cancel()
-            raise
-        if "v" not in found:
-            await early[0]  # raises why the workers could not start
-        return (*found["v"], early[0] if early else None)
-
-    def _own_model(self, path: str) -> bool:
-        """Whether `path` (from Redis) is a directory of this run's: workers start on nothing else."""
-        if pathlib.Path(path).resolve().is_relative_to(self.config.run_path.resolve()):
-            return True
-        if path not in self._unknown_models:
-            self._unknown_models.add(path)
-            _log.warning("the base model named in Redis is outside the run directory; the workers wait "
-                         "for version 1 instead", model=path, run_dir=str(self.config.run_path))
-        return False
-
-    async def _join_early(self, early: asyncio.Task, path: str, version: int) -> None:
-        """Workers started on the base model load `version` from `path`, then join (none serves before)."""
-        workers = await early
-        results = await asyncio.gather(*(w.client.load_weights(path, version) for w in workers),
-                                       return_exceptions=True)
-        for worker, result in zip(workers, results):
-            if isinstance(result, BaseException):
-                raise Unavailable(f"worker {worker.worker_id} started on the base model could not load "
-                                  f"v{version} from {path}: {result}")
-            worker.version = version
-        for worker in workers:
-            await self.membership.join(worker)
 
     async def _start_plan(self, plan: Plan, path: str, version: int) -> list:
         workers = await self.pool.start(plan, path, version)
