@@ -58,22 +58,19 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from headline_cpu import DESIGNS  # noqa: E402
 from kept_runs import Loaded, load, measured, percentile, trainer_overheads  # noqa: E402
+from sim_probes import CPU_CORE, TimedEngines, fitted_turns, per_token, trajectory_time  # noqa: E402
 from libra.routing.registry import make_policy  # noqa: E402
 from libra.services.planner import cost_rollout  # noqa: E402
 from libra.services.planner.calibration import Calibration  # noqa: E402
 from libra.services.planner.cost_rollout import RolloutEfficiency  # noqa: E402
 from libra.services.planner.cost_train import Layout, TrainEfficiency  # noqa: E402
-from libra.services.planner.hardware import GpuSpec, ModelSpec  # noqa: E402
+from libra.services.planner.hardware import ModelSpec  # noqa: E402
 from libra.services.planner.search import Candidate, SearchConfig  # noqa: E402
 from libra.services.planner.sim import control  # noqa: E402
 from libra.services.planner.sim.cluster import SimConfig, Simulator  # noqa: E402
 from libra.services.planner.sim.engines import CostModelEngines  # noqa: E402
 from libra.traces import files  # noqa: E402
 
-# One core of this machine as the cost model's "device": nominal figures (fp32 on a 2-core VM);
-# the calibration corrects the efficiencies that scale them.
-CPU_CORE = GpuSpec(name="cpu-core", source="nominal: one core of the dev machine, fp32", memory_gib=8.0,
-                   hbm_gbps=10.0, bf16_tflops=0.05, nvlink_gbps=0.0, internode_gbps=10.0, gpus_per_node=2)
 FIGURES = ("step_s", "turn_p50_s", "turn_p90_s", "busy_train", "busy_rollout")
 LABELS = {"step_s": "step time (s)", "turn_p50_s": "turn latency p50 (s)", "turn_p90_s": "turn latency p90 (s)",
           "busy_train": "busy fraction, training", "busy_rollout": "busy fraction, rollout workers"}
@@ -125,76 +122,6 @@ def plans(run: Loaded, first: Candidate) -> dict[int, control.PlanChange]:
         step = max(0, version - 2)
         changes[step] = control.PlanChange(Candidate(layout, rollout, 0.0, 0.0), 0.0, decision.get("reason", ""))
     return changes
-
-
-class Timed:
-    """An engine that remembers when each turn arrived, how long it took to its last token, and the
-    mean number of sequences the engine ran meanwhile (the batch a real turn record carries)."""
-
-    def __init__(self, inner, latencies: list[float], batches: list[float],
-                 by_trajectory: dict[str, float] | None = None):
-        object.__setattr__(self, "_inner", inner)
-        object.__setattr__(self, "_by_trajectory", {} if by_trajectory is None else by_trajectory)
-        object.__setattr__(self, "_arrived", {})
-        object.__setattr__(self, "_latencies", latencies)
-        object.__setattr__(self, "_batches", batches)
-        object.__setattr__(self, "_area", 0.0)  # integral of running sequences over time
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._inner, name, value)
-
-    def advance(self, now: float) -> None:
-        inner = self._inner
-        running = inner.seqs if hasattr(inner, "seqs") else len(inner.running)  # cost-model or simple instance
-        object.__setattr__(self, "_area", self._area + running * max(0.0, now - inner.last))
-        self._inner.advance(now)
-
-    def enqueue(self, unit) -> None:
-        self._arrived[id(unit)] = (self._inner.last, self._area)  # the simulator advanced the engine to now
-        self._inner.enqueue(unit)
-
-    def complete(self):
-        unit = self._inner.complete()
-        arrived = self._arrived.pop(id(unit), None)
-        if arrived is not None:
-            span = self._inner.last - arrived[0]
-            self._latencies.append(span + self._inner.request_s)  # + the way back
-            tid = unit.spec.trajectory_id
-            self._by_trajectory[tid] = self._by_trajectory.get(tid, 0.0) + span + self._inner.request_s
-            if span > 0:
-                self._batches.append((self._area - arrived[1]) / span)
-        return unit
-
-    def evict(self):
-        units = self._inner.evict()
-        for unit in units:
-            self._arrived.pop(id(unit), None)
-        return units
-
-
-class TimedEngines:
-    """Timed engines, named into the run's own buckets in the order the simulator creates them."""
-
-    def __init__(self, inner: CostModelEngines, buckets: list[str] | None = None):
-        self.inner, self.latencies, self.batches, self.engines, self.buckets = inner, [], [], [], buckets
-        self.by_trajectory: dict[str, float] = {}  # trajectory id -> its turns' seconds, route to reply
-
-    def holds(self, tp: int) -> bool:
-        return self.inner.holds(tp)
-
-    def max_context_tokens(self) -> float:
-        return self.inner.max_context_tokens()
-
-    def instance(self, wid: str, bucket: str, tp: int, replicas: int, up_at: float):
-        if self.buckets and len(self.engines) < len(self.buckets):
-            bucket = self.buckets[len(self.engines)]
-        engine = Timed(self.inner.instance(wid, bucket, tp, replicas, up_at), self.latencies, self.batches,
-                       self.by_trajectory)
-        self.engines.append(engine)
-        return engine
 
 
 class RunBuckets(Simulator):
@@ -267,69 +194,6 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
              "turn_p50_fitted_s": round(percentile(fitted_turns(run, cal, model), 50), 4),
              "trajectory_time": trajectory_time(run, specs, engines.by_trajectory, rollout.turn_gap_s)}
     return predicted, notes
-
-
-BATCHES = ((1, 4), (5, 16), (17, 64))
-
-
-def trajectory_time(run: Loaded, specs: list, simulated: dict[str, float], gap_s: float) -> dict:
-    """Where a trajectory's time went, simulated against measured, over the trajectories both name
-    (turn records carry their trajectory since HistoryRecord field 20; {} for runs before it): its
-    model turns (route to reply), the gaps before them, its tool calls (the trace's, on both sides),
-    and the whole (their sum: mean and p90), each [simulated, measured], in seconds."""
-    measured: dict[str, list[float]] = {}
-    for turn in run.turns:
-        if turn.get("trajectory_id"):
-            row = measured.setdefault(turn["trajectory_id"], [0.0, 0.0, 0.0])
-            row[0] += 1
-            row[1] += turn["seconds"]
-            row[2] += turn.get("gap_seconds", 0.0)
-    tools = {spec.trajectory_id: sum(t.latency_s for t in spec.turns) for spec in specs}
-    played: dict[str, tuple[int, float]] = {}  # the run's id -> (batch, seconds) of its first copy played
-    for sim_id, seconds in simulated.items():  # files.batches names a copy s{batch}-{id}-{index}
-        match = re.fullmatch(r"s(\d+)-(.+)-\d+", sim_id)
-        if match and (match.group(2) not in played or int(match.group(1)) < played[match.group(2)][0]):
-            played[match.group(2)] = (int(match.group(1)), seconds)
-    simulated = {tid: seconds for tid, (_, seconds) in played.items()}
-    ids = [tid for tid in measured if tid in simulated and tid in tools]
-    if not ids:
-        return {}
-    sim_whole = [simulated[t] + measured[t][0] * gap_s + tools[t] for t in ids]
-    real_whole = [measured[t][1] + measured[t][2] + tools[t] for t in ids]
-
-    def pair(sim: list[float], real: list[float]) -> list[float]:
-        return [round(statistics.fmean(sim), 4), round(statistics.fmean(real), 4)]
-    return {"trajectories": len(ids), "turns_s": pair([simulated[t] for t in ids], [measured[t][1] for t in ids]),
-            "gaps_s": pair([measured[t][0] * gap_s for t in ids], [measured[t][2] for t in ids]),
-            "tools_s": round(statistics.fmean(tools[t] for t in ids), 4), "whole_s": pair(sim_whole, real_whole),
-            "whole_p90_s": [round(percentile(sim_whole, 90), 4), round(percentile(real_whole, 90), 4)]}
-
-
-def fitted_turns(run: Loaded, cal: Calibration, model: ModelSpec) -> list[float]:
-    """Each measured turn's seconds as the calibrated turn model predicts them at the turn's own
-    measured batch: the model alone, without the simulator's dynamics (which set the batch there)."""
-    engine = cost_rollout.instance(model, CPU_CORE, 1, cal.rollout_efficiency())
-    out = []
-    for t in run.turns:
-        batch, output, prompt = max(1, t["batch"]), t["output_tokens"], t["prompt_tokens"]
-        step = engine.decode_step_seconds(batch, batch * (prompt + output / 2.0))
-        out.append((engine.prefill_seconds(prompt) if prompt else 0.0) + output * step + engine.eff.request_s)
-    return out
-
-
-def per_token(turns: list[dict], engine) -> dict[str, list[float]]:
-    """Turn seconds per generated token by the worker's batch (measured), beside the calibrated
-    cost model's decode step at that batch (context 30 tokens a sequence): is the step's cost
-    flat in the batch, as on a CPU running a tiny model, or growing, as the cost model says?"""
-    found = {}
-    for lo, hi in BATCHES:
-        chosen = [t for t in turns if lo <= t["batch"] <= hi]
-        tokens = sum(t["output_tokens"] for t in chosen)
-        if tokens:
-            middle = (lo + hi) // 2
-            found[f"{lo}-{hi}"] = [round(sum(t["seconds"] for t in chosen) / tokens, 4),
-                                   round(engine.decode_step_seconds(middle, middle * 30), 4)]
-    return found
 
 
 def _group_order(spec) -> tuple:

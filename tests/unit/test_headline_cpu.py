@@ -1,4 +1,4 @@
-"""benchmarks/headline_cpu.py and sim_vs_real.py without a run: every design's `libra up` command
+"""benchmarks/headline_cpu.py, sim_vs_real.py and sim_probes.py without a run: every design's `libra up` command
 is a valid config with its overrides applied, the reward helpers, the plan parsing and the
 engine wrapper that times turns in the simulator."""
 
@@ -21,6 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import headline_cpu  # noqa: E402
+import sim_probes  # noqa: E402
 import sim_vs_real  # noqa: E402
 
 
@@ -81,7 +82,7 @@ def test_applied_plans_become_scripted_changes_after_the_step_they_followed():
 def test_timed_engine_records_arrival_to_last_token():
     latencies: list[float] = []
     batches: list[float] = []
-    engine = sim_vs_real.Timed(SimpleModel().instance("w", "b", 1, 1, 0.0), latencies, batches)
+    engine = sim_probes.Timed(SimpleModel().instance("w", "b", 1, 1, 0.0), latencies, batches)
     spec = TrajectorySpec("t0", "p", 0, 4, (TurnSpec(10),))
     unit = Unit(spec, 1, 4.0, 0, 10.0, 4.0)
     engine.advance(2.0)
@@ -97,7 +98,7 @@ def test_timed_engine_records_arrival_to_last_token():
 
 
 def test_timed_engines_take_the_runs_bucket_names_in_creation_order():
-    engines = sim_vs_real.TimedEngines(SimpleModel(), ["short", "long"])
+    engines = sim_probes.TimedEngines(SimpleModel(), ["short", "long"])
     names = [engines.instance(f"w{i}", "tp1", 1, 1, 0.0).bucket for i in range(3)]
     assert names == ["short", "long", "tp1"]  # past the run's buckets: the plan's own name
     assert len(engines.engines) == 3
