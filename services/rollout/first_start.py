@@ -73,8 +73,9 @@ class FirstStart:
         return workers
 
     def _inside_run(self, path: str) -> bool:
+        """A model directory inside the run's (one that is not there yet, or was removed: not now)."""
         if pathlib.Path(path).resolve().is_relative_to(self.run_path.resolve()):
-            return True
+            return (pathlib.Path(path) / "config.json").is_file()
         if path not in self._refused:
             self._refused.add(path)
             _log.warning("the base model named in Redis is outside the run directory; the workers wait "

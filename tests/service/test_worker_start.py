@@ -2,7 +2,7 @@
 (services/rollout/first_start.py; real hf engine workers, real Redis).
 
 - Nothing starts before the trainer names the run's base model (nor on a model Redis names outside
-  the run directory); once it does, the plan's workers start on it, and when version 1 is on disk
+  the run directory, nor on a directory with no model in it); once it does, the plan's workers start on it, and when version 1 is on disk
   (here: other weights than the base's) they load it before they are handed over (to join
   routing), serving exactly version 1's weights.
 - With a version already on disk (a restarted gateway) nothing starts early: the workers start on
@@ -48,6 +48,9 @@ def test_workers_start_on_the_base_model_and_hold_version_1_before_they_are_hand
         await asyncio.sleep(0.5)
         assert not pool.workers  # no base model named, no version: nothing starts
         await store.set_base_model(str(weights["base"]))  # a model outside the run directory: refused
+        await asyncio.sleep(1.2)
+        assert not pool.workers
+        await store.set_base_model(str(run_dir / "model" / "gone"))  # inside, but no model there: not yet
         await asyncio.sleep(1.2)
         assert not pool.workers
         await store.set_base_model(str(base))
