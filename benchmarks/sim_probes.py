@@ -98,7 +98,8 @@ def trajectory_time(run: Loaded, specs: list, simulated: dict[str, float], gap_s
     """Where a trajectory's time went, simulated against measured, over the trajectories both name
     (turn records carry their trajectory since HistoryRecord field 20; {} for runs before it): its
     model turns (route to reply), the gaps before them, its tool calls (the trace's, on both sides),
-    and the whole (their sum: mean and p90), each [simulated, measured], in seconds."""
+    and the whole (their sum: mean, p90 and, like each part, the standard deviation over the
+    trajectories), each [simulated, measured], in seconds."""
     measured: dict[str, list[float]] = {}
     for turn in run.turns:
         if turn.get("trajectory_id"):
@@ -121,10 +122,16 @@ def trajectory_time(run: Loaded, specs: list, simulated: dict[str, float], gap_s
 
     def pair(sim: list[float], real: list[float]) -> list[float]:
         return [round(statistics.fmean(sim), 4), round(statistics.fmean(real), 4)]
-    return {"trajectories": len(ids), "turns_s": pair([simulated[t] for t in ids], [measured[t][1] for t in ids]),
-            "gaps_s": pair([measured[t][0] * gap_s for t in ids], [measured[t][2] for t in ids]),
+    sim_turns, real_turns = [simulated[t] for t in ids], [measured[t][1] for t in ids]
+    sim_gaps, real_gaps = [measured[t][0] * gap_s for t in ids], [measured[t][2] for t in ids]
+
+    def spread(sim: list[float], real: list[float]) -> list[float]:
+        return [round(statistics.pstdev(sim), 4), round(statistics.pstdev(real), 4)]
+    return {"trajectories": len(ids), "turns_s": pair(sim_turns, real_turns), "gaps_s": pair(sim_gaps, real_gaps),
             "tools_s": round(statistics.fmean(tools[t] for t in ids), 4), "whole_s": pair(sim_whole, real_whole),
-            "whole_p90_s": [round(percentile(sim_whole, 90), 4), round(percentile(real_whole, 90), 4)]}
+            "whole_p90_s": [round(percentile(sim_whole, 90), 4), round(percentile(real_whole, 90), 4)],
+            "sd_s": {"turns": spread(sim_turns, real_turns), "gaps": spread(sim_gaps, real_gaps),
+                     "whole": spread(sim_whole, real_whole)}}
 
 
 def fitted_turns(run: Loaded, cal: Calibration, model: ModelSpec) -> list[float]:
