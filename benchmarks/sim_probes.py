@@ -99,10 +99,15 @@ def trajectory_time(run: Loaded, specs: list, simulated: dict[str, float], gap_s
     (turn records carry their trajectory since HistoryRecord field 20; {} for runs before it): its
     model turns (route to reply), the gaps before them, its tool calls (the trace's, on both sides),
     and the whole (their sum: mean, p90 and, like each part, the standard deviation over the
-    trajectories), each [simulated, measured], in seconds."""
+    trajectories), each [simulated, measured], in seconds; and the measured mean gap before a
+    trajectory's first turn (its queue and first route) and before its later ones."""
     measured: dict[str, list[float]] = {}
+    firsts: dict[str, tuple[float, float]] = {}  # trajectory -> (its first turn's start, that turn's gap)
     for turn in run.turns:
         if turn.get("trajectory_id"):
+            start = turn["timestamp"] - turn["seconds"]
+            if turn["trajectory_id"] not in firsts or start < firsts[turn["trajectory_id"]][0]:
+                firsts[turn["trajectory_id"]] = (start, turn.get("gap_seconds", 0.0))
             row = measured.setdefault(turn["trajectory_id"], [0.0, 0.0, 0.0])
             row[0] += 1
             row[1] += turn["seconds"]
@@ -131,7 +136,10 @@ def trajectory_time(run: Loaded, specs: list, simulated: dict[str, float], gap_s
             "tools_s": round(statistics.fmean(tools[t] for t in ids), 4), "whole_s": pair(sim_whole, real_whole),
             "whole_p90_s": [round(percentile(sim_whole, 90), 4), round(percentile(real_whole, 90), 4)],
             "sd_s": {"turns": spread(sim_turns, real_turns), "gaps": spread(sim_gaps, real_gaps),
-                     "whole": spread(sim_whole, real_whole)}}
+                     "whole": spread(sim_whole, real_whole)},
+            "measured_gap_s": {"first_turn": round(statistics.fmean(firsts[t][1] for t in ids), 4),
+                               "later_turns": round(sum(measured[t][2] - firsts[t][1] for t in ids)
+                                                    / max(1.0, sum(measured[t][0] - 1 for t in ids)), 4)}}
 
 
 def fitted_turns(run: Loaded, cal: Calibration, model: ModelSpec) -> list[float]:
