@@ -304,15 +304,17 @@ def seed_of(index: int) -> int:
     return index - 1
 
 
-def warm_cache(env: dict[str, str], seed: int = 0) -> None:
-    """Build the quickstart's warm-started model of `seed` into the cache once (not timed), so every
-    contender starts from the same cached weights; says how long a first run's warm start takes."""
+def warm_cache(env: dict[str, str], seeds: tuple[int, ...] = (0,)) -> None:
+    """Build the quickstart's warm-started model of each of `seeds` into the cache (not timed), so
+    every contender starts from the same cached weights; says how long a first run's warm start
+    takes. One process for all seeds: the imports are paid once."""
     code = ("import sys, tempfile, time, pathlib; sys.path.insert(0, '.');"
-            "from libra.config import load_run_config; from libra.services.trainer.model_state import base_model;"
-            "t = time.time(); d = pathlib.Path(tempfile.mkdtemp()) / 'base';"
-            f"hit = base_model(load_run_config('configs/quickstart.yaml', overrides={{'seed': {seed}}}), d);"
-            f"print('model cache, seed {seed}:', 'hit' if hit else "
-            "f'built in {time.time() - t:.0f} s (a first run pays this once)')")
+            "from libra.config import load_run_config; from libra.services.trainer.model_state import base_model\n"
+            f"for seed in {list(seeds)!r}:\n"
+            "    t = time.time(); d = pathlib.Path(tempfile.mkdtemp()) / 'base'\n"
+            "    hit = base_model(load_run_config('configs/quickstart.yaml', overrides={'seed': seed}), d)\n"
+            "    print(f'model cache, seed {seed}:', 'hit' if hit else "
+            "f'built in {time.time() - t:.0f} s (a first run pays this once)', flush=True)")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
 
 
@@ -334,8 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
-    for index in range(1, args.runs + 1):
-        warm_cache(env, seed_of(index))
+    warm_cache(env, tuple(seed_of(index) for index in range(1, args.runs + 1)))
     results = []
     for index in range(1, args.runs + 1):
         for contender in args.only:  # interleaved, so a drift in the machine touches every contender alike

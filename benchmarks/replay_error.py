@@ -15,10 +15,12 @@ single calibration can correct (services/planner/audit.py measures it after each
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import time
 import types
 
+from libra.services.planner.config import ReplanSettings
 from libra.services.planner.cost_rollout import RolloutEfficiency
 from libra.services.planner.cost_train import TrainEfficiency
 from libra.services.planner.hardware import gpu_named, model_named
@@ -27,10 +29,11 @@ from libra.services.planner.sim import run as sim_run
 from libra.services.planner.sim.cluster import SimConfig
 from libra.services.planner.sim.rank import SimRanker
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from grp_eval import SEARCH, hindsight_candidates  # noqa: E402  (the evaluation's own candidates)
 
-MEASURED = 9  # the replay's measured steps (ReplanSettings.sim_window_steps' default): 8 intervals
+MEASURED = ReplanSettings().sim_window_steps  # the replay's measured steps, as the replanner's default
+SPAN = MEASURED - 1  # the intervals between them, the steps compared
 
 
 def main() -> int:
@@ -61,10 +64,10 @@ def main() -> int:
           f"({time.process_time() - started:.0f} CPU-s)", flush=True)
     sim, rollout, train = SimConfig(core_replicas=1), RolloutEfficiency(), TrainEfficiency()
     for step in args.at:
-        print(f"\nafter step {step}: replayed / whole run, seconds per step over steps {step - 8}..{step}")
+        print(f"\nafter step {step}: replayed / whole run, seconds per step over steps {step - SPAN}..{step}")
         print(f"  {'plan':>4} {'whole':>8} " + " ".join(f"{'warm ' + str(w):>15}" for w in args.warmups))
         for index, (candidate, result) in enumerate(whole):
-            truth = (result.steps[step].time_s - result.steps[step - 8].time_s) / 8
+            truth = (result.steps[step].time_s - result.steps[step - SPAN].time_s) / SPAN
             cells = []
             for warm in args.warmups:
                 ranker = SimRanker(model, gpu, config, sim, MEASURED, warm)

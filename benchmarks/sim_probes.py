@@ -6,7 +6,6 @@ trajectory's time split into turns, gaps and tools, simulated against measured.
 
 from __future__ import annotations
 
-import re
 import statistics
 
 from kept_runs import Loaded, percentile
@@ -14,6 +13,7 @@ from libra.services.planner import cost_rollout
 from libra.services.planner.calibration import Calibration
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.sim.engines import CostModelEngines
+from libra.traces import files
 
 # One core of this machine as the cost model's "device": nominal figures (fp32 on a 2-core VM);
 # the calibration corrects the efficiencies that scale them.
@@ -55,9 +55,10 @@ class Timed:
         arrived = self._arrived.pop(id(unit), None)
         if arrived is not None:
             span = self._inner.last - arrived[0]
-            self._latencies.append(span + self._inner.request_s)  # + the way back
+            latency = span + self._inner.request_s  # + the way back
+            self._latencies.append(latency)
             tid = unit.spec.trajectory_id
-            self._by_trajectory[tid] = self._by_trajectory.get(tid, 0.0) + span + self._inner.request_s
+            self._by_trajectory[tid] = self._by_trajectory.get(tid, 0.0) + latency
             if span > 0:
                 self._batches.append((self._area - arrived[1]) / span)
         return unit
@@ -114,21 +115,20 @@ def trajectory_time(run: Loaded, specs: list, simulated: dict[str, float], gap_s
             row[2] += turn.get("gap_seconds", 0.0)
     tools = {spec.trajectory_id: sum(t.latency_s for t in spec.turns) for spec in specs}
     played: dict[str, tuple[int, float]] = {}  # the run's id -> (batch, seconds) of its first copy played
-    for sim_id, seconds in simulated.items():  # files.batches names a copy s{batch}-{id}-{index}
-        match = re.fullmatch(r"s(\d+)-(.+)-\d+", sim_id)
-        if match and (match.group(2) not in played or int(match.group(1)) < played[match.group(2)][0]):
-            played[match.group(2)] = (int(match.group(1)), seconds)
-    simulated = {tid: seconds for tid, (_, seconds) in played.items()}
-    ids = [tid for tid in measured if tid in simulated and tid in tools]
+    for sim_id, seconds in simulated.items():
+        copy = files.copy_of(sim_id)
+        if copy and (copy[1] not in played or copy[0] < played[copy[1]][0]):
+            played[copy[1]] = (copy[0], seconds)
+    ids = [tid for tid in measured if tid in played and tid in tools]
     if not ids:
         return {}
-    sim_whole = [simulated[t] + measured[t][0] * gap_s + tools[t] for t in ids]
-    real_whole = [measured[t][1] + measured[t][2] + tools[t] for t in ids]
+    sim_turns, real_turns = [played[t][1] for t in ids], [measured[t][1] for t in ids]
+    sim_gaps, real_gaps = [measured[t][0] * gap_s for t in ids], [measured[t][2] for t in ids]
+    sim_whole = [turns + gaps + tools[t] for turns, gaps, t in zip(sim_turns, sim_gaps, ids)]
+    real_whole = [turns + gaps + tools[t] for turns, gaps, t in zip(real_turns, real_gaps, ids)]
 
     def pair(sim: list[float], real: list[float]) -> list[float]:
         return [round(statistics.fmean(sim), 4), round(statistics.fmean(real), 4)]
-    sim_turns, real_turns = [simulated[t] for t in ids], [measured[t][1] for t in ids]
-    sim_gaps, real_gaps = [measured[t][0] * gap_s for t in ids], [measured[t][2] for t in ids]
 
     def spread(sim: list[float], real: list[float]) -> list[float]:
         return [round(statistics.pstdev(sim), 4), round(statistics.pstdev(real), 4)]

@@ -28,6 +28,7 @@ import io
 import json
 import pathlib
 import random
+import re
 from typing import Iterable, Sequence
 
 from libra import trace_record
@@ -69,6 +70,15 @@ def batches(specs: Sequence[TrajectorySpec], steps: int, batch: int, source: str
         out.append(tuple(dataclasses.replace(spec, trajectory_id=f"s{step}-{spec.trajectory_id}-{i}", step=step)
                          for i, spec in enumerate(chosen)))
     return check(Trace(tuple(out), source))
+
+
+COPY_ID = re.compile(r"s(\d+)-(.+)-\d+")
+
+
+def copy_of(trajectory_id: str) -> tuple[int, str] | None:
+    """(batch, original id) of a copy `batches` named; None for any other id."""
+    match = COPY_ID.fullmatch(trajectory_id)
+    return (int(match.group(1)), match.group(2)) if match else None
 
 
 def from_pairs(pairs: Sequence[tuple[int, int]], steps: int, batch: int, source: str = "pairs") -> Trace:

@@ -161,3 +161,11 @@ def test_equal_depth_recuts_every_trajectory_to_the_same_number_of_tool_calls():
     assert synthetic.equal_depth(200, 4) == even  # deterministic; 3 calls by default
     with pytest.raises(InvalidArgument, match="tool_calls must be in 1..64"):
         synthetic.no_signal(10, 1, tool_calls=0)
+
+
+def test_a_batch_copy_names_its_batch_and_its_original():
+    specs = [TrajectorySpec("g0-s1", "7", 0, 5, (TurnSpec(3),)), TrajectorySpec("g1-s0", "8", 0, 5, (TurnSpec(4),))]
+    trace = files.batches(specs, 3, 1)
+    assert [files.copy_of(s.trajectory_id) for step in trace.steps for s in step] == [
+        (0, "g0-s1"), (1, "g1-s0"), (2, "g0-s1")]
+    assert files.copy_of("g0-s1") is None  # not a copy
