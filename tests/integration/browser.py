@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,11 +69,12 @@ def _errors(events: list[dict]) -> list[str]:
 async def _visit(page: pathlib.Path, expression: str, width: int, height: int | None) -> Visit:
     import aiohttp
 
-    with tempfile.TemporaryDirectory() as profile:
+    # chromium's helper processes may still write into the profile for a moment after it is killed
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         browser = subprocess.Popen(
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
              f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             url = None
             while url is None:  # "DevTools listening on ws://127.0.0.1:PORT/devtools/browser/ID"
@@ -86,7 +90,8 @@ async def _visit(page: pathlib.Path, expression: str, width: int, height: int | 
                 async with session.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
                     return await _drive(DevTools(ws), page, expression, width, height)
         finally:
-            browser.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(browser.pid, signal.SIGKILL)  # chromium and every helper it started
             browser.wait(timeout=30)
 
 
