@@ -30,9 +30,27 @@ def load(keep: pathlib.Path, entry: dict) -> Loaded:
     base = keep / entry["dir"]
     run_dir = base / "run"
     history = [json.loads(line) for line in (base / "history.jsonl").read_text().splitlines() if line.strip()]
+    turns = number_turns([h for h in history if h["kind"] == "turn"])
     return Loaded(entry["dir"], entry["design"], load_run_config(str(run_dir / "config.yaml")),
-                  run_record.load(run_dir), [h for h in history if h["kind"] == "turn"],
-                  [h for h in history if h["kind"] == "step"], run_dir / "trace.jsonl")
+                  run_record.load(run_dir), turns, [h for h in history if h["kind"] == "step"],
+                  run_dir / "trace.jsonl")
+
+
+def number_turns(turns: list[dict]) -> list[dict]:
+    """Turn records as the gateway writes them since HistoryRecord field 21: each with its place in
+    its trajectory (`turn_number`, 1 for the first). Runs recorded before it (field 20 named the
+    trajectory) get it from the order of their turns' starts; records naming no trajectory, 0."""
+    if all(t.get("turn_number") for t in turns):
+        return turns
+    order: dict[str, list[dict]] = {}
+    for t in turns:
+        t["turn_number"] = 0
+        if t.get("trajectory_id"):
+            order.setdefault(t["trajectory_id"], []).append(t)
+    for own in order.values():
+        for number, t in enumerate(sorted(own, key=lambda t: t["timestamp"] - t["seconds"]), 1):
+            t["turn_number"] = number
+    return turns
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -45,18 +63,34 @@ def measured(run: Loaded) -> dict[str, float]:
     start = ends[0] - steps[0]["scalars"]["time/step_s"]
     span = ends[-1] - start
     lat = [t["seconds"] for t in run.turns]
-    busy = {}  # worker -> [samples with a request in flight, samples]
-    for sample in run.record.rollout:
-        if start <= sample["t"] <= ends[-1]:
-            for worker in sample.get("workers", []):
-                if worker.get("state") in ("serving", "draining"):
-                    seen = busy.setdefault(worker["id"], [0, 0])
-                    seen[0] += worker.get("inflight", 0) > 0
-                    seen[1] += 1
     return {"step_s": statistics.fmean(b - a for a, b in zip(ends, ends[1:])),
             "turn_p50_s": percentile(lat, 50), "turn_p90_s": percentile(lat, 90),
             "busy_train": sum(s["scalars"]["time/train_s"] for s in steps) / span,
-            "busy_rollout": statistics.fmean(a / n for a, n in busy.values() if n) if busy else float("nan")}
+            "busy_rollout": busy_rollout(run.record.rollout, start, ends[-1])}
+
+
+def busy_rollout(samples: list[dict], start: float, end: float) -> float:
+    """The rollout workers' mean share of [start, end] with a request in flight: from each worker's
+    busy seconds in the rollout service's samples (`busy_s`, exact: the gateway integrates it)
+    between its first and last sample in the span, over their seconds; runs recorded before
+    `busy_s` from the share of samples that saw a request in flight (1-second samples of a ~1-second
+    step alias: uncertain by ~0.1)."""
+    exact, seen = {}, {}  # worker -> [(t, busy_s) first, last]; worker -> [samples in flight, samples]
+    for sample in samples:
+        if start <= sample["t"] <= end:
+            for worker in sample.get("workers", []):
+                if worker.get("state") not in ("serving", "draining"):
+                    continue
+                if "busy_s" in worker:
+                    row = exact.setdefault(worker["id"], [(sample["t"], worker["busy_s"])] * 2)
+                    row[1] = (sample["t"], worker["busy_s"])
+                counts = seen.setdefault(worker["id"], [0, 0])
+                counts[0] += worker.get("inflight", 0) > 0
+                counts[1] += 1
+    shares = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in exact.values() if b[0] > a[0]]
+    if shares:
+        return statistics.fmean(min(1.0, share) for share in shares)
+    return statistics.fmean(a / n for a, n in seen.values() if n) if seen else float("nan")
 
 
 def trainer_overheads(run: Loaded) -> dict[int, float]:

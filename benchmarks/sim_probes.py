@@ -11,6 +11,7 @@ import statistics
 from kept_runs import Loaded, percentile
 from libra.services.planner import cost_rollout
 from libra.services.planner.calibration import Calibration
+from libra.services.planner.gaps import GapSampler
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.sim.engines import CostModelEngines
 from libra.traces import files
@@ -33,6 +34,7 @@ class Timed:
         object.__setattr__(self, "_latencies", latencies)
         object.__setattr__(self, "_batches", batches)
         object.__setattr__(self, "_area", 0.0)  # integral of running sequences over time
+        object.__setattr__(self, "held", [])  # (arrival, reply back) of each turn: a request in flight
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -57,6 +59,7 @@ class Timed:
             span = self._inner.last - arrived[0]
             latency = span + self._inner.request_s  # + the way back
             self._latencies.append(latency)
+            self.held.append((arrived[0], arrived[0] + latency))
             tid = unit.spec.trajectory_id
             self._by_trajectory[tid] = self._by_trajectory.get(tid, 0.0) + latency
             if span > 0:
@@ -68,6 +71,18 @@ class Timed:
         for unit in units:
             self._arrived.pop(id(unit), None)
         return units
+
+
+def in_flight_share(intervals: list[tuple[float, float]], span: float) -> float:
+    """The share of [0, span] covered by the intervals: the time a worker had a request in flight,
+    as the gateway counts it (sent to reply received) and the measured busy fraction samples it."""
+    covered, reach = 0.0, 0.0
+    for start, end in sorted(intervals):
+        start, end = max(start, reach), min(end, span)
+        if end > start:
+            covered += end - start
+        reach = max(reach, end)
+    return covered / span if span > 0 else 0.0
 
 
 class TimedEngines:
@@ -95,7 +110,7 @@ class TimedEngines:
 BATCHES = ((1, 4), (5, 16), (17, 64))
 
 
-def trajectory_time(run: Loaded, specs: list, simulated: dict[str, float], gap_s: float) -> dict:
+def trajectory_time(run: Loaded, specs: list, simulated: dict[str, float], gaps: GapSampler | None) -> dict:
     """Where a trajectory's time went, simulated against measured, over the trajectories both name
     (turn records carry their trajectory since HistoryRecord field 20; {} for runs before it): its
     model turns (route to reply), the gaps before them, its tool calls (the trace's, on both sides),
@@ -114,16 +129,17 @@ def trajectory_time(run: Loaded, specs: list, simulated: dict[str, float], gap_s
             row[1] += turn["seconds"]
             row[2] += turn.get("gap_seconds", 0.0)
     tools = {spec.trajectory_id: sum(t.latency_s for t in spec.turns) for spec in specs}
-    played: dict[str, tuple[int, float]] = {}  # the run's id -> (batch, seconds) of its first copy played
+    played: dict[str, tuple[int, float, str]] = {}  # the run's id -> (batch, seconds, id) of its first copy played
     for sim_id, seconds in simulated.items():
         copy = files.copy_of(sim_id)
         if copy and (copy[1] not in played or copy[0] < played[copy[1]][0]):
-            played[copy[1]] = (copy[0], seconds)
+            played[copy[1]] = (copy[0], seconds, sim_id)
     ids = [tid for tid in measured if tid in played and tid in tools]
     if not ids:
         return {}
     sim_turns, real_turns = [played[t][1] for t in ids], [measured[t][1] for t in ids]
-    sim_gaps, real_gaps = [measured[t][0] * gap_s for t in ids], [measured[t][2] for t in ids]
+    sim_gaps = [sum(gaps.draw(played[t][2], k) for k in range(int(measured[t][0]))) if gaps else 0.0 for t in ids]
+    real_gaps = [measured[t][2] for t in ids]
     sim_whole = [turns + gaps + tools[t] for turns, gaps, t in zip(sim_turns, sim_gaps, ids)]
     real_whole = [turns + gaps + tools[t] for turns, gaps, t in zip(real_turns, real_gaps, ids)]
 

@@ -29,8 +29,10 @@ Per run, with nothing taken from the run but what the planner could know:
    turn's arrival at its engine to its last token, plus the calibrated time outside the engine),
    busy fraction per pool (training: training seconds / span, the trainer's overhead outside its
    timers not counted on either side; rollout: per worker, the fraction of the span it had a
-   request in flight (measured from the rollout service's samples of in-flight requests;
-   simulated: the engine's busy time), averaged over the workers).
+   request in flight, as the gateway counts one (sent to reply received; measured from the
+   rollout service's samples of its in-flight requests; simulated: each turn's arrival at its
+   engine to its reply's return, the calibrated time outside the engine included), averaged over
+   the workers; the simulated engines' own busy time is in the JSON lines, `sim_engine_busy`).
 
 Prints one JSON line per run (both sides of every figure, the turn fit's terms and the EWMAs,
 turns per bucket measured and simulated, training seconds measured and simulated, and turn
@@ -58,12 +60,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from headline_cpu import DESIGNS  # noqa: E402
 from kept_runs import Loaded, load, measured, percentile, trainer_overheads  # noqa: E402
-from sim_probes import CPU_CORE, TimedEngines, fitted_turns, per_token, trajectory_time  # noqa: E402
+from sim_probes import CPU_CORE, TimedEngines, fitted_turns, in_flight_share, per_token, trajectory_time  # noqa: E402
 from libra.routing.registry import make_policy  # noqa: E402
 from libra.services.planner import cost_rollout  # noqa: E402
 from libra.services.planner.calibration import Calibration  # noqa: E402
 from libra.services.planner.cost_rollout import RolloutEfficiency  # noqa: E402
 from libra.services.planner.cost_train import Layout, TrainEfficiency  # noqa: E402
+from libra.services.planner.gaps import GapSampler  # noqa: E402
 from libra.services.planner.hardware import ModelSpec  # noqa: E402
 from libra.services.planner.search import Candidate, SearchConfig  # noqa: E402
 from libra.services.planner.sim import control  # noqa: E402
@@ -98,7 +101,7 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma") 
     cal = Calibration(model, CPU_CORE, RolloutEfficiency(), TrainEfficiency(), settings)
     for turn in run.turns:
         cal.observe_turn(max(1, turn["tp"]), turn["prompt_tokens"], turn["output_tokens"], turn["seconds"],
-                         turn["batch"], turn.get("gap_seconds", 0.0))
+                         turn["batch"], turn.get("gap_seconds", 0.0), turn["turn_number"])
     overheads = trainer_overheads(run)
     for step in run.steps:
         lengths = list(zip(step["prompt_lengths"], step["output_lengths"]))
@@ -147,7 +150,7 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
     cal = calibrate(run, model, layout, how)
     rollout = cal.rollout_efficiency()
     if not turn_gap:
-        rollout = rollout.model_copy(update={"turn_gap_s": 0.0})
+        rollout = rollout.model_copy(update={"turn_gap_s": 0.0, "first_gap_quantiles": (), "turn_gap_quantiles": ()})
     train_overhead = cal.train_efficiency().step_overhead_s  # in the simulated step; not in a busy fraction
     search = SearchConfig(total_gpus=1 + workers, group_size=trainer.group_size, tp_choices=(1,),
                           rollout=rollout, train=cal.train_efficiency())
@@ -159,7 +162,8 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
                     per_worker_cap_tokens=config.scheduler.per_worker_cap_tokens,
                     turn_budget_tokens=config.rollout.max_new_tokens, sync_gbps=100_000.0, sync_latency_s=publish,
                     colocated=colocated, host_gbps=10_000.0, batching="in_order" if colocated else "first_complete",
-                    core_replicas=config.elastic.core_replicas if changes else 0, steps=steps)
+                    core_replicas=config.elastic.core_replicas if changes else 0, steps=steps,
+                    max_in_flight=config.rollout.max_concurrent_trajectories)
     specs = sorted(files.read(run.trace), key=_group_order)
     trace = files.batches(specs, steps + steps // 10 + 2, batch, str(run.trace))
     own = [b for b in config.planner.buckets for _ in range(b.replicas)]
@@ -175,13 +179,16 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
     predicted = {"step_s": statistics.fmean(r.interval_s for r in records[1:]),
                  "turn_p50_s": percentile(lat, 50), "turn_p90_s": percentile(lat, 90),
                  "busy_train": sum(r.train_s - train_overhead for r in records) / span,
-                 "busy_rollout": statistics.fmean(min(1.0, e.busy_s / span) for e in engines.engines)}
+                 "busy_rollout": statistics.fmean(in_flight_share(e.held, span) for e in engines.engines)}
     snap = cal.snapshot()
     notes = {"slowdowns": {k: v["slowdown"] for k, v in snap["estimators"].items()},
              "turn_fit": {k: v for k, v in snap["turn_fit"].items()},
              "turn_gap_s": snap["efficiency"]["turn_gap_s"]["calibrated"],
+             "gap_quantiles": {"first": snap["efficiency"]["turn_gap_s"]["first_quantiles"],
+                               "later": snap["efficiency"]["turn_gap_s"]["later_quantiles"]},
              "rejected": snap["rejected"], "plan_changes": len(result.plan_changes),
              "sim_usage": {k: round(v, 3) for k, v in simulator.usage.fractions().items()},
+             "sim_engine_busy": round(statistics.fmean(min(1.0, e.busy_s / span) for e in engines.engines), 3),
              "sim_train_s": statistics.fmean(r.train_s for r in records) - train_overhead,
              "real_train_s": statistics.fmean(s["scalars"]["time/train_s"] for s in run.record.steps),
              "sync_s": publish,
@@ -192,7 +199,7 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
              "turn_batch_mean": [round(statistics.fmean(engines.batches), 1),
                                  round(statistics.fmean(t["batch"] for t in run.turns), 1)],
              "turn_p50_fitted_s": round(percentile(fitted_turns(run, cal, model), 50), 4),
-             "trajectory_time": trajectory_time(run, specs, engines.by_trajectory, rollout.turn_gap_s)}
+             "trajectory_time": trajectory_time(run, specs, engines.by_trajectory, GapSampler.of(rollout))}
     return predicted, notes
 
 

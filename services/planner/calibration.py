@@ -21,8 +21,9 @@ Five estimators:
     overhead  (a step's seconds outside its wait, training and -> TrainEfficiency.step_overhead_s
                publish, as the trainer measures them)
     gap       (a trajectory's seconds before each turn outside   -> RolloutEfficiency.turn_gap_s
-               tool calls, as the gateway measures them: a mean
-               with the turn fit's forgetting, `turnfit.ForgettingMean`)
+               tool calls, as the gateway measures them: a mean      (the mean), first_gap_quantiles,
+               with the turn fit's forgetting, and the recent       turn_gap_quantiles
+               ones, first turns apart, `gaps.GapWindows`)
 
 `pipeline` calibrates the simulator the replanner ranks plans with (`sim/rank.py`): a batch's
 rollout span (its first trajectory released to its last finished) is what the asynchronous
@@ -58,6 +59,7 @@ from libra.configbase import Section
 from libra.services.planner import cost_rollout, cost_train
 from libra.services.planner.cost_rollout import Infeasible, RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
+from libra.services.planner.gaps import GapWindows
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.turnfit import TERMS, ForgettingMean, TurnFit
 
@@ -168,6 +170,7 @@ class Calibration:
         self.fit = TurnFit((1.0, 1.0, b.step_overhead_s, b.step_per_seq_s, b.request_s), self.settings.turn_window,
                            self.settings.prior_turns)
         self.gap = ForgettingMean(b.turn_gap_s, self.settings.turn_window)
+        self.gaps = GapWindows(self.settings.turn_window)
         self.turns = Comparison(alpha=self.settings.alpha)
         self.steps = Comparison(alpha=self.settings.alpha)
         self._instances: dict[int, cost_rollout.Instance] = {}
@@ -182,7 +185,8 @@ class Calibration:
                                     "step_overhead_s": min(10.0, overhead * pipeline),
                                     "step_per_seq_s": min(1.0, per_seq * pipeline),
                                     "request_s": min(60.0, request * pipeline),
-                                    "turn_gap_s": min(600.0, self.gap.value())})
+                                    "turn_gap_s": min(600.0, self.gap.value()),
+                                    **self.gaps.efficiency()})
 
     def train_efficiency(self) -> TrainEfficiency:
         b = self.base_train
@@ -193,10 +197,11 @@ class Calibration:
 
     # -- samples ---------------------------------------------------------------------------
     def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1,
-                     gap_s: float = 0.0) -> str | None:
+                     gap_s: float = 0.0, turn_number: int = 0) -> str | None:
         """One measured turn on a TP-`tp` instance of `batch` running sequences, `gap_s` seconds after
-        its trajectory's previous turn or start (outside tool calls; 0: not measured); returns why it
-        was rejected, or None."""
+        its trajectory's previous turn or start (outside tool calls; 0: not measured), the
+        `turn_number`th of its trajectory (1: the first; 0: not reported); returns why it was
+        rejected, or None."""
         reason = (_bad_numbers(seconds=seconds, prompt=prompt, output=output, tp=tp, batch=batch)
                   or _bad_numbers(seconds=gap_s))
         if reason is None and output + prompt == 0:
@@ -221,6 +226,7 @@ class Calibration:
                                 "turn faster than the roofline")
         if gap_s > 0:
             self.gap.add(gap_s)
+            self.gaps.add(gap_s, turn_number)
         c = self.fit.in_force  # the calibration in force (no solve per turn: the fit solves when asked)
         self.turns.add(sum(ci * xi for ci, xi in zip(c, x)) + comm, seconds)
         self.fit.add(x, max(0.0, seconds - comm), 1.0 / batch)  # its share of the engine's steps
@@ -279,7 +285,9 @@ class Calibration:
                                    "calibrated": round(r.step_per_seq_s, 9)},
                 "request_s": {"base": self.base_rollout.request_s, "calibrated": round(r.request_s, 9)},
                 "turn_gap_s": {"base": self.base_rollout.turn_gap_s, "calibrated": round(r.turn_gap_s, 6),
-                               "samples": self.gap.samples},
+                               "samples": self.gap.samples,
+                               "first_quantiles": [round(g, 6) for g in r.first_gap_quantiles],
+                               "later_quantiles": [round(g, 6) for g in r.turn_gap_quantiles]},
                 "train_mfu": {"base": self.base_train.mfu, "calibrated": round(t.mfu, 6)},
                 "train_overhead_s": {"base": self.base_train.step_overhead_s,
                                      "calibrated": round(t.step_overhead_s, 6)}},
@@ -294,6 +302,7 @@ class Calibration:
                                for name, e in self.estimators.items()},
                 "turn_fit": self.fit.state(),
                 "turn_gap": self.gap.state(),
+                "turn_gaps": self.gaps.state(),
                 "turns": [self.turns.predicted_s, self.turns.measured_s, self.turns.samples],
                 "steps": [self.steps.predicted_s, self.steps.measured_s, self.steps.samples],
                 "rejected": dict(self.rejected)}
@@ -307,6 +316,8 @@ class Calibration:
             self.fit.restore(state["turn_fit"])
         if "turn_gap" in state:
             self.gap.restore(state["turn_gap"])
+        if "turn_gaps" in state:
+            self.gaps.restore(state["turn_gaps"])
         for name in ("turns", "steps"):
             if name in state:
                 c = getattr(self, name)

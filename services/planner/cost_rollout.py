@@ -19,10 +19,11 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from libra.configbase import Section
 from libra.errors import InvalidArgument
+from libra.services.planner import gaps
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 
 
@@ -57,8 +58,18 @@ class RolloutEfficiency(Section):
     request_s: float = Field(0.0, ge=0, le=60, description="seconds a turn spends outside the engine (the "
                              "gateway, its routing call, HTTP); the online calibration measures it")
     turn_gap_s: float = Field(0.0, ge=0, le=600, description="seconds of a trajectory before each of its turns "
-                              "outside tool calls (the gateway's reports, records and queue; the simulator "
-                              "charges it); the online calibration measures it")
+                              "outside tool calls (the gateway's routing call, reports and records), their mean; "
+                              "the online calibration measures it")
+    first_gap_quantiles: tuple[float, ...] = Field((), description="a trajectory's seconds before its first turn "
+                                                   "at the probabilities of gaps.GAP_PROBS, which the simulator "
+                                                   "draws from (empty: turn_gap_s); the calibration measures them")
+    turn_gap_quantiles: tuple[float, ...] = Field((), description="the same before each later turn (empty with "
+                                                  "first_gap_quantiles or not at all)")
+
+    @field_validator("first_gap_quantiles", "turn_gap_quantiles")
+    @classmethod
+    def _gap_quantiles(cls, value: tuple[float, ...], info) -> tuple[float, ...]:
+        return gaps.check_quantiles(value, info.field_name)
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ class TurnOutcome:
     batch: float = 0.0  # mean requests in flight on the worker over the turn, itself included (0: unknown)
     gap: float = 0.0  # the trajectory's seconds since its previous turn outside tool calls (0: not measured)
     trajectory_id: str = ""  # the trajectory it is a turn of
+    number: int = 0  # its place in the trajectory, 1 for the first (0: unknown)
 
 
 @dataclass
@@ -135,13 +136,15 @@ class AgentRunner:
         self.config, self.stop_ids, self.seed = config, stop_ids, seed
         self.on_turn: Callable[[TurnOutcome, int], Awaitable[None]] | None = None
 
-    async def play(self, trajectory: common_pb2.Trajectory, queued_at: float | None = None) -> common_pb2.Trajectory:
+    async def play(self, trajectory: common_pb2.Trajectory, taken_at: float | None = None) -> common_pb2.Trajectory:
         """Run the trajectory to an answer, a budget or the turn limit; fill in the result fields.
-        `queued_at`: the monotonic instant it was queued (the first turn's gap counts from there).
+        `taken_at`: the monotonic instant a runner took it from the gateway's queue (the first turn's
+        gap counts from there; its wait in the queue is not a gap but the runners' limit,
+        `max_concurrent_trajectories`, which the simulator plays as such).
         Each turn is recorded (`on_turn`) with its gap; an answering turn after the reward, its gap
         then including the time from its reply to the trajectory's end."""
         trajectory.started_at = time.time()
-        begun = time.monotonic() if queued_at is None else min(queued_at, time.monotonic())
+        begun = time.monotonic() if taken_at is None else min(taken_at, time.monotonic())
         limits = TurnBudget(self.config.max_turns, self.config.max_new_tokens, self.config.max_total_tokens)
         episode = self.workload.episode(int(trajectory.prompt_id), trajectory.sample_index,
                                         episode_seed(self.seed, trajectory.trajectory_id), limits)
@@ -202,7 +205,7 @@ class AgentRunner:
                                         seconds, False)
             outcome = TurnOutcome(list(generation.token_ids), list(generation.logprobs), versions[-1],
                                   decision.worker_id, decision.bucket, generation.finish_reason, seconds, attempt,
-                                  versions, generation.batch, gap, trajectory.trajectory_id)
+                                  versions, generation.batch, gap, trajectory.trajectory_id, turn + 1)
             state.append(outcome.token_ids, True, outcome.logprobs, versions)
             state.turns += 1
             state.generated += len(outcome.token_ids)

@@ -73,7 +73,8 @@ class RolloutProbe:
             scalars[f"workers/{worker.worker_id}/policy_version"] = worker.version
             scalars[f"workers/{worker.worker_id}/inflight"] = worker.inflight
         rows = [{"id": w.worker_id, "bucket": w.bucket, "version": w.version, "inflight": w.inflight,
-                 "state": common_pb2.WorkerState.Name(w.state)[13:].lower()} for w in workers]
+                 "busy_s": round(w.busy_seconds(), 4), "state": common_pb2.WorkerState.Name(w.state)[13:].lower()}
+                for w in workers]
         self.recorder.write("sample", scalars=scalars, histograms={"turn_latency_s": every_turn}, workers=rows,
                             interval_s=round(seconds, 3))
         self.latencies.clear()

@@ -84,6 +84,7 @@ class PoolWorker:
     reported: bool = False  # its failure was returned by take_failed (the gateway deregistered it)
     missed: int = 0  # a version it could not load (0: none): unhealthy until a later one reaches it
     area: float = 0.0  # integral of inflight over time (request-seconds), up to `area_at`
+    held: float = 0.0  # seconds with a request in flight, up to `area_at`
     area_at: float = field(default_factory=time.monotonic)
 
     def batch_area(self) -> float:
@@ -91,8 +92,16 @@ class PoolWorker:
         over its span, divided by its seconds."""
         now = time.monotonic()
         self.area += self.inflight * (now - self.area_at)
+        if self.inflight:
+            self.held += now - self.area_at
         self.area_at = now
         return self.area
+
+    def busy_seconds(self) -> float:
+        """Seconds this worker has had a request in flight so far (its busy fraction is the
+        difference over an interval, divided by its seconds: exact, not sampled)."""
+        self.batch_area()
+        return self.held
 
     def to_proto(self) -> common_pb2.WorkerInfo:
         return common_pb2.WorkerInfo(worker_id=self.worker_id, bucket=self.bucket, address=self.process.base_url,

@@ -137,6 +137,11 @@ async def _check_state(redis_url: str, run_id: str, steps: int) -> None:
         assert all(t.batch >= 1 for t in turns)  # each turn's mean batch over its span, itself included
         assert all(t.gap_seconds > 0 for t in turns)  # each turn's time since its trajectory's previous one
         assert all(t.trajectory_id.startswith("g") and "-s" in t.trajectory_id for t in turns)  # whose turn
+        places: dict[str, list[int]] = {}
+        for t in turns:
+            places.setdefault(t.trajectory_id, []).append(t.turn_number)
+        assert all(sorted(p) == list(range(1, len(p) + 1)) for p in places.values())  # each turn's place, from 1
+        assert any(len(p) > 1 for p in places.values())
         records = await store.read_history("step", 100_000)
         # the trainer's seconds outside its timers: on every record but a trainer process's first (no
         # predecessor: this run's trainer started twice)

@@ -215,8 +215,8 @@ def test_a_turn_waits_for_workers_a_plan_is_restarting(setup, wait_s):
 
 
 def test_each_turn_carries_the_trajectorys_time_since_its_previous_turn_outside_tool_calls(setup):
-    """The gap between turns (routing, reports, the gateway's queue) is measured per turn, the
-    first from the moment the trajectory was queued, the answer's up to the trajectory's end (its
+    """The gap between turns (routing, reports) is measured per turn, the first from the moment a
+    runner took the trajectory from the gateway's queue, the answer's up to the trajectory's end (its
     reward); a tool call's own seconds are not in it."""
     workload, _ = setup
     prompt = workload.prompt(0)
@@ -257,10 +257,10 @@ def test_each_turn_carries_the_trajectorys_time_since_its_previous_turn_outside_
         gaps.append(outcome.gap)
         whose.append(outcome.trajectory_id)
     runner.on_turn = on_turn
-    queued = time.monotonic() - 0.2  # queued 0.2 s before a runner took it
-    traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g0-s0", prompt_id="0", group_id="g0"), queued))
+    taken = time.monotonic() - 0.2  # taken 0.2 s before its play began (the gateway reads and marks it)
+    traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g0-s0", prompt_id="0", group_id="g0"), taken))
     assert traj.turns == 2 and traj.tool_events[0].seconds >= 0.6 and traj.reward == 1.0
-    assert 0.25 <= gaps[0] < 0.55, gaps  # the queue and the route before the first turn (slack for a busy machine)
+    assert 0.25 <= gaps[0] < 0.55, gaps  # the runner's start and the route before the first turn (slack for a busy machine)
     assert 0.18 <= gaps[1] < 0.55, gaps  # the tool's report, the second route, the reward; not the 0.6 s tool call
     assert whose == ["g0-s0", "g0-s0"]  # each turn record names its trajectory
 

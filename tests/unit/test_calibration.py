@@ -232,3 +232,24 @@ def test_the_gap_between_turns_is_the_mean_of_the_measured_gaps():
     assert cal.snapshot()["efficiency"]["turn_gap_s"]["samples"] == 50
     reason = cal.observe_turn(1, 10, 10, 1.0, 1, gap_s=-0.5)
     assert reason is not None and "negative" in reason
+
+
+def test_the_gaps_distribution_is_measured_with_first_turns_apart_and_survives_a_restart():
+    """With each turn's place reported (HistoryRecord.turn_number), the calibration exports the
+    recent gaps' quantiles, a trajectory's first turn apart from its later ones; the mean stays
+    what the closed-form cost model uses. Restored from its state, it exports the same."""
+    cal = calibration()
+    for i, (prompt, output, batch) in enumerate(varied_turns(300)):
+        seconds = measured_on(TRUTH, prompt, output, batch)
+        number = 1 + i % 3  # three-turn trajectories: the first waits longer
+        assert cal.observe_turn(1, prompt, output, seconds, batch, gap_s=0.3 if number == 1 else 0.02 + 0.001 * (i % 7),
+                                turn_number=number) is None
+    r = cal.rollout_efficiency()
+    assert set(r.first_gap_quantiles) == {0.3} and r.turn_gap_quantiles[0] == pytest.approx(0.02)
+    assert r.turn_gap_quantiles[-1] == pytest.approx(0.026) and r.turn_gap_s == pytest.approx(0.1153, rel=0.01)
+    other = calibration()
+    other.restore(cal.state())
+    restored = other.rollout_efficiency()
+    assert restored.first_gap_quantiles == pytest.approx(r.first_gap_quantiles)
+    assert restored.turn_gap_quantiles == pytest.approx(r.turn_gap_quantiles) and other.snapshot() == cal.snapshot()
+    assert cal.snapshot()["efficiency"]["turn_gap_s"]["first_quantiles"][0] == 0.3

@@ -99,7 +99,9 @@ def test_an_unreachable_worker_is_an_engine_error_and_a_client_serves_another_lo
 
 def test_the_pool_reports_each_turns_mean_batch_over_its_span():
     """Three requests start together on one worker; two end at 0.2 s, one at 0.4 s. The short ones
-    saw 3 in flight all along; the long one 3 for half its span and 1 for the other half: 2."""
+    saw 3 in flight all along; the long one 3 for half its span and 1 for the other half: 2. The
+    worker's busy seconds (a request in flight) grow by the 0.4 s the three overlap in, not 0.8,
+    and not at all while it idles."""
     from libra.services.rollout.config import WorkerConfig
     from libra.services.rollout.workers import PoolWorker, WorkerPool
     from libra.v1 import common_pb2
@@ -115,13 +117,17 @@ def test_the_pool_reports_each_turns_mean_batch_over_its_span():
         sampling = {"temperature": 1.0, "top_p": 1.0}
         try:
             await client.generate([0], 1)  # the session opened before timing
+            before = pool.workers["w"].busy_seconds()
             done = await asyncio.gather(*(pool.generate("w", [tenths], 1, 0, sampling, []) for tenths in (4, 2, 2)))
+            busy = pool.workers["w"].busy_seconds() - before
+            await asyncio.sleep(0.2)
+            idle = pool.workers["w"].busy_seconds() - before - busy
         finally:
             await client.close()
             await runner.cleanup()
-        return [d.batch for d in done], pool.workers["w"].inflight
+        return [d.batch for d in done], pool.workers["w"].inflight, busy, idle
 
-    (long, short1, short2), inflight = asyncio.run(main())
-    assert inflight == 0
+    (long, short1, short2), inflight, busy, idle = asyncio.run(main())
+    assert inflight == 0 and 0.4 <= busy < 0.6 and idle == 0.0, (busy, idle)
     assert short1 == pytest.approx(3.0, abs=0.3) and short2 == pytest.approx(3.0, abs=0.3)
     assert long == pytest.approx(2.0, abs=0.3)

@@ -102,3 +102,29 @@ def test_timed_engines_take_the_runs_bucket_names_in_creation_order():
     names = [engines.instance(f"w{i}", "tp1", 1, 1, 0.0).bucket for i in range(3)]
     assert names == ["short", "long", "tp1"]  # past the run's buckets: the plan's own name
     assert len(engines.engines) == 3
+
+
+def test_turns_recorded_before_their_place_was_reported_get_it_from_their_start_order():
+    import kept_runs
+    turns = [{"trajectory_id": "g0-s0", "timestamp": 5.0, "seconds": 1.0},
+             {"trajectory_id": "g0-s1", "timestamp": 2.0, "seconds": 1.0},
+             {"trajectory_id": "g0-s0", "timestamp": 2.5, "seconds": 0.5},
+             {"trajectory_id": "", "timestamp": 3.0, "seconds": 1.0}]
+    assert [t["turn_number"] for t in kept_runs.number_turns(turns)] == [2, 1, 1, 0]
+    reported = [{"trajectory_id": "x", "timestamp": 1.0, "seconds": 0.1, "turn_number": 3}]
+    assert kept_runs.number_turns(reported)[0]["turn_number"] == 3  # the gateway's own stands
+
+
+def test_the_rollout_workers_busy_share_comes_from_their_busy_seconds_where_recorded():
+    import kept_runs
+
+    def sample(t, busy_s=None, inflight=0, state="serving"):
+        row = {"id": "w0", "inflight": inflight, "state": state}
+        if busy_s is not None:
+            row["busy_s"] = busy_s
+        return {"t": t, "workers": [row]}
+    exact = [sample(0.0, 0.0), sample(1.0, 0.5, 1), sample(4.0, 2.5), sample(9.0, 8.0, 1)]
+    assert kept_runs.busy_rollout(exact, 1.0, 5.0) == pytest.approx((2.5 - 0.5) / 3.0)  # in the span only
+    sampled = [sample(1.0, inflight=1), sample(2.0), sample(3.0, inflight=1), sample(4.0, inflight=1)]
+    assert kept_runs.busy_rollout(sampled, 0.0, 10.0) == 0.75  # runs recorded before busy_s
+    assert kept_runs.busy_rollout([sample(1.0, 0.0, state="starting"), sample(2.0, 1.0), sample(4.0, 2.0)], 0, 5) == 0.5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 
@@ -182,3 +183,67 @@ def test_the_gap_between_turns_is_charged_before_every_turn():
         spans[gap] = sim_run.run_plan(MODEL, GPU, trace, plan, gapped).steps[0].rollout_s
     assert spans[0.0] > 1.0  # the two tool calls and the decode
     assert spans[2.0] == pytest.approx(spans[0.0] + 3 * 2.0, abs=1e-6), spans
+
+
+def test_a_gateways_cap_on_trajectories_played_at_once_queues_the_rest_in_release_order():
+    """`max_in_flight` (a gateway's rollout.max_concurrent_trajectories): at most that many
+    trajectories play at once, the rest start as places free up, in release order. Four
+    trajectories of two 1-second tool calls each: one at a time, the batch takes at least their
+    eight seconds of tools end to end; two at a time, at least four; unbounded, about two."""
+    turns = (TurnSpec(20, "search", "success", 10, 1.0), TurnSpec(20, "search", "success", 10, 1.0), TurnSpec(10))
+    trace = Trace(tuple(tuple(TrajectorySpec(f"t{b}-{i}", f"p{b}", b, 100, turns) for i in range(4))
+                        for b in range(2)))
+    config = SearchConfig(total_gpus=2, group_size=4)
+
+    class Watched(Simulator):  # records each start: which trajectory, how many then play
+        def _start(self):
+            if not hasattr(self, "started"):
+                self.started, self.peak, start = [], 0, self.rollout.start
+
+                def watched(spec):
+                    self.started.append(spec.trajectory_id)
+                    self.peak = max(self.peak, self.playing)
+                    return start(spec)
+                self.rollout.start = watched
+            super()._start()
+    spans, peaks, order = {}, {}, {}
+    for cap in (0, 1, 2):
+        simulator = Watched(MODEL, GPU, trace, control.static(MODEL, GPU, config), config,
+                            SimConfig(policy="load_balance", max_in_flight=cap))
+        spans[cap] = simulator.run().steps[0].rollout_s
+        peaks[cap], order[cap] = simulator.peak, simulator.started
+    assert 8.0 <= spans[1] < 9.0 and 4.0 <= spans[2] < 5.0 and 2.0 <= spans[0] < 3.0, spans
+    assert peaks == {0: 8, 1: 1, 2: 2}, peaks  # unbounded: both batches (staleness 1) at once
+    assert order[1] == order[2] == order[0] == [s.trajectory_id for step in trace.steps for s in step]
+
+
+def test_with_a_calibrated_distribution_each_turn_draws_its_own_gap():
+    """With gap quantiles (the calibration's, first turns apart) every turn waits its own draw:
+    alike trajectories take different times, the same ones every run, about as long on average;
+    with the mean alone they all take the same time."""
+    turns = (TurnSpec(20, "search", "success", 10, 0.5), TurnSpec(20, "search", "success", 10, 0.5), TurnSpec(10))
+    trace = Trace(tuple(tuple(TrajectorySpec(f"t{b}-{i}", f"p{b}", b, 100, turns) for i in range(4))
+                        for b in range(30)))
+    config = SearchConfig(total_gpus=2, group_size=4)
+    first = tuple(0.2 * i / 15 for i in range(16))  # uniform on [0, 0.2]
+    later = tuple(0.1 * i / 15 for i in range(16))  # uniform on [0, 0.1]
+    mean = (0.1 + 2 * 0.05) / 3
+
+    class Timed(Simulator):  # each trajectory's time from its start to its end
+        def _finished(self, unit):
+            self.durations = getattr(self, "durations", [])
+            self.durations.append(self.events.now - unit.released_s)
+            super()._finished(unit)
+
+    def durations(**gaps) -> list[float]:
+        searched = config.model_copy(update={"rollout": RolloutEfficiency(turn_gap_s=mean, **gaps)})
+        simulator = Timed(MODEL, GPU, trace, control.static(MODEL, GPU, searched), searched,
+                          SimConfig(policy="load_balance", sync_latency_s=0.0, sync_gbps=100_000.0))
+        simulator.run()
+        return simulator.durations
+    alike, drawn = durations(), durations(first_gap_quantiles=first, turn_gap_quantiles=later)
+    assert durations(first_gap_quantiles=first, turn_gap_quantiles=later) == drawn
+    assert statistics.pstdev(drawn) > 0.04 > 4 * statistics.pstdev(alike), (statistics.pstdev(drawn),
+                                                                             statistics.pstdev(alike))
+    # the same gaps on average (the engines' batches differ a little once the trajectories spread out)
+    assert statistics.fmean(drawn) == pytest.approx(statistics.fmean(alike), abs=0.1)

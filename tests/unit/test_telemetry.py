@@ -139,7 +139,9 @@ def test_rollout_probe_samples_rates_latencies_and_worker_versions(tmp_path):
     s = row["scalars"]
     assert s["rollout/trajectories_per_s"] == 2.0 and s["rollout/turns_per_s"] == 2.0 and s["rollout/queued"] == 4
     assert s["turn_latency/short/p50_s"] == 0.3 and s["turn_latency/max_s"] == 2.0 and s["turns/long_per_s"] == 0.2
-    assert row["workers"] == [{"id": "short-0", "bucket": "short", "version": 3, "inflight": 2, "state": "starting"}]
+    [worker] = row["workers"]
+    assert worker.pop("busy_s") >= 0  # two requests in flight since it was made: seconds of this test
+    assert worker == {"id": "short-0", "bucket": "short", "version": 3, "inflight": 2, "state": "starting"}
     version = "libra_rollout_worker_policy_version"
     assert REGISTRY.get_sample_value(version, {"worker": "short-0", "bucket": "short"}) == 3
     assert REGISTRY.get_sample_value(version, {"worker": "long-0", "bucket": "long"}) is None  # left the pool

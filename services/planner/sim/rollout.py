@@ -11,9 +11,10 @@ runs), called exactly as the rollout gateway calls it:
 
 A turn's reply reaches the gateway the instance's `request_s` after its last token (the time a
 turn spends outside the engine: HTTP, the routing call; 0 unless calibrated), before the tool runs
-or the trajectory finishes. Every turn, the first included, is routed `gap_s` after the trajectory's
-previous turn and tool call ended (or its release): the gateway's time between turns (reports,
-records, its queue; `RolloutEfficiency.turn_gap_s`, 0 unless calibrated). A turn prefills its
+or the trajectory finishes. Every turn, the first included, is routed a gap after the trajectory's
+previous turn and tool call ended (or its start): the gateway's time between turns (routing,
+reports, records), each turn's drawn from the calibrated distribution or the mean (`gaps.py`; none
+unless calibrated). A turn prefills its
 whole context where its KV cache is not (new trajectory, or moved), only the tool payload where it
 stays. A turn that no serving instance can hold waits ("parked") until one that can comes up. The
 loop owns the instances in force and the routing counters; it does not own the clock's other
@@ -35,6 +36,7 @@ from typing import Callable, Sequence
 
 from libra.errors import FailedPrecondition, InvalidArgument
 from libra.routing.policy import Policy, Turn, Worker
+from libra.services.planner.gaps import GapSampler
 from libra.services.planner.sim.instance import Group, Instance, InstanceModel, SimulationError, Unit
 from libra.services.planner.sim.result import RolloutResult
 from libra.services.planner.sim.simple import SimpleModel
@@ -72,9 +74,9 @@ class Rollout:
     """The instances in force, the policy that routes onto them, and every turn in flight."""
 
     def __init__(self, events: Events, policy: Policy | None, turn_budget_tokens: int,
-                 on_finish: Callable[[Unit], None] | None = None, gap_s: float = 0.0):
+                 on_finish: Callable[[Unit], None] | None = None, gaps: GapSampler | None = None):
         self.events, self.policy, self.turn_budget_tokens = events, policy, turn_budget_tokens
-        self.gap_s = gap_s
+        self.gaps = gaps
         self.on_finish = on_finish
         self.instances: dict[str, Instance] = {}
         self.running: dict[str, set[Unit]] = {}  # instance -> the units whose turn it runs or queues
@@ -166,10 +168,10 @@ class Rollout:
             raise AssertionError(f"unknown event {kind!r}")
 
     def start(self, spec: TrajectorySpec) -> Unit:
-        """A trajectory is released now: route its first turn (`gap_s` later)."""
+        """A trajectory starts now: route its first turn (a gap later)."""
         unit = self.new_unit(spec)
-        if self.gap_s > 0:
-            self.events.push(self.events.now + self.gap_s, TOOL, unit)
+        if self.gaps is not None:
+            self.events.push(self.events.now + self.gaps.draw(spec.trajectory_id, 0), TOOL, unit)
         else:
             self.route(unit)
         return unit
@@ -249,7 +251,8 @@ class Rollout:
             unit.context += turn.payload_tokens
             unit.turn, unit.turn_left = k + 1, float(spec.turns[k + 1].output_tokens)
             unit.prefill = float(turn.payload_tokens)
-            self.events.push(now + instance.request_s + turn.latency_s + self.gap_s, TOOL, unit)
+            gap = self.gaps.draw(spec.trajectory_id, k + 1) if self.gaps is not None else 0.0
+            self.events.push(now + instance.request_s + turn.latency_s + gap, TOOL, unit)
         elif instance.request_s > 0:
             self.events.push(now + instance.request_s, FINISH, unit)
         else:

@@ -1,0 +1,124 @@
+"""A trajectory's time between its model turns outside tool calls (its *gap*: the gateway's routing
+call, its reports and records), as a distribution rather than a mean.
+
+    gateway: each turn's gap_seconds and turn_number (HistoryRecord)
+        -> calibration: `GapWindows`, the recent gaps of first turns and of later ones
+        -> RolloutEfficiency.first_gap_quantiles / turn_gap_quantiles (at `GAP_PROBS`)
+        -> simulator: `GapSampler.draw(trajectory, turn)`, each turn its own draw
+
+Why: a trajectory's duration is its turns, its tool calls and its gaps, and a synchronous batch
+waits for its longest trajectory. The gaps are skewed (on the CPU headline runs: later turns' p50
+17 ms, p99 0.13-0.26 s; a first turn's longer, the whole batch routing at once), so charging their
+mean before every turn makes every trajectory's gaps alike and the longest trajectory too short.
+Independent draws from the measured distribution, first turn apart, reproduce the spread of the
+measured per-trajectory gap totals (benchmarks/sim_probes.py, `trajectory_time`).
+
+The draw for (trajectory, turn) is a hash of both, not a random generator's next number: the same
+replay gives every turn the same gap whatever order its events run in (the simulator stays
+deterministic). Without quantiles (too few samples, or an uncalibrated cost model) every turn gets
+the mean, `turn_gap_s`, as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from collections import deque
+from typing import Sequence
+
+GAP_PROBS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
+MIN_SAMPLES = 50  # of each kind, before quantiles replace the mean
+MAX_WINDOW = 4096  # samples kept of each kind
+
+
+def quantiles(samples: Sequence[float], probs: Sequence[float] = GAP_PROBS) -> tuple[float, ...]:
+    """The samples' quantiles at `probs` (linear between order statistics)."""
+    ordered = sorted(samples)
+    if not ordered:
+        raise ValueError("no samples to take quantiles of")
+    top = len(ordered) - 1
+    out = []
+    for p in probs:
+        position = p * top
+        low = int(position)
+        high = min(top, low + 1)
+        out.append(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
+    return tuple(out)
+
+
+def check_quantiles(values: Sequence[float], field: str) -> tuple[float, ...]:
+    """Empty, or one non-negative, non-decreasing value per `GAP_PROBS`; the error names the field."""
+    values = tuple(float(v) for v in values)
+    if not values:
+        return values
+    if len(values) != len(GAP_PROBS):
+        raise ValueError(f"{field} needs {len(GAP_PROBS)} values (at probabilities {list(GAP_PROBS)}), "
+                         f"got {len(values)}; or none")
+    if values[0] < 0 or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{field} must be non-negative and non-decreasing seconds, got {list(values)}")
+    return values
+
+
+class GapWindows:
+    """The last `window` gaps (at most MAX_WINDOW) of first turns and of later turns, as measured."""
+
+    def __init__(self, window: float):
+        size = int(min(MAX_WINDOW, max(1, window)))
+        self.first: deque[float] = deque(maxlen=size)
+        self.later: deque[float] = deque(maxlen=size)
+
+    def add(self, gap_s: float, turn_number: int) -> None:
+        """One turn's gap; `turn_number` 1 is a trajectory's first, 0 not reported (not kept)."""
+        if turn_number == 1:
+            self.first.append(gap_s)
+        elif turn_number > 1:
+            self.later.append(gap_s)
+
+    def quantiles(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(first turns', later turns') quantiles at GAP_PROBS; both empty until each kind has
+        MIN_SAMPLES (a distribution from a handful of turns would be noise, not shape)."""
+        if len(self.first) < MIN_SAMPLES or len(self.later) < MIN_SAMPLES:
+            return (), ()
+        return quantiles(self.first), quantiles(self.later)
+
+    def efficiency(self) -> dict:
+        """The RolloutEfficiency fields the windows measure ({} until they have enough: the
+        configured ones, if any, stand)."""
+        first, later = self.quantiles()
+        if not first:
+            return {}
+        return {"first_gap_quantiles": tuple(min(600.0, g) for g in first),
+                "turn_gap_quantiles": tuple(min(600.0, g) for g in later)}
+
+    def state(self) -> list:
+        return [[round(g, 6) for g in self.first], [round(g, 6) for g in self.later]]
+
+    def restore(self, state: list) -> None:
+        self.first.extend(float(g) for g in state[0])
+        self.later.extend(float(g) for g in state[1])
+
+
+class GapSampler:
+    """Each turn's gap in the simulator: a draw from the quantiles, or the mean without them."""
+
+    def __init__(self, mean_s: float, first: Sequence[float] = (), later: Sequence[float] = ()):
+        self.mean_s = mean_s
+        self.first, self.later = (tuple(first), tuple(later)) if first and later else ((), ())
+
+    @classmethod
+    def of(cls, efficiency) -> "GapSampler | None":
+        """The sampler a `RolloutEfficiency` calls for; None when every gap is 0 (the fast path)."""
+        if not efficiency.turn_gap_s and not efficiency.turn_gap_quantiles:
+            return None
+        return cls(efficiency.turn_gap_s, efficiency.first_gap_quantiles, efficiency.turn_gap_quantiles)
+
+    def draw(self, trajectory_id: str, turn: int) -> float:
+        """The gap before turn `turn` (0: the first) of the trajectory."""
+        values = self.first if turn == 0 else self.later
+        if not values:
+            return self.mean_s
+        digest = hashlib.blake2b(f"{trajectory_id}/{turn}".encode(), digest_size=8).digest()
+        u = int.from_bytes(digest, "big") / 18446744073709551616.0  # uniform in [0, 1)
+        i = min(len(GAP_PROBS) - 2, bisect.bisect_right(GAP_PROBS, u) - 1)
+        p0, p1 = GAP_PROBS[i], GAP_PROBS[i + 1]
+        return values[i] + (values[i + 1] - values[i]) * (u - p0) / (p1 - p0)
