@@ -66,7 +66,7 @@ from libra.services.planner import cost_rollout  # noqa: E402
 from libra.services.planner.calibration import Calibration  # noqa: E402
 from libra.services.planner.cost_rollout import RolloutEfficiency  # noqa: E402
 from libra.services.planner.cost_train import Layout, TrainEfficiency  # noqa: E402
-from libra.services.planner.gaps import GapSampler  # noqa: E402
+from libra.services.planner.gaps import GapSampler, ReplySampler  # noqa: E402
 from libra.services.planner.hardware import ModelSpec  # noqa: E402
 from libra.services.planner.search import Candidate, SearchConfig  # noqa: E402
 from libra.services.planner.sim import control  # noqa: E402
@@ -168,7 +168,7 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
     trace = files.batches(specs, steps + steps // 10 + 2, batch, str(run.trace))
     own = [b for b in config.planner.buckets for _ in range(b.replicas)]
     engines = TimedEngines(CostModelEngines(model, CPU_CORE, (1,), search.rollout),
-                           None if changes else [b.name for b in own])
+                           None if changes else [b.name for b in own], ReplySampler.of(search.rollout))
     kind = Simulator if changes else type("Run", (RunBuckets,), {"run_buckets": [
         (b.name, b.max_tokens) for b in config.planner.buckets]})
     simulator = kind(model, CPU_CORE, trace, control.Scripted(first, changes), search, sim, engines)
@@ -184,8 +184,9 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
     notes = {"slowdowns": {k: v["slowdown"] for k, v in snap["estimators"].items()},
              "turn_fit": {k: v for k, v in snap["turn_fit"].items()},
              "turn_gap_s": snap["efficiency"]["turn_gap_s"]["calibrated"],
-             "gap_quantiles": {"first": snap["efficiency"]["turn_gap_s"]["first_quantiles"],
-                               "later": snap["efficiency"]["turn_gap_s"]["later_quantiles"]},
+             "quantiles": {"first_gap": [round(g, 4) for g in rollout.first_gap_quantiles],
+                           "later_gap": [round(g, 4) for g in rollout.turn_gap_quantiles],
+                           "request_factor": [round(f, 3) for f in rollout.request_quantiles]},
              "rejected": snap["rejected"], "plan_changes": len(result.plan_changes),
              "sim_usage": {k: round(v, 3) for k, v in simulator.usage.fractions().items()},
              "sim_engine_busy": round(statistics.fmean(min(1.0, e.busy_s / span) for e in engines.engines), 3),

@@ -12,8 +12,9 @@ divides the configured efficiency:
 Five estimators:
 
     turns     (every measured turn: a least-squares fit of     -> RolloutEfficiency.prefill_mfu,
-               the turn model's five terms, `turnfit.py`)         decode_bw, step_overhead_s,
-                                                                  step_per_seq_s, request_s
+               the turn model's five terms, `turnfit.py`; the     decode_bw, step_overhead_s,
+               recent turns' time beyond it, `gaps.Replies`)      step_per_seq_s, request_s (and
+                                                                  request_quantiles)
     pipeline  (batches' measured rollout spans vs the spans     -> all of those, on top of the fit
                the cluster simulator plays for the same
                batches under the plan in force)
@@ -36,14 +37,14 @@ pipeline, train and overhead are EWMAs (of slowdowns; of seconds) with a change-
 deviations from the mean (the deviation has a floor of `relative_floor` x mean, so a very steady
 series does not call every wobble a shift) is held back, not folded in. `reset_after` such samples
 in a row, all on the same side, mean the regime changed (a new kernel, a slower node): the
-estimator restarts from those samples. A sample back inside the band drops the held ones (an isolated spike). Before
-`min_samples`, alpha is max(alpha, 1/n), so the first samples are averaged plainly instead of
-being biased towards the first one. The turn fit forgets instead (`turn_window`).
+estimator restarts from those samples. A sample back inside the band drops the held ones (an
+isolated spike). Before `min_samples`, alpha is max(alpha, 1/n), so the first samples are averaged
+plainly instead of being biased towards the first one. The turn fit forgets instead
+(`turn_window`).
 
 Bad samples (non-finite, negative, slowdowns outside [1/max_slowdown, max_slowdown], a turn faster
 than max_slowdown x the roofline) are rejected with a reason, counted in `Calibration.rejected`, and
-change nothing.
-Pure: no clock, no network, no randomness.
+change nothing. Pure: no clock, no network, no randomness.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from libra.configbase import Section
 from libra.services.planner import cost_rollout, cost_train
 from libra.services.planner.cost_rollout import Infeasible, RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
-from libra.services.planner.gaps import GapWindows
+from libra.services.planner.gaps import GapWindows, Replies
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.turnfit import TERMS, ForgettingMean, TurnFit
 
@@ -171,6 +172,7 @@ class Calibration:
                            self.settings.prior_turns)
         self.gap = ForgettingMean(b.turn_gap_s, self.settings.turn_window)
         self.gaps = GapWindows(self.settings.turn_window)
+        self.replies = Replies(self.settings.turn_window)
         self.turns = Comparison(alpha=self.settings.alpha)
         self.steps = Comparison(alpha=self.settings.alpha)
         self._instances: dict[int, cost_rollout.Instance] = {}
@@ -178,7 +180,8 @@ class Calibration:
     # -- efficiencies ----------------------------------------------------------------------
     def rollout_efficiency(self) -> RolloutEfficiency:
         pipeline = self.pipeline_slowdown()
-        prefill, decode, overhead, per_seq, request = self.fit.coefficients()
+        fit = self.fit.coefficients()
+        prefill, decode, overhead, per_seq, request = fit
         b = self.base_rollout
         return b.model_copy(update={"prefill_mfu": _scaled(b.prefill_mfu, prefill * pipeline),
                                     "decode_bw": _scaled(b.decode_bw, decode * pipeline),
@@ -186,7 +189,7 @@ class Calibration:
                                     "step_per_seq_s": min(1.0, per_seq * pipeline),
                                     "request_s": min(60.0, request * pipeline),
                                     "turn_gap_s": min(600.0, self.gap.value()),
-                                    **self.gaps.efficiency()})
+                                    **self.gaps.efficiency(), **self.replies.efficiency(fit)})
 
     def train_efficiency(self) -> TrainEfficiency:
         b = self.base_train
@@ -230,6 +233,7 @@ class Calibration:
         c = self.fit.in_force  # the calibration in force (no solve per turn: the fit solves when asked)
         self.turns.add(sum(ci * xi for ci, xi in zip(c, x)) + comm, seconds)
         self.fit.add(x, max(0.0, seconds - comm), 1.0 / batch)  # its share of the engine's steps
+        self.replies.add(x, comm, seconds)
         return None
 
     def observe_train(self, layout: Layout, lengths: Sequence[tuple[int, int]], seconds: float,
@@ -285,9 +289,7 @@ class Calibration:
                                    "calibrated": round(r.step_per_seq_s, 9)},
                 "request_s": {"base": self.base_rollout.request_s, "calibrated": round(r.request_s, 9)},
                 "turn_gap_s": {"base": self.base_rollout.turn_gap_s, "calibrated": round(r.turn_gap_s, 6),
-                               "samples": self.gap.samples,
-                               "first_quantiles": [round(g, 6) for g in r.first_gap_quantiles],
-                               "later_quantiles": [round(g, 6) for g in r.turn_gap_quantiles]},
+                               "samples": self.gap.samples},
                 "train_mfu": {"base": self.base_train.mfu, "calibrated": round(t.mfu, 6)},
                 "train_overhead_s": {"base": self.base_train.step_overhead_s,
                                      "calibrated": round(t.step_overhead_s, 6)}},
@@ -303,6 +305,7 @@ class Calibration:
                 "turn_fit": self.fit.state(),
                 "turn_gap": self.gap.state(),
                 "turn_gaps": self.gaps.state(),
+                "replies": self.replies.state(),
                 "turns": [self.turns.predicted_s, self.turns.measured_s, self.turns.samples],
                 "steps": [self.steps.predicted_s, self.steps.measured_s, self.steps.samples],
                 "rejected": dict(self.rejected)}
@@ -312,12 +315,9 @@ class Calibration:
             if name in self.estimators:
                 e = self.estimators[name]
                 e.mean, e.var, e.samples, e.resets, e.pending = row[0], row[1], int(row[2]), int(row[3]), list(row[4])
-        if "turn_fit" in state:
-            self.fit.restore(state["turn_fit"])
-        if "turn_gap" in state:
-            self.gap.restore(state["turn_gap"])
-        if "turn_gaps" in state:
-            self.gaps.restore(state["turn_gaps"])
+        parts = {"turn_fit": self.fit, "turn_gap": self.gap, "turn_gaps": self.gaps, "replies": self.replies}
+        for key in parts.keys() & state.keys():  # (a state from before a part existed lacks it)
+            parts[key].restore(state[key])
         for name in ("turns", "steps"):
             if name in state:
                 c = getattr(self, name)

@@ -65,8 +65,12 @@ class RolloutEfficiency(Section):
                                                    "draws from (empty: turn_gap_s); the calibration measures them")
     turn_gap_quantiles: tuple[float, ...] = Field((), description="the same before each later turn (empty with "
                                                   "first_gap_quantiles or not at all)")
+    request_quantiles: tuple[float, ...] = Field((), description="a turn's time outside the engine over its mean "
+                                                 "(request_s) at the probabilities of gaps.GAP_PROBS: the simulator "
+                                                 "charges each turn request_s times a draw (empty: request_s); "
+                                                 "the calibration measures them")
 
-    @field_validator("first_gap_quantiles", "turn_gap_quantiles")
+    @field_validator("first_gap_quantiles", "turn_gap_quantiles", "request_quantiles")
     @classmethod
     def _gap_quantiles(cls, value: tuple[float, ...], info) -> tuple[float, ...]:
         return gaps.check_quantiles(value, info.field_name)

@@ -17,18 +17,38 @@ The draw for (trajectory, turn) is a hash of both, not a random generator's next
 replay gives every turn the same gap whatever order its events run in (the simulator stays
 deterministic). Without quantiles (too few samples, or an uncalibrated cost model) every turn gets
 the mean, `turn_gap_s`, as before.
+
+The same holds inside a turn: what a turn takes beyond the fitted engine time (the engine's
+jitter, the reply's way back; on average the turn fit's `request_s`) varies from turn to turn far
+more than a constant says (on the CPU headline runs: a standard deviation of 0.07-0.10 s on a
+0.12-0.15 s median turn, uncorrelated with the turn's prompt, output, batch or place), and a
+group waits for its slowest trajectory. `Replies` keeps the recent turns' features and seconds;
+the calibration exports the distribution of their time beyond the fitted engine time (floored at
+0) relative to its mean (`RolloutEfficiency.request_quantiles`), and the simulator charges each
+turn `request_s` times its own draw (`ReplySampler`).
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import statistics
 from collections import deque
 from typing import Sequence
 
 GAP_PROBS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
 MIN_SAMPLES = 50  # of each kind, before quantiles replace the mean
 MAX_WINDOW = 4096  # samples kept of each kind
+REPLY_WINDOW = 1024  # turns kept for the distribution of the time beyond the engine's
+
+
+def draw(values: Sequence[float], key: str) -> float:
+    """A draw from quantiles `values` at GAP_PROBS, its uniform a hash of `key` (module docstring)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    u = int.from_bytes(digest, "big") / 18446744073709551616.0  # uniform in [0, 1)
+    i = min(len(GAP_PROBS) - 2, bisect.bisect_right(GAP_PROBS, u) - 1)
+    p0, p1 = GAP_PROBS[i], GAP_PROBS[i + 1]
+    return values[i] + (values[i + 1] - values[i]) * (u - p0) / (p1 - p0)
 
 
 def quantiles(samples: Sequence[float], probs: Sequence[float] = GAP_PROBS) -> tuple[float, ...]:
@@ -115,10 +135,54 @@ class GapSampler:
     def draw(self, trajectory_id: str, turn: int) -> float:
         """The gap before turn `turn` (0: the first) of the trajectory."""
         values = self.first if turn == 0 else self.later
-        if not values:
-            return self.mean_s
-        digest = hashlib.blake2b(f"{trajectory_id}/{turn}".encode(), digest_size=8).digest()
-        u = int.from_bytes(digest, "big") / 18446744073709551616.0  # uniform in [0, 1)
-        i = min(len(GAP_PROBS) - 2, bisect.bisect_right(GAP_PROBS, u) - 1)
-        p0, p1 = GAP_PROBS[i], GAP_PROBS[i + 1]
-        return values[i] + (values[i + 1] - values[i]) * (u - p0) / (p1 - p0)
+        return draw(values, f"{trajectory_id}/{turn}") if values else self.mean_s
+
+
+class Replies:
+    """The last REPLY_WINDOW turns' engine features (the turn fit's first four terms and the
+    collectives' seconds) and measured seconds: their time beyond the engine, against whichever
+    fit is asked (the fit moves; the residuals are taken when exported, not when measured)."""
+
+    def __init__(self, window: float):
+        self.rows: deque[tuple[float, ...]] = deque(maxlen=int(min(REPLY_WINDOW, max(1, window))))
+
+    def add(self, x: Sequence[float], comm_s: float, seconds: float) -> None:
+        self.rows.append((x[0], x[1], x[2], x[3], comm_s, seconds))
+
+    def quantiles(self, c: Sequence[float]) -> tuple[float, ...]:
+        """Quantiles at GAP_PROBS of each turn's seconds beyond the engine time the coefficients `c`
+        give it, floored at 0, over their mean (so a draw is a factor on request_s, mean ~1);
+        empty until MIN_SAMPLES turns, or when no turn took longer than its engine time."""
+        if len(self.rows) < MIN_SAMPLES:
+            return ()
+        beyond = [max(0.0, r[5] - r[4] - sum(ci * xi for ci, xi in zip(c[:4], r))) for r in self.rows]
+        mean = statistics.fmean(beyond)
+        return quantiles([b / mean for b in beyond]) if mean > 0 else ()
+
+    def efficiency(self, c: Sequence[float]) -> dict:
+        """The RolloutEfficiency field the turns measure under the fit `c` ({}: too few turns, or
+        the fit puts no time outside the engine; the configured one stands)."""
+        factors = self.quantiles(c) if c[4] > 0 else ()
+        return {"request_quantiles": tuple(min(1000.0, f) for f in factors)} if factors else {}
+
+    def state(self) -> list:
+        return [[float(f"{v:.9g}") for v in row] for row in self.rows]
+
+    def restore(self, state: list) -> None:
+        self.rows.extend(tuple(float(v) for v in row) for row in state)
+
+
+class ReplySampler:
+    """Each turn's time outside the engine in the simulator: request_s times a draw (mean ~1)."""
+
+    def __init__(self, factors: Sequence[float]):
+        self.factors = tuple(factors)
+
+    @classmethod
+    def of(cls, efficiency) -> "ReplySampler | None":
+        """None without a calibrated distribution (every turn gets request_s)."""
+        return cls(efficiency.request_quantiles) if efficiency.request_quantiles else None
+
+    def factor(self, trajectory_id: str, turn: int) -> float:
+        """The factor on request_s of turn `turn` (0: the first) of the trajectory."""
+        return draw(self.factors, f"{trajectory_id}/{turn}/reply")

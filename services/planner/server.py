@@ -114,10 +114,13 @@ class PlannerService(Service):
                                      tp_choices=cluster.tp_choices, min_train_gpus=cluster.min_train_gpus,
                                      min_rollout_gpus=cluster.min_rollout_gpus, whole_nodes=cluster.whole_nodes)
         model, gpu = model_named(cluster.model), gpu_named(cluster.hardware)
-        # the replay runs the loop as this run does: its staleness bound, its routing policy and its
-        # elastic pool (a change of the training dp alone joins or releases hybrids, the core steps on)
+        # the replay runs the loop as this run does: its staleness bound, its routing policy, its
+        # gateway's cap on trajectories played at once (a first turn's measured gap leaves the queue
+        # out: the replay queues) and its elastic pool (a change of the training dp alone joins or
+        # releases hybrids, the core steps on)
         sim = SimConfig(staleness=min(trainer.max_staleness, 64), policy=scheduler.policy.type,
                         per_worker_cap_tokens=scheduler.per_worker_cap_tokens,
+                        max_in_flight=self.config.rollout.max_concurrent_trajectories,
                         core_replicas=self.config.elastic.core_replicas)
         ranker = SimRanker(model, gpu, search_config, sim, settings.sim_window_steps, settings.sim_warmup_steps)
         self.replanner = Replanner(model, gpu, cluster.gpus, settings, search_config,

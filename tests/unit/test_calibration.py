@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 
@@ -11,6 +12,7 @@ from libra.services.planner import cost_rollout
 from libra.services.planner.calibration import Calibration, CalibrationSettings, Ewma, predicted_times
 from libra.services.planner.cost_rollout import RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
+from libra.services.planner.gaps import GAP_PROBS, draw
 from libra.services.planner.hardware import gpu_named, model_named
 
 MODEL, GPU = model_named("qwen3-4b"), gpu_named("h200-141g")
@@ -252,4 +254,27 @@ def test_the_gaps_distribution_is_measured_with_first_turns_apart_and_survives_a
     restored = other.rollout_efficiency()
     assert restored.first_gap_quantiles == pytest.approx(r.first_gap_quantiles)
     assert restored.turn_gap_quantiles == pytest.approx(r.turn_gap_quantiles) and other.snapshot() == cal.snapshot()
-    assert cal.snapshot()["efficiency"]["turn_gap_s"]["first_quantiles"][0] == 0.3
+
+
+def test_a_turns_time_beyond_the_fitted_engine_time_is_exported_as_a_factor_on_request_s():
+    """The turn fit explains the mean; what each turn takes beyond its fitted engine time varies
+    (jitter): the calibration exports that spread as quantiles of a factor on request_s, mean ~1,
+    taken against the fit when asked (not the fit in force when the turn came), and keeps it over
+    a restart. A run whose turns all take what the model says shows only the fit's residue."""
+    def fed(jitter) -> Calibration:
+        cal = calibration()
+        for i, (prompt, output, batch) in enumerate(varied_turns(400)):
+            seconds = measured_on(TRUTH, prompt, output, batch) + jitter(i)
+            assert cal.observe_turn(1, prompt, output, seconds, batch) is None
+        return cal
+    steady = fed(lambda i: 0.0).rollout_efficiency()
+    assert steady.request_s == pytest.approx(TRUTH.request_s, rel=0.05)
+    assert all(0.8 < f < 1.2 for f in steady.request_quantiles[1:10])  # p10-p90: the fit's residue only
+    cal = fed(lambda i: 0.4 * TRUTH.request_s * (i % 5))  # 0, 0.4, ..., 1.6 x request_s beyond, equally often
+    r = cal.rollout_efficiency()
+    factors = r.request_quantiles
+    assert len(factors) == len(GAP_PROBS) and factors[-1] > 2.0 * factors[len(GAP_PROBS) // 2] > 0
+    assert statistics.fmean(draw(factors, f"t{i}") for i in range(4000)) == pytest.approx(1.0, abs=0.05)
+    other = calibration()
+    other.restore(cal.state())
+    assert other.rollout_efficiency().request_quantiles == pytest.approx(factors, rel=1e-3)

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from libra.services.planner.cost_rollout import RolloutEfficiency
-from libra.services.planner.gaps import GAP_PROBS, MIN_SAMPLES, GapSampler, GapWindows, quantiles
+from libra.services.planner.gaps import GAP_PROBS, MIN_SAMPLES, GapSampler, GapWindows, ReplySampler, quantiles
 
 
 def skewed(n: int, seed: int, scale: float) -> list[float]:
@@ -84,3 +84,16 @@ def test_a_configured_distribution_is_checked_and_the_error_names_the_field():
                        ((-1.0,) + ok[1:], "non-negative")):
         with pytest.raises(ValidationError, match=f"turn_gap_quantiles[\\s\\S]*{words}"):
             RolloutEfficiency(turn_gap_quantiles=bad)
+
+
+def test_a_turns_way_back_is_request_s_times_its_own_draw():
+    """The reply's factor on request_s is a draw of its own (not the gap's of the same turn), the
+    same for the same turn, mean ~1; without quantiles there is no sampler (request_s as it is)."""
+    assert ReplySampler.of(RolloutEfficiency(request_s=0.03)) is None
+    factors = quantiles([x / 50 for x in range(101)])  # uniform on [0, 2]: mean 1
+    sampler = ReplySampler.of(RolloutEfficiency(request_s=0.03, request_quantiles=factors))
+    gaps = GapSampler(0.0, factors, factors)
+    ids = [f"g{g}-s{s}" for g in range(100) for s in range(8)]
+    drawn = [sampler.factor(t, k) for t in ids for k in range(3)]
+    assert statistics.fmean(drawn) == pytest.approx(1.0, abs=0.03) and min(drawn) < 0.1 and max(drawn) > 1.9
+    assert sampler.factor("g0-s0", 1) == sampler.factor("g0-s0", 1) != gaps.draw("g0-s0", 1)

@@ -220,7 +220,8 @@ def test_a_gateways_cap_on_trajectories_played_at_once_queues_the_rest_in_releas
 def test_with_a_calibrated_distribution_each_turn_draws_its_own_gap():
     """With gap quantiles (the calibration's, first turns apart) every turn waits its own draw:
     alike trajectories take different times, the same ones every run, about as long on average;
-    with the mean alone they all take the same time."""
+    with the mean alone they all take the same time. The same for a turn's way back from the
+    engine (`request_quantiles`: a factor on request_s)."""
     turns = (TurnSpec(20, "search", "success", 10, 0.5), TurnSpec(20, "search", "success", 10, 0.5), TurnSpec(10))
     trace = Trace(tuple(tuple(TrajectorySpec(f"t{b}-{i}", f"p{b}", b, 100, turns) for i in range(4))
                         for b in range(30)))
@@ -235,8 +236,8 @@ def test_with_a_calibrated_distribution_each_turn_draws_its_own_gap():
             self.durations.append(self.events.now - unit.released_s)
             super()._finished(unit)
 
-    def durations(**gaps) -> list[float]:
-        searched = config.model_copy(update={"rollout": RolloutEfficiency(turn_gap_s=mean, **gaps)})
+    def durations(**drawn) -> list[float]:
+        searched = config.model_copy(update={"rollout": RolloutEfficiency(turn_gap_s=mean, **drawn)})
         simulator = Timed(MODEL, GPU, trace, control.static(MODEL, GPU, searched), searched,
                           SimConfig(policy="load_balance", sync_latency_s=0.0, sync_gbps=100_000.0))
         simulator.run()
@@ -245,5 +246,10 @@ def test_with_a_calibrated_distribution_each_turn_draws_its_own_gap():
     assert durations(first_gap_quantiles=first, turn_gap_quantiles=later) == drawn
     assert statistics.pstdev(drawn) > 0.04 > 4 * statistics.pstdev(alike), (statistics.pstdev(drawn),
                                                                              statistics.pstdev(alike))
+    # a turn's way back (request_s) drawn too: a factor of mean 1 (uniform on [0, 2])
+    back = durations(request_s=0.1)
+    drawn_back = durations(request_s=0.1, request_quantiles=tuple(2.0 * i / 15 for i in range(16)))
+    assert statistics.pstdev(drawn_back) > 0.04 > 4 * statistics.pstdev(back)
+    assert statistics.fmean(drawn_back) == pytest.approx(statistics.fmean(back), abs=0.1)
     # the same gaps on average (the engines' batches differ a little once the trajectories spread out)
     assert statistics.fmean(drawn) == pytest.approx(statistics.fmean(alike), abs=0.1)

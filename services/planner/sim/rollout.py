@@ -10,7 +10,8 @@ runs), called exactly as the rollout gateway calls it:
                                                        finish(total) ◀───┘ the last turn
 
 A turn's reply reaches the gateway the instance's `request_s` after its last token (the time a
-turn spends outside the engine: HTTP, the routing call; 0 unless calibrated), before the tool runs
+turn spends outside the engine: HTTP, the routing call; 0 unless calibrated; with a calibrated
+distribution, `request_s` times each turn's own draw: `gaps.ReplySampler`), before the tool runs
 or the trajectory finishes. Every turn, the first included, is routed a gap after the trajectory's
 previous turn and tool call ended (or its start): the gateway's time between turns (routing,
 reports, records), each turn's drawn from the calibrated distribution or the mean (`gaps.py`; none
@@ -36,7 +37,7 @@ from typing import Callable, Sequence
 
 from libra.errors import FailedPrecondition, InvalidArgument
 from libra.routing.policy import Policy, Turn, Worker
-from libra.services.planner.gaps import GapSampler
+from libra.services.planner.gaps import GapSampler, ReplySampler
 from libra.services.planner.sim.instance import Group, Instance, InstanceModel, SimulationError, Unit
 from libra.services.planner.sim.result import RolloutResult
 from libra.services.planner.sim.simple import SimpleModel
@@ -74,9 +75,10 @@ class Rollout:
     """The instances in force, the policy that routes onto them, and every turn in flight."""
 
     def __init__(self, events: Events, policy: Policy | None, turn_budget_tokens: int,
-                 on_finish: Callable[[Unit], None] | None = None, gaps: GapSampler | None = None):
+                 on_finish: Callable[[Unit], None] | None = None, gaps: GapSampler | None = None,
+                 replies: ReplySampler | None = None):
         self.events, self.policy, self.turn_budget_tokens = events, policy, turn_budget_tokens
-        self.gaps = gaps
+        self.gaps, self.replies = gaps, replies
         self.on_finish = on_finish
         self.instances: dict[str, Instance] = {}
         self.running: dict[str, set[Unit]] = {}  # instance -> the units whose turn it runs or queues
@@ -242,6 +244,7 @@ class Rollout:
             unit.carried = 0
         spec, k = unit.spec, unit.turn
         turn = spec.turns[k]
+        back = instance.request_s * self.replies.factor(spec.trajectory_id, k) if self.replies else instance.request_s
         unit.context = unit.final
         unit.turn_left = 0.0
         self.tokens += turn.output_tokens * unit.copies
@@ -252,9 +255,9 @@ class Rollout:
             unit.turn, unit.turn_left = k + 1, float(spec.turns[k + 1].output_tokens)
             unit.prefill = float(turn.payload_tokens)
             gap = self.gaps.draw(spec.trajectory_id, k + 1) if self.gaps is not None else 0.0
-            self.events.push(now + instance.request_s + turn.latency_s + gap, TOOL, unit)
-        elif instance.request_s > 0:
-            self.events.push(now + instance.request_s, FINISH, unit)
+            self.events.push(now + back + turn.latency_s + gap, TOOL, unit)
+        elif back > 0:
+            self.events.push(now + back, FINISH, unit)
         else:
             self.finish(unit)
         self.kick(instance)
