@@ -6,6 +6,7 @@ trajectory's time split into turns, gaps and tools, simulated against measured.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 
 from kept_runs import Loaded, percentile
@@ -189,3 +190,36 @@ def per_token(turns: list[dict], engine) -> dict[str, list[float]]:
             found[f"{lo}-{hi}"] = [round(sum(t["seconds"] for t in chosen) / tokens, 4),
                                    round(engine.decode_step_seconds(middle, middle * 30), 4)]
     return found
+
+
+def shared_deviation(run: Loaded, fitted: list[float]) -> dict[str, float]:
+    """How the measured turns' deviations from the calibrated turn model (`fitted`: each turn's
+    seconds at its own batch) go together: the correlation between turns of different trajectories
+    that start within 20 ms of each other (shared in time), between consecutive turns of one
+    trajectory (carried by the trajectory), with the number of turns starting in the turn's first
+    50 ms (other sequences joining the engines) and with the share of the turn overlapping a
+    training step (the trainer beside the engines)."""
+    turns = [(t["timestamp"] - t["seconds"], t["seconds"] - f, t.get("trajectory_id", ""), t["timestamp"])
+             for t, f in zip(run.turns, fitted)]
+    turns.sort()
+    starts = [t[0] for t in turns]
+    trains = [(s["timestamp"] - s["train_seconds"], s["timestamp"]) for s in run.steps]
+    near = [(a[1], b[1]) for a, b in zip(turns, turns[1:]) if b[0] - a[0] < 0.02 and a[2] != b[2]]
+    own: dict[str, list[float]] = {}
+    for start, deviation, tid, _ in turns:
+        if tid:
+            own.setdefault(tid, []).append(deviation)
+    consecutive = [pair for devs in own.values() for pair in zip(devs, devs[1:])]
+    joined = [(bisect.bisect_left(starts, s + 0.05) - bisect.bisect_right(starts, s), d) for s, d, _, _ in turns]
+    overlap = [(sum(max(0.0, min(end, b) - max(s, a)) for a, b in trains) / (end - s) if end > s else 0.0, d)
+               for s, d, _, end in turns]
+
+    def corr(pairs: list[tuple[float, float]]) -> float:
+        if len(pairs) < 3:
+            return float("nan")
+        try:
+            return round(statistics.correlation([p for p, _ in pairs], [q for _, q in pairs]), 3)
+        except statistics.StatisticsError:  # one side constant (no training overlaps, say)
+            return float("nan")
+    return {"other_trajectories_within_20ms": corr(near), "consecutive_turns_of_one": corr(consecutive),
+            "turns_starting_in_first_50ms": corr(joined), "share_overlapping_training": corr(overlap)}

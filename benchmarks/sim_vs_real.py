@@ -60,7 +60,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from headline_cpu import DESIGNS  # noqa: E402
 from kept_runs import Loaded, load, measured, percentile, trainer_overheads  # noqa: E402
-from sim_probes import CPU_CORE, TimedEngines, fitted_turns, in_flight_share, per_token, trajectory_time  # noqa: E402
+from sim_probes import (CPU_CORE, TimedEngines, fitted_turns, in_flight_share, per_token, shared_deviation,  # noqa: E402
+                        trajectory_time)
 from libra.routing.registry import make_policy  # noqa: E402
 from libra.services.planner import cost_rollout  # noqa: E402
 from libra.services.planner.calibration import Calibration  # noqa: E402
@@ -181,6 +182,7 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
                  "busy_train": sum(r.train_s - train_overhead for r in records) / span,
                  "busy_rollout": statistics.fmean(in_flight_share(e.held, span) for e in engines.engines)}
     snap = cal.snapshot()
+    fitted = fitted_turns(run, cal, model)
     notes = {"slowdowns": {k: v["slowdown"] for k, v in snap["estimators"].items()},
              "turn_fit": {k: v for k, v in snap["turn_fit"].items()},
              "turn_gap_s": snap["efficiency"]["turn_gap_s"]["calibrated"],
@@ -199,7 +201,8 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
              "s_per_token_by_batch": per_token(run.turns, cost_rollout.instance(model, CPU_CORE, 1, rollout)),
              "turn_batch_mean": [round(statistics.fmean(engines.batches), 1),
                                  round(statistics.fmean(t["batch"] for t in run.turns), 1)],
-             "turn_p50_fitted_s": round(percentile(fitted_turns(run, cal, model), 50), 4),
+             "turn_p50_fitted_s": round(percentile(fitted, 50), 4),
+             "turn_deviation_correlation": shared_deviation(run, fitted),
              "trajectory_time": trajectory_time(run, specs, engines.by_trajectory, GapSampler.of(rollout))}
     return predicted, notes
 

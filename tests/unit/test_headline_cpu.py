@@ -128,3 +128,25 @@ def test_the_rollout_workers_busy_share_comes_from_their_busy_seconds_where_reco
     sampled = [sample(1.0, inflight=1), sample(2.0), sample(3.0, inflight=1), sample(4.0, inflight=1)]
     assert kept_runs.busy_rollout(sampled, 0.0, 10.0) == 0.75  # runs recorded before busy_s
     assert kept_runs.busy_rollout([sample(1.0, 0.0, state="starting"), sample(2.0, 1.0), sample(4.0, 2.0)], 0, 5) == 0.5
+
+
+def test_shared_deviation_tells_a_slow_moment_from_a_slow_trajectory():
+    """Turns that run at a slow moment are slow together, whichever trajectory they belong to: the
+    correlation between turns of different trajectories starting within 20 ms is high, between
+    consecutive turns of one trajectory low."""
+    import random
+    from types import SimpleNamespace
+    rng = random.Random(0)
+    turns, fitted = [], []
+    for moment in range(300):  # every 0.1 s four turns of four trajectories start together
+        shock = rng.gauss(0.0, 0.05)
+        for k in range(4):
+            start = moment * 0.1 + 0.001 * k
+            seconds = 0.1 + shock + rng.gauss(0.0, 0.005)
+            turns.append({"timestamp": start + seconds, "seconds": seconds,
+                          "trajectory_id": f"t{(moment * 4 + k * 7) % 97}"})
+            fitted.append(0.1)
+    run = SimpleNamespace(turns=turns, steps=[])
+    shared = sim_probes.shared_deviation(run, fitted)
+    assert shared["other_trajectories_within_20ms"] > 0.8 and abs(shared["consecutive_turns_of_one"]) < 0.2
+    assert shared["share_overlapping_training"] != shared["share_overlapping_training"]  # nan: no training
