@@ -194,32 +194,44 @@ def per_token(turns: list[dict], engine) -> dict[str, list[float]]:
 
 def shared_deviation(run: Loaded, fitted: list[float]) -> dict[str, float]:
     """How the measured turns' deviations from the calibrated turn model (`fitted`: each turn's
-    seconds at its own batch) go together: the correlation between turns of different trajectories
-    that start within 20 ms of each other (shared in time), between consecutive turns of one
-    trajectory (carried by the trajectory), with the number of turns starting in the turn's first
-    50 ms (other sequences joining the engines) and with the share of the turn overlapping a
-    training step (the trainer beside the engines)."""
-    turns = [(t["timestamp"] - t["seconds"], t["seconds"] - f, t.get("trajectory_id", ""), t["timestamp"])
-             for t, f in zip(run.turns, fitted)]
-    turns.sort()
+    seconds at its own batch) go together, as correlations: between turns of different trajectories
+    that start within 20 ms of each other (shared in time), 100-200 ms apart (how long it lasts), on
+    different buckets' workers within 20 ms (one engine's or the whole machine's), whose replies
+    arrive within 20 ms of each other; between consecutive turns of one trajectory (carried by the
+    trajectory); with the number of turns starting in the turn's first 50 ms (other sequences
+    joining the engines) and with the share of the turn overlapping a training step (the trainer)."""
+    turns = sorted((t["timestamp"] - t["seconds"], t["seconds"] - f, t.get("trajectory_id", ""), t["timestamp"],
+                    t["bucket"]) for t, f in zip(run.turns, fitted))
     starts = [t[0] for t in turns]
     trains = [(s["timestamp"] - s["train_seconds"], s["timestamp"]) for s in run.steps]
-    near = [(a[1], b[1]) for a, b in zip(turns, turns[1:]) if b[0] - a[0] < 0.02 and a[2] != b[2]]
+
+    def apart(low: float, high: float, other_bucket: bool = False) -> list[tuple[float, float]]:
+        pairs = []
+        for i, a in enumerate(turns):
+            for b in turns[bisect.bisect_left(starts, a[0] + low, i + 1):bisect.bisect_left(starts, a[0] + high)]:
+                if a[2] != b[2] and (a[4] != b[4] or not other_bucket):
+                    pairs.append((a[1], b[1]))
+        return pairs
+    replies = sorted((t[3], t[1], t[2]) for t in turns)
     own: dict[str, list[float]] = {}
-    for start, deviation, tid, _ in turns:
+    for start, deviation, tid, _, _ in turns:
         if tid:
             own.setdefault(tid, []).append(deviation)
-    consecutive = [pair for devs in own.values() for pair in zip(devs, devs[1:])]
-    joined = [(bisect.bisect_left(starts, s + 0.05) - bisect.bisect_right(starts, s), d) for s, d, _, _ in turns]
+    joined = [(bisect.bisect_left(starts, s + 0.05) - bisect.bisect_right(starts, s), d) for s, d, *_ in turns]
     overlap = [(sum(max(0.0, min(end, b) - max(s, a)) for a, b in trains) / (end - s) if end > s else 0.0, d)
-               for s, d, _, end in turns]
+               for s, d, _, end, _ in turns]
 
     def corr(pairs: list[tuple[float, float]]) -> float:
-        if len(pairs) < 3:
+        if len(pairs) < 10:
             return float("nan")
         try:
             return round(statistics.correlation([p for p, _ in pairs], [q for _, q in pairs]), 3)
         except statistics.StatisticsError:  # one side constant (no training overlaps, say)
             return float("nan")
-    return {"other_trajectories_within_20ms": corr(near), "consecutive_turns_of_one": corr(consecutive),
+    return {"other_trajectories_within_20ms": corr(apart(0.0, 0.02)),
+            "other_trajectories_100_to_200ms_apart": corr(apart(0.1, 0.2)),
+            "other_bucket_within_20ms": corr(apart(0.0, 0.02, other_bucket=True)),
+            "replies_within_20ms": corr([(a[1], b[1]) for a, b in zip(replies, replies[1:])
+                                         if b[0] - a[0] < 0.02 and a[2] != b[2]]),
+            "consecutive_turns_of_one": corr([pair for devs in own.values() for pair in zip(devs, devs[1:])]),
             "turns_starting_in_first_50ms": corr(joined), "share_overlapping_training": corr(overlap)}

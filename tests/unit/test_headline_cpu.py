@@ -144,9 +144,11 @@ def test_shared_deviation_tells_a_slow_moment_from_a_slow_trajectory():
             start = moment * 0.1 + 0.001 * k
             seconds = 0.1 + shock + rng.gauss(0.0, 0.005)
             turns.append({"timestamp": start + seconds, "seconds": seconds,
-                          "trajectory_id": f"t{(moment * 4 + k * 7) % 97}"})
+                          "trajectory_id": f"t{(moment * 4 + k * 7) % 97}", "bucket": "short" if k < 2 else "long"})
             fitted.append(0.1)
     run = SimpleNamespace(turns=turns, steps=[])
     shared = sim_probes.shared_deviation(run, fitted)
     assert shared["other_trajectories_within_20ms"] > 0.8 and abs(shared["consecutive_turns_of_one"]) < 0.2
+    assert shared["other_bucket_within_20ms"] > 0.8  # (the slow moments here are the whole machine's)
+    assert abs(shared["other_trajectories_100_to_200ms_apart"]) < 0.2  # each moment its own
     assert shared["share_overlapping_training"] != shared["share_overlapping_training"]  # nan: no training
