@@ -9,18 +9,18 @@ runs), called exactly as the rollout gateway calls it:
                       └─ tool latency (TOOL event) ◀─ tool_returned ◀────┤ another turn follows
                                                        finish(total) ◀───┘ the last turn
 
-A turn's reply reaches the gateway the instance's `request_s` after its last token (the time a
-turn spends outside the engine: HTTP, the routing call; 0 unless calibrated; with a calibrated
-distribution, `request_s` times each turn's own draw: `gaps.ReplySampler`), before the tool runs
-or the trajectory finishes. Every turn, the first included, is routed a gap after the trajectory's
+A turn's reply reaches the gateway the instance's `request_s` after its last token (the time a turn
+spends outside the engine: HTTP, the routing call; 0 unless calibrated; with a calibrated
+distribution, `request_s` times each turn's own draw: `gaps.ReplySampler`), before the tool runs or
+the trajectory finishes. Every turn, the first included, is routed a gap after the trajectory's
 previous turn and tool call ended (or its start): the gateway's time between turns (routing,
 reports, records), each turn's drawn from the calibrated distribution or the mean (`gaps.py`; none
-unless calibrated). A turn prefills its
-whole context where its KV cache is not (new trajectory, or moved), only the tool payload where it
-stays. A turn that no serving instance can hold waits ("parked") until one that can comes up. The
-loop owns the instances in force and the routing counters; it does not own the clock's other
-events (releases, training: `cluster.py`) nor the speed of an instance (`instance.py`).
-Deterministic: events at the same time run in the order they were scheduled.
+unless calibrated). A turn prefills its whole context where its KV cache is not (new trajectory, or
+moved), only the tool payload where it stays. A turn that no serving instance can hold waits
+("parked") until one that can comes up. The loop owns the instances in force and the routing
+counters; it does not own the clock's other events (releases, training: `cluster.py`) nor the speed
+of an instance (`instance.py`). Deterministic: events at the same time run in the order they were
+scheduled.
 
 A plan change replaces the policy while turns it routed still run on the instances the new plan
 keeps. Those instances register with the new policy carrying the load the new policy would have
