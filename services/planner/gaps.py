@@ -8,7 +8,7 @@ call, its reports and records), as a distribution rather than a mean.
 
 Why: a trajectory's duration is its turns, its tool calls and its gaps, and a synchronous batch
 waits for its longest trajectory. The gaps are skewed (on the CPU headline runs: later turns' p50
-17 ms, p99 0.13-0.26 s; a first turn's longer, the whole batch routing at once), so charging their
+15-26 ms, p99 0.10-0.23 s; a first turn's longer, the whole batch routing at once), so charging their
 mean before every turn makes every trajectory's gaps alike and the longest trajectory too short.
 Independent draws from the measured distribution, first turn apart, reproduce the spread of the
 measured per-trajectory gap totals (benchmarks/sim_probes.py, `trajectory_time`).
@@ -25,7 +25,9 @@ more than a constant says (on the CPU headline runs: a standard deviation of 0.0
 group waits for its slowest trajectory. `Replies` keeps the recent turns' features and seconds;
 the calibration exports the distribution of their time beyond the fitted engine time (floored at
 0) relative to its mean (`RolloutEfficiency.request_quantiles`), and the simulator charges each
-turn `request_s` times its own draw (`ReplySampler`).
+turn `request_s` times its own draw (`ReplySampler`). What independent draws leave out: on those
+runs the turns of one engine deviate together at a moment (docs/benchmarks.md, "Simulator against
+reality"); the spread is right, its timing is not.
 """
 
 from __future__ import annotations
