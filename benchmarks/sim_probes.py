@@ -162,7 +162,17 @@ def trajectory_time(run: Loaded, specs: list, simulated: dict[str, float], gaps:
                      "whole": spread(sim_whole, real_whole)},
             "measured_gap_s": {"first_turn": round(statistics.fmean(firsts[t][1] for t in ids), 4),
                                "later_turns": round(sum(measured[t][2] - firsts[t][1] for t in ids)
-                                                    / max(1.0, sum(measured[t][0] - 1 for t in ids)), 4)}}
+                                                    / max(1.0, sum(measured[t][0] - 1 for t in ids)), 4),
+                               **gap_percentiles(run)}}
+
+
+def gap_percentiles(run: Loaded) -> dict[str, list[float]]:
+    """The measured gaps' p50 and p99, [first turns, later turns] (the place of a turn, turn_number)."""
+    first = [t["gap_seconds"] for t in run.turns if t.get("turn_number") == 1 and t.get("gap_seconds")]
+    later = [t["gap_seconds"] for t in run.turns if t.get("turn_number", 0) > 1 and t.get("gap_seconds")]
+    if len(first) < 2 or len(later) < 2:
+        return {}
+    return {f"p{q}": [round(percentile(first, q), 4), round(percentile(later, q), 4)] for q in (50, 99)}
 
 
 def fitted_turns(run: Loaded, cal: Calibration, model: ModelSpec) -> list[float]:
@@ -234,4 +244,7 @@ def shared_deviation(run: Loaded, fitted: list[float]) -> dict[str, float]:
             "replies_within_20ms": corr([(a[1], b[1]) for a, b in zip(replies, replies[1:])
                                          if b[0] - a[0] < 0.02 and a[2] != b[2]]),
             "consecutive_turns_of_one": corr([pair for devs in own.values() for pair in zip(devs, devs[1:])]),
-            "turns_starting_in_first_50ms": corr(joined), "share_overlapping_training": corr(overlap)}
+            "turns_starting_in_first_50ms": corr(joined), "share_overlapping_training": corr(overlap),
+            **{f"own_{k}": corr([(t.get(k, 0), t["seconds"] - f) for t, f in zip(run.turns, fitted)])
+               for k in ("prompt_tokens", "output_tokens", "batch", "turn_number")},
+            "deviation_sd_s": round(statistics.pstdev(t["seconds"] - f for t, f in zip(run.turns, fitted)), 4)}

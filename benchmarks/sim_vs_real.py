@@ -195,6 +195,9 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
              "sim_train_s": statistics.fmean(r.train_s for r in records) - train_overhead,
              "real_train_s": statistics.fmean(s["scalars"]["time/train_s"] for s in run.record.steps),
              "sync_s": publish,
+             "trainer_wait_s": [round(statistics.fmean(r.wait_s for r in records[1:]), 4),
+                                round(statistics.fmean(s["scalars"].get("time/wait_s", 0.0)
+                                                       for s in run.record.steps[1:]), 4)],
              "turns_per_bucket": {"measured": dict(Counter(t["bucket"] for t in run.turns)),
                                   "simulated": dict(Counter(e.bucket for e in engines.engines
                                                             for _ in range(e.routed)))},

@@ -21,7 +21,7 @@ the mean, `turn_gap_s`, as before.
 The same holds inside a turn: what a turn takes beyond the fitted engine time (the engine's
 jitter, the reply's way back; on average the turn fit's `request_s`) varies from turn to turn far
 more than a constant says (on the CPU headline runs: a standard deviation of 0.07-0.10 s on a
-0.12-0.15 s median turn, uncorrelated with the turn's prompt, output, batch or place), and a
+0.12-0.15 s median turn, hardly related to the turn's prompt, output, batch or place), and a
 group waits for its slowest trajectory. `Replies` keeps the recent turns' features and seconds;
 the calibration exports the distribution of their time beyond the fitted engine time (floored at
 0) relative to its mean (`RolloutEfficiency.request_quantiles`), and the simulator charges each
