@@ -202,7 +202,7 @@ def per_token(turns: list[dict], engine) -> dict[str, list[float]]:
     return found
 
 
-def shared_deviation(run: Loaded, fitted: list[float]) -> dict[str, float]:
+def shared_deviation(run: Loaded, fitted: list[float]) -> dict[str, float | None]:
     """How the measured turns' deviations from the calibrated turn model (`fitted`: each turn's
     seconds at its own batch) go together, as correlations: between turns of different trajectories
     that start within 20 ms of each other (shared in time), 100-200 ms apart (how long it lasts), on
@@ -231,13 +231,13 @@ def shared_deviation(run: Loaded, fitted: list[float]) -> dict[str, float]:
     overlap = [(sum(max(0.0, min(end, b) - max(s, a)) for a, b in trains) / (end - s) if end > s else 0.0, d)
                for s, d, _, end, _ in turns]
 
-    def corr(pairs: list[tuple[float, float]]) -> float:
+    def corr(pairs: list[tuple[float, float]]) -> float | None:  # None: too few pairs, or one side constant
         if len(pairs) < 10:
-            return float("nan")
+            return None
         try:
             return round(statistics.correlation([p for p, _ in pairs], [q for _, q in pairs]), 3)
-        except statistics.StatisticsError:  # one side constant (no training overlaps, say)
-            return float("nan")
+        except statistics.StatisticsError:  # (no training overlaps a turn, say)
+            return None
     return {"other_trajectories_within_20ms": corr(apart(0.0, 0.02)),
             "other_trajectories_100_to_200ms_apart": corr(apart(0.1, 0.2)),
             "other_bucket_within_20ms": corr(apart(0.0, 0.02, other_bucket=True)),
