@@ -60,8 +60,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from headline_cpu import DESIGNS  # noqa: E402
 from kept_runs import Loaded, load, measured, percentile, trainer_overheads  # noqa: E402
-from sim_probes import (CPU_CORE, TimedEngines, fitted_turns, in_flight_share, per_token, shared_deviation,  # noqa: E402
-                        trajectory_time)
+from sim_probes import (CPU_CORE, TimedEngines, fitted_turns, in_flight_share, per_token,  # noqa: E402
+                        shared_deviation, trajectory_time)
 from libra.routing.registry import make_policy  # noqa: E402
 from libra.services.planner import cost_rollout  # noqa: E402
 from libra.services.planner.calibration import Calibration  # noqa: E402

@@ -260,7 +260,7 @@ def test_each_turn_carries_the_trajectorys_time_since_its_previous_turn_outside_
     taken = time.monotonic() - 0.2  # taken 0.2 s before its play began (the gateway reads and marks it)
     traj = asyncio.run(runner.play(pb.Trajectory(trajectory_id="g0-s0", prompt_id="0", group_id="g0"), taken))
     assert traj.turns == 2 and traj.tool_events[0].seconds >= 0.6 and traj.reward == 1.0
-    assert 0.25 <= gaps[0] < 0.55, gaps  # the runner's start and the route before the first turn (slack for a busy machine)
+    assert 0.25 <= gaps[0] < 0.55, gaps  # the runner's start and the first route (slack for a busy machine)
     assert 0.18 <= gaps[1] < 0.55, gaps  # the tool's report, the second route, the reward; not the 0.6 s tool call
     assert whose == ["g0-s0", "g0-s0"]  # each turn record names its trajectory
 

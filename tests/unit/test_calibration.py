@@ -244,8 +244,8 @@ def test_the_gaps_distribution_is_measured_with_first_turns_apart_and_survives_a
     for i, (prompt, output, batch) in enumerate(varied_turns(300)):
         seconds = measured_on(TRUTH, prompt, output, batch)
         number = 1 + i % 3  # three-turn trajectories: the first waits longer
-        assert cal.observe_turn(1, prompt, output, seconds, batch, gap_s=0.3 if number == 1 else 0.02 + 0.001 * (i % 7),
-                                turn_number=number) is None
+        gap = 0.3 if number == 1 else 0.02 + 0.001 * (i % 7)
+        assert cal.observe_turn(1, prompt, output, seconds, batch, gap_s=gap, turn_number=number) is None
     r = cal.rollout_efficiency()
     assert set(r.first_gap_quantiles) == {0.3} and r.turn_gap_quantiles[0] == pytest.approx(0.02)
     assert r.turn_gap_quantiles[-1] == pytest.approx(0.026) and r.turn_gap_s == pytest.approx(0.1153, rel=0.01)
