@@ -1,7 +1,8 @@
-"""What one decode step of the quickstart's tiny model costs on one CPU thread, by batch and by the
-padded context every row of the batch carries (the transformers engine pads each row's KV cache to
-the batch's longest context, services/rollout/engines/hf_engine.py): is a long context in the batch
-what slows every row at once (docs/benchmarks.md, "Simulator against reality")?
+"""What one decode step of the quickstart's tiny model (its warm-started weights, from the model cache)
+costs on one CPU thread, by batch and by the padded context every row of the batch carries (the
+transformers engine pads each row's KV cache to the batch's longest context,
+services/rollout/engines/hf_engine.py): is a long context in the batch what slows every row at once
+(docs/benchmarks.md, "Simulator against reality")?
 
     .venv/bin/python benchmarks/hf_step_padding.py [--threads 1] [--reps 60]
 
@@ -13,12 +14,15 @@ batch, a column per padded context, and each row's ratio longest / shortest cont
 from __future__ import annotations
 
 import argparse
+import pathlib
+import tempfile
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-from libra.model_config import ModelConfig
+from libra.config import load_run_config
+from libra.services.trainer.model_state import base_model
 
 
 def step_ms(model, batch: int, context: int, reps: int, vocab: int) -> float:
@@ -42,16 +46,15 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    m = ModelConfig()  # the quickstart's model section (configs/quickstart.yaml keeps the defaults)
-    config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.layers,
-                         num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
-                         intermediate_size=m.intermediate_size, max_position_embeddings=4096)
-    model = LlamaForCausalLM(config).eval()
-    contexts = (32, 64, 128, 256)
-    step_ms(model, 4, 32, args.reps, m.vocab_size)  # warm-up (the first calls allocate)
+    where = pathlib.Path(tempfile.mkdtemp()) / "base"  # the quickstart's own warm-started model (model cache)
+    base_model(load_run_config("configs/quickstart.yaml"), where)
+    model = LlamaForCausalLM.from_pretrained(where).eval()
+    vocab = model.config.vocab_size
+    contexts = tuple(c for c in (32, 64, 128, 256) if c < model.config.max_position_embeddings)
+    step_ms(model, 4, 32, args.reps, vocab)  # warm-up (the first calls allocate)
     print("batch  " + "  ".join(f"ctx {c:>4}" for c in contexts) + "   longest/shortest   (ms CPU per step)")
     for batch in (1, 4, 20, 64):
-        row = [step_ms(model, batch, c, args.reps, m.vocab_size) for c in contexts]
+        row = [step_ms(model, batch, c, args.reps, vocab) for c in contexts]
         print(f"{batch:>5}  " + "  ".join(f"{ms:8.2f}" for ms in row) + f"   {row[-1] / row[0]:.2f}")
     return 0
 
