@@ -21,6 +21,12 @@ class HfEngine(Section):
 
     type: Literal["hf"] = Field("hf", description="hf: the transformers-based engine (TP 1 only)")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="device of the engine: cpu, cuda or cuda:N")
+    prefill_ratio: float = Field(
+        0.5, ge=0, le=1024,
+        description="while sequences are decoding, new requests wait to be prefilled together until they are this "
+                    "many times the running ones (or prefill_wait_steps have passed); 0: prefill every arrival at once")
+    prefill_wait_steps: int = Field(8, ge=0, le=1024,
+                                    description="decode steps a new request waits at most before it is prefilled")
 
 
 EngineConfig = tagged_union("rollout.worker.engine", VllmEngine, HfEngine, default="vllm")

@@ -54,7 +54,8 @@ def _hf_worker_class() -> type:
                     "--host", c.host, "--port", str(self.port), "--device", c.engine.device, "--dtype", c.dtype,
                     "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
                     "--logprobs-mode", c.logprobs_mode, "--policy-version", str(self.policy_version),
-                    "--threads", str(c.cpu_threads), *c.extra_args]
+                    "--threads", str(c.cpu_threads), "--prefill-ratio", str(c.engine.prefill_ratio),
+                    "--prefill-wait-steps", str(c.engine.prefill_wait_steps), *c.extra_args]
 
     return HfWorkerProcess
 

@@ -12,6 +12,12 @@
 Continuous batching, lite: the running batch keeps one KV cache per layer ([B, heads, L, dim],
 left-padded, with a [B, L] mask and explicit positions); new requests are prefilled together and
 padded into it between steps, finished rows are dropped, and columns no row needs are trimmed.
+A prefill is a forward pass in which the running rows do not advance, and for a small model its
+cost is mostly per pass: while rows run, new requests wait until they number `prefill_ratio` times
+the running rows or have waited `prefill_wait_steps` decode steps, then are prefilled together
+(rollout.worker.engine's fields; docs/benchmarks.md, "Time to first learning"). Sampling is one
+batch of tensor operations for all rows (`sample_rows`), each row with its own temperature, top-p
+and seed.
 Weight loads (engines/hf_weights.py) run in the decode thread between two steps, and no request is
 dropped: a load recomputes the running rows' KV cache under the new weights (`refresh_kv`) before the
 next step, so every token is sampled from one version's weights attending to KV of that version
@@ -68,7 +74,7 @@ class HFEngine(HFWeightLoads):
 
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32", max_model_len: int = 2048,
                  max_num_seqs: int = 64, logprobs_mode: str = "processed_logprobs", policy_version: int = 0,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, prefill_ratio: float = 0.5, prefill_wait_steps: int = 8):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -83,6 +89,12 @@ class HFEngine(HFWeightLoads):
         self.eos_id = self.model.config.eos_token_id
         self.vocab_size = self.model.config.vocab_size
         self.max_model_len, self.max_num_seqs, self.logprobs_mode = max_model_len, max_num_seqs, logprobs_mode
+        if prefill_ratio < 0 or prefill_wait_steps < 0:
+            raise ValueError(f"prefill_ratio and prefill_wait_steps must be >= 0, got {prefill_ratio}, "
+                             f"{prefill_wait_steps}")
+        self.prefill_ratio, self.prefill_wait_steps = prefill_ratio, prefill_wait_steps
+        self._waiting: list[Request] = []  # taken off the queue, not yet prefilled (admission batching)
+        self._waited = 0  # decode steps the oldest of them has waited
         self.version = policy_version
         self.dirty: str | None = None  # a load that failed half-way: weights are neither old nor new
         self.weights_group: Any = None
@@ -175,12 +187,26 @@ class HFEngine(HFWeightLoads):
             done(result, error)
 
     def _admit(self) -> list[Request]:
-        fresh: list[Request] = []
+        """The requests to prefill now, or none (decode instead).
+
+        Prefilling is a forward pass of its own, in which the running rows do not advance, and for a
+        small model its cost is mostly per pass, not per row. So while rows are running, arrivals
+        wait until they are at least `prefill_ratio` times the running rows, or the oldest has
+        waited `prefill_wait_steps` decode steps, and are then prefilled together (0 and 0: every
+        arrival at the next step)."""
+        fresh = self._waiting
         while len(self._rows) + len(fresh) < self.max_num_seqs:
             try:
                 fresh.append(self._incoming.get_nowait())
             except queue.Empty:
                 break
+        if not fresh:
+            return fresh
+        if (self._rows and len(fresh) < self.prefill_ratio * len(self._rows)
+                and self._waited < self.prefill_wait_steps and len(self._rows) + len(fresh) < self.max_num_seqs):
+            self._waited += 1
+            return []
+        self._waiting, self._waited = [], 0
         return fresh
 
     def _prefill(self, fresh: list[Request]) -> None:
@@ -247,10 +273,9 @@ class HFEngine(HFWeightLoads):
         """Sample one token for rows offset.. (the rows these logits belong to); retire finished rows."""
         import torch
 
-        logits = logits.float()
-        for index in range(logits.shape[0]):
-            request = self._rows[offset + index]
-            token, logprob = _sample_one(logits[index], request, self.logprobs_mode)
+        rows = self._rows[offset:offset + logits.shape[0]]
+        tokens, logprobs = sample_rows(logits, rows, self.logprobs_mode)
+        for request, token, logprob in zip(rows, tokens, logprobs):
             request.generated.append(token)
             request.logprobs.append(logprob)
             request.token_versions.append(self.version)
@@ -291,24 +316,54 @@ def _log() -> Any:
     return liblog.get("libra.rollout.hf_engine")
 
 
-def _sample_one(logits: Any, request: Request, mode: str) -> tuple[int, float]:
-    """(token, log-prob) for one row: greedy at temperature 0, else temperature and top-p."""
+def sample_rows(logits: Any, rows: list[Request], mode: str) -> tuple[list[int], list[float]]:
+    """One (token, log-prob) per row of `logits` [rows, vocab], in one batch of tensor operations:
+    greedy rows (temperature 0) take the argmax with its raw log-prob; the others sample from
+    softmax(logits / temperature), cut to the smallest set of tokens whose probability reaches top_p
+    (the most likely token always kept), by inverting the cumulative distribution at one uniform draw
+    per row. A row with a seed draws from its own generator, so its sample does not depend on which
+    other rows share the batch; the others draw from torch's global generator. The log-prob is of
+    the distribution sampled from ("processed_logprobs", vLLM's default) or of the raw logits."""
     import torch
 
+    logits = logits.float()
     raw = torch.log_softmax(logits, dim=-1)
-    if request.temperature == 0.0:
-        token = int(torch.argmax(logits))
-        return token, float(raw[token])
-    scaled = logits / request.temperature
-    if request.top_p < 1.0:
-        ordered, order = torch.sort(scaled, descending=True)
-        cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
-        cut = cumulative - torch.softmax(ordered, dim=-1) >= request.top_p  # keep the first token always
-        scaled = scaled.clone()
-        scaled[order[cut]] = float("-inf")
-    processed = torch.log_softmax(scaled, dim=-1)
-    token = int(torch.multinomial(processed.exp(), 1, generator=request.generator))
-    return token, float(processed[token] if mode == "processed_logprobs" else raw[token])
+    tokens = torch.argmax(logits, dim=-1)
+    chosen = raw.gather(1, tokens[:, None])[:, 0]
+    sampled = [index for index, request in enumerate(rows) if request.temperature != 0.0]
+    if sampled:
+        at = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+        temperature = torch.tensor([rows[i].temperature for i in sampled], device=logits.device)
+        scaled = logits.index_select(0, at) / temperature[:, None]
+        top_p = [rows[i].top_p for i in sampled]
+        if min(top_p) < 1.0:
+            ordered, order = torch.sort(scaled, dim=-1, descending=True)
+            probs = torch.softmax(ordered, dim=-1)
+            cut = probs.cumsum(-1) - probs >= torch.tensor(top_p, device=logits.device)[:, None]
+            scaled = scaled.scatter(1, order, ordered.masked_fill(cut, float("-inf")))
+        processed = torch.log_softmax(scaled, dim=-1)
+        cdf = processed.exp().cumsum(-1)
+        draws = _uniform([rows[i].generator for i in sampled], logits.device)
+        picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)[:, 0]
+        picked = picked.clamp(max=logits.shape[1] - 1)
+        unlikely = torch.isinf(processed.gather(1, picked[:, None])[:, 0])  # rounding at the top of the cdf
+        picked = torch.where(unlikely, torch.argmax(processed, dim=-1), picked)
+        source = processed if mode == "processed_logprobs" else raw.index_select(0, at)
+        tokens = tokens.index_copy(0, at, picked)
+        chosen = chosen.index_copy(0, at, source.gather(1, picked[:, None])[:, 0])
+    return tokens.tolist(), chosen.tolist()
+
+
+def _uniform(generators: list[Any], device: Any) -> Any:
+    """One U[0, 1) draw per row: from the row's own generator where it has one (on the engine's device,
+    as the HTTP layer makes it), else torch's global one."""
+    import torch
+
+    draws = torch.rand(len(generators), device=device)
+    for index, generator in enumerate(generators):
+        if generator is not None:
+            draws[index] = torch.rand((), generator=generator, device=device)
+    return draws
 
 
 def _new_cache(kv: list[tuple[Any, Any]] | None = None) -> Any:

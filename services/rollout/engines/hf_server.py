@@ -260,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logprobs-mode", default="processed_logprobs", choices=LOGPROBS_MODES)
     parser.add_argument("--policy-version", type=int, default=int(os.environ.get(INITIAL_VERSION_ENV, "0")))
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--prefill-ratio", type=float, default=0.5,
+                        help="prefill new requests together once they are this many times the running ones (0: at once)")
+    parser.add_argument("--prefill-wait-steps", type=int, default=8,
+                        help="decode steps a new request waits at most before it is prefilled")
     args = parser.parse_args(argv)
     key = key_from_environment()
     phases = StartPhases()  # start-up, phase by phase, in the "hf engine serving" line
@@ -282,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         pass  # token ids in and out work without one; text and chat do not
     phases.done("tokenizer")
     engine = HFEngine(args.model, args.device, args.dtype, args.max_model_len, args.max_num_seqs,
-                      args.logprobs_mode, args.policy_version, args.tensor_parallel_size)
+                      args.logprobs_mode, args.policy_version, args.tensor_parallel_size, args.prefill_ratio,
+                      args.prefill_wait_steps)
     phases.done("model")
     liblog.get("libra.rollout.hf_engine").info("hf engine serving", model=args.model, device=args.device,
                                                port=args.port, version=args.policy_version, **phases.seconds)
