@@ -35,7 +35,8 @@ from libra.config import load_run_config
 from libra.services.rollout.engines import hf_engine
 from libra.services.trainer.model_state import base_model
 
-SETTINGS = ((0.0, 0), (0.5, 4), (0.5, 8), (1.0, 8), (64.0, 8))  # (prefill_ratio, prefill_wait_steps); (0, 0): no batching
+# (prefill_ratio, prefill_wait_steps): (0, 0) prefills every arrival at once; (0.5, 8) is the default
+SETTINGS = ((0.0, 0), (0.5, 4), (0.5, 8), (1.0, 8), (64.0, 8))
 
 
 def closed_loop(engine, module, users: int, turns: int, gap_s: float, seed: int) -> tuple[float, float, list[float]]:

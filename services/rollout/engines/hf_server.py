@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy-version", type=int, default=int(os.environ.get(INITIAL_VERSION_ENV, "0")))
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--prefill-ratio", type=float, default=0.5,
-                        help="prefill new requests together once they are this many times the running ones (0: at once)")
+                        help="prefill new requests together once they are this many times the running ones "
+                             "(0: at once)")
     parser.add_argument("--prefill-wait-steps", type=int, default=8,
                         help="decode steps a new request waits at most before it is prefilled")
     args = parser.parse_args(argv)
