@@ -47,13 +47,23 @@ RETRY_BACKOFF = (0.05, 2.0)
 """First and longest wait between retries of a command while Redis is away (seconds)."""
 PING_TIMEOUT_S = 2.0
 """How long `ping` (used when connecting) waits for an answer before saying Redis is not reachable."""
+MAX_CONNECTIONS = 128
+"""Connections one service's client opens at most; a command beyond them waits for a free one."""
 
 
-def retrying_client(url: str) -> aioredis.Redis:
-    """A client that retries every command on a lost connection, with backoff, without limit."""
+def retrying_client(url: str, max_connections: int = MAX_CONNECTIONS) -> aioredis.Redis:
+    """A client that retries every command on a lost connection, with backoff, without limit, over a
+    pool of at most `max_connections` in which a command waits for a free connection.
+
+    redis-py's default pool raises "Too many connections" past its 100th connection in use: a
+    gateway playing more than ~100 trajectories at once (each awaiting its own Redis command) died
+    of it. A blocking pool makes the limit a queue instead of an error."""
     first, longest = RETRY_BACKOFF
-    return aioredis.from_url(url, decode_responses=False, retry=Retry(ExponentialBackoff(cap=longest, base=first), -1),
-                             retry_on_error=[RedisConnectionError, RedisTimeoutError, OSError])
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=None, decode_responses=False,
+        retry=Retry(ExponentialBackoff(cap=longest, base=first), -1),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError, OSError])
+    return aioredis.Redis.from_pool(pool)
 
 
 class StateStore(TrajectoryStore, CompletedStream, VersionStore, RecordStore, ReplyStore, SchedulerStore):
