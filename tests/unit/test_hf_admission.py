@@ -57,6 +57,7 @@ def _decodes_before_prefill(model_dir: str, ratio: float, wait: int, running: in
         later = [_request(5, finished) for _ in range(arriving)]
         for request in later:
             engine.submit(request)
+        assert engine.waiting == arriving  # accepted, not prefilled (what /metrics reports as waiting)
         mark = len(events)
         engine.pause(False)
         for _ in range(running + arriving):

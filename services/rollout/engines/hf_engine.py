@@ -115,6 +115,11 @@ class HFEngine(HFWeightLoads):
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def waiting(self) -> int:
+        """Requests accepted and not yet prefilled (queued, or held back by the admission batching)."""
+        return self._incoming.qsize() + len(self._waiting)
+
     def submit(self, request: Request) -> None:
         if len(request.prompt) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(request.prompt)} tokens; this engine's context is "

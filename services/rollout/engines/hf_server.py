@@ -156,6 +156,7 @@ def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text=f"libra:num_requests_running {engine.running}\n"
+                                 f"libra:num_requests_waiting {engine.waiting}\n"
                                  f"libra:policy_version {engine.version}\n")
 
     async def pause(http: web.Request) -> web.Response:
