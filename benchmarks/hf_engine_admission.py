@@ -71,7 +71,8 @@ def closed_loop(engine, module, users: int, turns: int, gap_s: float, seed: int)
                 send(heapq.heappop(due)[1])
             wake.wait(max(0.0005, due[0][0] - now) if due else 0.05)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    while engine.running or getattr(engine, "_waiting", None) or not engine._incoming.empty():
+    waiting = (lambda: engine.waiting) if hasattr(engine, "waiting") else engine._incoming.qsize  # an old module
+    while engine.running or waiting():
         time.sleep(0.005)  # the turns still in flight finish before the next contender starts
     time.sleep(0.1)
     return wall, cpu, latencies[:turns]

@@ -47,6 +47,7 @@ from typing import Any, Callable
 from libra.services.rollout.engines.hf_weights import HFWeightLoads
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+PREFILL_RATIO, PREFILL_WAIT_STEPS = 0.5, 8  # admission batching's defaults (rollout.worker.engine's are the same)
 
 
 @dataclass
@@ -74,7 +75,8 @@ class HFEngine(HFWeightLoads):
 
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32", max_model_len: int = 2048,
                  max_num_seqs: int = 64, logprobs_mode: str = "processed_logprobs", policy_version: int = 0,
-                 tensor_parallel_size: int = 1, prefill_ratio: float = 0.5, prefill_wait_steps: int = 8):
+                 tensor_parallel_size: int = 1, prefill_ratio: float = PREFILL_RATIO,
+                 prefill_wait_steps: int = PREFILL_WAIT_STEPS):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -83,15 +85,15 @@ class HFEngine(HFWeightLoads):
                              f"use engine: vllm for TP > 1 (rollout.worker.engine)")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        if prefill_ratio < 0 or prefill_wait_steps < 0:
+            raise ValueError(f"prefill_ratio and prefill_wait_steps must be >= 0, got {prefill_ratio}, "
+                             f"{prefill_wait_steps}")
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device)
         self.model.eval()
         self.eos_id = self.model.config.eos_token_id
         self.vocab_size = self.model.config.vocab_size
         self.max_model_len, self.max_num_seqs, self.logprobs_mode = max_model_len, max_num_seqs, logprobs_mode
-        if prefill_ratio < 0 or prefill_wait_steps < 0:
-            raise ValueError(f"prefill_ratio and prefill_wait_steps must be >= 0, got {prefill_ratio}, "
-                             f"{prefill_wait_steps}")
         self.prefill_ratio, self.prefill_wait_steps = prefill_ratio, prefill_wait_steps
         self._waiting: list[Request] = []  # taken off the queue, not yet prefilled (admission batching)
         self._waited = 0  # decode steps the oldest of them has waited

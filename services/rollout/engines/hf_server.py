@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from libra.security.http import bearer_middleware
 from libra.services.rollout.engines.engine_auth import OPEN_PATHS, key_from_environment
-from libra.services.rollout.engines.hf_engine import LOGPROBS_MODES, HFEngine, Request, version_spans
+from libra.services.rollout.engines.hf_engine import (LOGPROBS_MODES, PREFILL_RATIO, PREFILL_WAIT_STEPS, HFEngine,
+                                                      Request, version_spans)
 from libra.services.rollout.engines.vllm_ext import INITIAL_VERSION_ENV
 from libra.services.rollout.engines.vllm_worker import SERVED_MODEL_NAME  # what the launcher's readiness check asks for
 
@@ -261,10 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logprobs-mode", default="processed_logprobs", choices=LOGPROBS_MODES)
     parser.add_argument("--policy-version", type=int, default=int(os.environ.get(INITIAL_VERSION_ENV, "0")))
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--prefill-ratio", type=float, default=0.5,
+    parser.add_argument("--prefill-ratio", type=float, default=PREFILL_RATIO,
                         help="prefill new requests together once they are this many times the running ones "
                              "(0: at once)")
-    parser.add_argument("--prefill-wait-steps", type=int, default=8,
+    parser.add_argument("--prefill-wait-steps", type=int, default=PREFILL_WAIT_STEPS,
                         help="decode steps a new request waits at most before it is prefilled")
     args = parser.parse_args(argv)
     key = key_from_environment()
