@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -35,6 +35,10 @@ class RedisConfig(Section):
     """Where state lives. Empty url: `libra up` starts a private redis-server."""
 
     url: str = Field("", description="redis://HOST:PORT/DB; empty lets `libra up` start its own")
+    appendfsync: Literal["always", "everysec", "no"] = Field(
+        "always", description="the append-only file's fsync policy of the Redis that Libra starts (`libra up`, "
+        "the Slurm job): always (every acknowledged write is on disk before the reply), everysec (a machine "
+        "crash, or a killed redis-server while the disk is slow, can lose up to 2 s), no (the kernel writes back)")
 
     @field_validator("url")
     @classmethod

@@ -233,7 +233,7 @@ def _run(config: RunConfig, printer: ProgressPrinter, signals: StopSignals, firs
         redis_url = config.redis.url
         if not redis_url:
             redis = PrivateRedis(run_path / "redis", log_path=run_path / "logs" / "redis.log", env=env,
-                                 persistent=True).start()
+                                 persistent=True, appendfsync=config.redis.appendfsync).start()
             redis_url = redis.url
         config = config.model_copy(update={"redis": config.redis.model_copy(update={"url": redis_url})})
         config = security.prepare_run_token(config)  # RUN_DIR/token (0600, new each start), named in config.yaml

@@ -154,7 +154,7 @@ class Job:
         address, port = self.layout.redis
         password = secrets.token_urlsafe(24)
         conf = self.logs / "redis.conf"
-        write_config(conf, address, port, password, self.run_dir / "redis")
+        write_config(conf, address, port, password, self.run_dir / "redis", self.config.redis.appendfsync)
         self.redis_stop = self.logs / "redis.stop"
         self.redis_stop.unlink(missing_ok=True)
         server = self.env.get("LIBRA_REDIS_SERVER", "redis-server")

@@ -1,7 +1,7 @@
 """The Redis step of a Slurm job: redis-server with a password, on the job's network, persisted.
 
 ```
- job.py ── write_config: bind NODE_ADDRESS, requirepass, appendonly (fsync every second), dir RUN_DIR/redis
+ job.py ── write_config: bind NODE_ADDRESS, requirepass, appendonly (redis.appendfsync, default always), dir RUN_DIR/redis
         └─ srun … python -m libra.slurm.redis_step --config C --stop-file F
               └─ redis-server C        (same process group: Slurm's signals and its cleanup reach it)
  SIGTERM to the job (scancel, node failure elsewhere) ─▶ all steps at once, Redis too:
@@ -30,11 +30,12 @@ import time
 from libra import procs
 
 
-def write_config(path: pathlib.Path, address: str, port: int, password: str, data_dir: pathlib.Path) -> None:
+def write_config(path: pathlib.Path, address: str, port: int, password: str, data_dir: pathlib.Path,
+                 appendfsync: str = "always") -> None:
     """A redis.conf (mode 0600: it holds the password) for the job's Redis."""
     data_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"bind {address}", f"port {port}", "protected-mode yes", f"requirepass {password}",
-             "appendonly yes", "appendfsync everysec", 'save ""', f'dir "{data_dir}"', 'logfile ""',
+             "appendonly yes", f"appendfsync {appendfsync}", 'save ""', f'dir "{data_dir}"', 'logfile ""',
              "daemonize no"]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

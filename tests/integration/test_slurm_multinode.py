@@ -187,7 +187,7 @@ def test_the_quickstart_runs_over_three_nodes_each_part_on_its_node(cluster, tmp
     over_group = [e for e in _events(logs / "rollout.log", "version delivered") if e["version"] >= 2]
     assert over_group and all(sorted(e["over_group"]) == ["long-1", "short-0"] for e in over_group)
     conf = (logs / "redis.conf").read_text()
-    assert "bind 127.101.0.10" in conf and "requirepass " in conf and "appendfsync everysec" in conf
+    assert "bind 127.101.0.10" in conf and "requirepass " in conf and "appendfsync always" in conf
     assert oct((logs / "redis.conf").stat().st_mode & 0o777) == "0o600"
     assert "User requested shutdown" in (logs / "redis.log").read_text()  # stopped by the job, last
 

@@ -107,7 +107,7 @@ def test_a_killed_persistent_redis_comes_back_with_what_it_acknowledged(tmp_path
         server.process.wait()
         server.restart()
         client = redis_client.Redis.from_url(server.url)
-        assert client.xlen("stream") == 200 and client.config_get("appendfsync")["appendfsync"] == "everysec"
+        assert client.xlen("stream") == 200 and client.config_get("appendfsync")["appendfsync"] == "always"
         client.close()
     finally:
         server.stop()

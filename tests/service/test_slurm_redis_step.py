@@ -39,7 +39,7 @@ def test_redis_outlives_the_jobs_sigterm_keeps_its_data_and_stops_when_told(tmp_
     write_config(conf, "127.0.0.1", port, password, tmp_path / "data")
     text = conf.read_text()
     assert stat.S_IMODE(conf.stat().st_mode) == 0o600
-    for line in ("bind 127.0.0.1", f"requirepass {password}", "appendonly yes", "appendfsync everysec",
+    for line in ("bind 127.0.0.1", f"requirepass {password}", "appendonly yes", "appendfsync always",
                  "protected-mode yes"):
         assert line in text.splitlines()
     log = open(tmp_path / "step.log", "wb")

@@ -40,6 +40,8 @@ def test_buckets_must_be_sorted_and_unique():
 def test_addresses_and_redis_url_are_checked():
     assert "addresses.scheduler must be HOST:PORT" in error_of({"addresses": {"scheduler": "nowhere"}})
     assert "redis.url must start with redis://" in error_of({"redis": {"url": "http://x"}})
+    assert "redis.appendfsync: Input should be 'always', 'everysec' or 'no'" in \
+        error_of({"redis": {"appendfsync": "sometimes"}})
 
 
 def test_environment_overrides_apply():
