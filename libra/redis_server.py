@@ -8,7 +8,7 @@ written and fsynced before each reply (`appendfsync always`; redis.appendfsync):
 started again (`restart`, same port, same directory) comes back with everything it had acknowledged,
 as does one whose machine crashed. `everysec` does not promise that: while a background fsync is slow
 (a busy disk: a checkpoint being written) Redis holds its writes back for up to 2 s but still replies,
-and a killed redis-server loses them (seen in CI: 148 of 200 acknowledged entries came back). The
+and a killed redis-server loses them (in CI 148 of 200 acknowledged entries came back). The
 tests' Redis keeps nothing on disk.
 """
 
