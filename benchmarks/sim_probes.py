@@ -61,7 +61,7 @@ class Timed:
             span = self._inner.last - arrived[0]
             back = self._inner.request_s  # + the way back, as the rollout loop charges it
             if self._replies is not None:
-                back *= self._replies.factor(unit.spec.trajectory_id, unit.turn)
+                back *= self._replies.factor(unit.spec.trajectory_id, unit.turn, self._inner.wid, self._inner.last)
             latency = span + back
             self._latencies.append(latency)
             self.held.append((arrived[0], arrived[0] + latency))
