@@ -61,7 +61,7 @@ class Timed:
             span = self._inner.last - arrived[0]
             back = self._inner.request_s  # + the way back, as the rollout loop charges it
             if self._replies is not None:
-                back *= self._replies.factor(unit.spec.trajectory_id, unit.turn, self._inner.wid, self._inner.last)
+                back *= self._replies.factor(unit.spec.trajectory_id, unit.turn)
             latency = span + back
             self._latencies.append(latency)
             self.held.append((arrived[0], arrived[0] + latency))
@@ -203,13 +203,13 @@ def per_token(turns: list[dict], engine) -> dict[str, list[float]]:
 
 
 def shared_deviation(run: Loaded, fitted: list[float]) -> dict[str, float | None]:
-    """How the measured turns' deviations from the calibrated turn model (`fitted`: each turn's
-    seconds at its own batch) go together, as correlations: between turns of different trajectories
-    that start within 20 ms of each other (shared in time), 100-200 ms apart (how long it lasts), on
-    different buckets' workers within 20 ms (one engine's or the whole machine's), whose replies
-    arrive within 20 ms of each other; between consecutive turns of one trajectory (carried by the
-    trajectory); with the number of turns starting in the turn's first 50 ms (other sequences
-    joining the engines) and with the share of the turn overlapping a training step (the trainer)."""
+    """How the measured turns' deviations from the calibrated turn model (`fitted`: each turn's seconds at its
+    own batch) go together, as correlations: between turns of different trajectories that start within 20 ms of
+    each other (shared in time), 100-200 ms apart (how long it lasts), on different buckets' workers within 20
+    ms (one engine's or the whole machine's), whose replies arrive within 20 ms of each other (also split by
+    worker, where the turn records name it); between consecutive turns of one trajectory (carried by the
+    trajectory); with the number of turns starting in the turn's first 50 ms (other sequences joining the
+    engines) and with the share of the turn overlapping a training step (the trainer)."""
     turns = sorted((t["timestamp"] - t["seconds"], t["seconds"] - f, t.get("trajectory_id", ""), t["timestamp"],
                     t["bucket"]) for t, f in zip(run.turns, fitted))
     starts = [t[0] for t in turns]
@@ -223,6 +223,14 @@ def shared_deviation(run: Loaded, fitted: list[float]) -> dict[str, float | None
                     pairs.append((a[1], b[1]))
         return pairs
     replies = sorted((t[3], t[1], t[2]) for t in turns)
+    by_reply = sorted((t["timestamp"], t["seconds"] - f, t.get("trajectory_id", ""), t.get("worker_id", ""))
+                      for t, f in zip(run.turns, fitted))
+
+    def replies_near(same_worker: bool) -> list[tuple[float, float]]:  # replies within 20 ms, by worker
+        reply_times = [r[0] for r in by_reply]
+        return [(a[1], b[1]) for i, a in enumerate(by_reply) if a[3]
+                for b in by_reply[i + 1:bisect.bisect_right(reply_times, a[0] + 0.02)]
+                if b[3] and a[2] != b[2] and (a[3] == b[3]) == same_worker]
     own: dict[str, list[float]] = {}
     for start, deviation, tid, _, _ in turns:
         if tid:
@@ -243,6 +251,8 @@ def shared_deviation(run: Loaded, fitted: list[float]) -> dict[str, float | None
             "other_bucket_within_20ms": corr(apart(0.0, 0.02, other_bucket=True)),
             "replies_within_20ms": corr([(a[1], b[1]) for a, b in zip(replies, replies[1:])
                                          if b[0] - a[0] < 0.02 and a[2] != b[2]]),
+            "replies_within_20ms_same_worker": corr(replies_near(True)),
+            "replies_within_20ms_other_worker": corr(replies_near(False)),
             "consecutive_turns_of_one": corr([pair for devs in own.values() for pair in zip(devs, devs[1:])]),
             "turns_starting_in_first_50ms": corr(joined), "share_overlapping_training": corr(overlap),
             **{f"own_{k}": corr([(t.get(k, 0), t["seconds"] - f) for t, f in zip(run.turns, fitted)])

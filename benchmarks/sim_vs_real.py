@@ -102,8 +102,7 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma") 
     cal = Calibration(model, CPU_CORE, RolloutEfficiency(), TrainEfficiency(), settings)
     for turn in run.turns:
         cal.observe_turn(max(1, turn["tp"]), turn["prompt_tokens"], turn["output_tokens"], turn["seconds"],
-                         turn["batch"], turn.get("gap_seconds", 0.0), turn["turn_number"],
-                         (turn["timestamp"], turn.get("worker_id", ""), turn.get("trajectory_id", "")))
+                         turn["batch"], turn.get("gap_seconds", 0.0), turn["turn_number"])
     overheads = trainer_overheads(run)
     for step in run.steps:
         lengths = list(zip(step["prompt_lengths"], step["output_lengths"]))
@@ -140,11 +139,9 @@ class RunBuckets(Simulator):
         self.rollout.policy = make_policy(self.routing, self.run_buckets)
 
 
-def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True,
-           shared: bool = True) -> tuple[dict[str, float], dict]:
+def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[str, float], dict]:
     """The run replayed in the calibrated simulator: predicted figures and how it was calibrated
-    (`turn_gap=False`: the gap between turns left out; `shared=False`: every turn's time beyond the
-    engine drawn alone, services/planner/jitter.py left out; to show what each term changes)."""
+    (`turn_gap=False`: the gap between turns left out, to show what that term changes)."""
     config, trainer = run.config, run.config.trainer
     model = tiny_model(config)
     steps = len(run.record.steps)
@@ -155,8 +152,6 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True,
     rollout = cal.rollout_efficiency()
     if not turn_gap:
         rollout = rollout.model_copy(update={"turn_gap_s": 0.0, "first_gap_quantiles": (), "turn_gap_quantiles": ()})
-    if not shared:
-        rollout = rollout.model_copy(update={"request_engine_share": 0.0, "request_trajectory_share": 0.0})
     train_overhead = cal.train_efficiency().step_overhead_s  # in the simulated step; not in a busy fraction
     search = SearchConfig(total_gpus=1 + workers, group_size=trainer.group_size, tp_choices=(1,),
                           rollout=rollout, train=cal.train_efficiency())
@@ -194,8 +189,6 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True,
              "quantiles": {"first_gap": [round(g, 4) for g in rollout.first_gap_quantiles],
                            "later_gap": [round(g, 4) for g in rollout.turn_gap_quantiles],
                            "request_factor": [round(f, 3) for f in rollout.request_quantiles]},
-             "request_shared": {"engine": rollout.request_engine_share, "engine_s": rollout.request_engine_s,
-                                "trajectory": rollout.request_trajectory_share},
              "rejected": snap["rejected"], "plan_changes": len(result.plan_changes),
              "sim_usage": {k: round(v, 3) for k, v in simulator.usage.fractions().items()},
              "sim_engine_busy": round(statistics.fmean(min(1.0, e.busy_s / span) for e in engines.engines), 3),
@@ -271,8 +264,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="ewma: the online planner's settings (default); mean: each estimator over the whole run")
     parser.add_argument("--no-turn-gap", action="store_true",
                         help="replay without the calibrated gap between turns (what that term changes)")
-    parser.add_argument("--no-shared-replies", action="store_true",
-                        help="draw every turn's time beyond the engine alone (what jitter.py's term changes)")
     args = parser.parse_args(argv)
     keep = pathlib.Path(args.keep_runs)
     index = keep / "runs.json"
@@ -282,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     per_run, by_design = [], {}
     for entry in entries:
         run = load(keep, entry)
-        predicted, notes = replay(run, how=args.calibration, turn_gap=not args.no_turn_gap,
-                                  shared=not args.no_shared_replies)
+        predicted, notes = replay(run, how=args.calibration, turn_gap=not args.no_turn_gap)
         real = measured(run)
         per_run.append({"run": run.name, "predicted": predicted, "measured": real, **notes})
         print(json.dumps({"run": run.name, **{f: [round(predicted[f], 3), round(real[f], 3)] for f in FIGURES},

@@ -200,12 +200,11 @@ class Calibration:
 
     # -- samples ---------------------------------------------------------------------------
     def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1,
-                     gap_s: float = 0.0, turn_number: int = 0,
-                     whose: tuple[float, str, str] = (0.0, "", "")) -> str | None:
+                     gap_s: float = 0.0, turn_number: int = 0) -> str | None:
         """One measured turn on a TP-`tp` instance of `batch` running sequences, `gap_s` seconds after
         its trajectory's previous turn or start (outside tool calls; 0: not measured), the
-        `turn_number`th of its trajectory (1: the first; 0: not reported), `whose`: its reply's time,
-        its worker and its trajectory ("": not reported); returns why it was rejected, or None."""
+        `turn_number`th of its trajectory (1: the first; 0: not reported); returns why it was
+        rejected, or None."""
         reason = (_bad_numbers(seconds=seconds, prompt=prompt, output=output, tp=tp, batch=batch)
                   or _bad_numbers(seconds=gap_s))
         if reason is None and output + prompt == 0:
@@ -234,7 +233,7 @@ class Calibration:
         c = self.fit.in_force  # the calibration in force (no solve per turn: the fit solves when asked)
         self.turns.add(sum(ci * xi for ci, xi in zip(c, x)) + comm, seconds)
         self.fit.add(x, max(0.0, seconds - comm), 1.0 / batch)  # its share of the engine's steps
-        self.replies.add(x, comm, seconds, whose[0], whose[1], whose[2], turn_number)
+        self.replies.add(x, comm, seconds)
         return None
 
     def observe_train(self, layout: Layout, lengths: Sequence[tuple[int, int]], seconds: float,

@@ -64,8 +64,7 @@ class HistoryFeeder:
         for record in turns:
             tp = record.tp or bucket_tp.get(record.bucket) or 1
             reason = replanner.observe_turn(tp, record.prompt_tokens, record.output_tokens, record.seconds,
-                                            record.batch or 1, record.gap_seconds, record.turn_number,
-                                            (record.timestamp, record.worker_id, record.trajectory_id))
+                                            record.batch or 1, record.gap_seconds, record.turn_number)
             if reason:
                 fed.rejected.append(("turn", reason))
                 continue

@@ -69,14 +69,6 @@ class RolloutEfficiency(Section):
                                                  "(request_s) at the probabilities of gaps.GAP_PROBS: the simulator "
                                                  "charges each turn request_s times a draw (empty: request_s); "
                                                  "the calibration measures them")
-    request_engine_share: float = Field(0.0, ge=0, le=1, description="the share of a turn's draw of "
-                                        "request_quantiles that it shares with the turns its engine answers at the "
-                                        "same moment (services/planner/jitter.py; 0: independent draws); the "
-                                        "calibration measures it")
-    request_engine_s: float = Field(0.0, ge=0, le=600, description="seconds such a moment lasts (the shared part "
-                                    "falls linearly to nothing over them)")
-    request_trajectory_share: float = Field(0.0, ge=0, le=1, description="the share a turn's draw shares with the "
-                                            "other turns of its trajectory")
 
     @field_validator("first_gap_quantiles", "turn_gap_quantiles", "request_quantiles")
     @classmethod

@@ -38,8 +38,6 @@ import statistics
 from collections import deque
 from typing import Sequence
 
-from libra.services.planner import jitter
-
 GAP_PROBS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
 MIN_SAMPLES = 50  # of each kind, before quantiles replace the mean
 MAX_WINDOW = 4096  # samples kept of each kind
@@ -49,11 +47,7 @@ REPLY_WINDOW = 1024  # turns kept for the distribution of the time beyond the en
 def draw(values: Sequence[float], key: str) -> float:
     """A draw from quantiles `values` at GAP_PROBS, its uniform a hash of `key` (module docstring)."""
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return draw_at(values, int.from_bytes(digest, "big") / 18446744073709551616.0)  # uniform in [0, 1)
-
-
-def draw_at(values: Sequence[float], u: float) -> float:
-    """The quantiles `values` at GAP_PROBS read at `u` in [0, 1) (linear between them)."""
+    u = int.from_bytes(digest, "big") / 18446744073709551616.0  # uniform in [0, 1)
     i = min(len(GAP_PROBS) - 2, bisect.bisect_right(GAP_PROBS, u) - 1)
     p0, p1 = GAP_PROBS[i], GAP_PROBS[i + 1]
     return values[i] + (values[i + 1] - values[i]) * (u - p0) / (p1 - p0)
@@ -149,20 +143,13 @@ class GapSampler:
 class Replies:
     """The last REPLY_WINDOW turns' engine features (the turn fit's first four terms and the
     collectives' seconds) and measured seconds: their time beyond the engine, against whichever
-    fit is asked (the fit moves; the residuals are taken when exported, not when measured); with
-    each turn's reply time, worker, trajectory and place, which turns run late together (jitter.py)."""
+    fit is asked (the fit moves; the residuals are taken when exported, not when measured)."""
 
     def __init__(self, window: float):
         self.rows: deque[tuple[float, ...]] = deque(maxlen=int(min(REPLY_WINDOW, max(1, window))))
-        self.whose: deque[tuple[float, str, str, int]] = deque(maxlen=self.rows.maxlen)
 
-    def add(self, x: Sequence[float], comm_s: float, seconds: float, at: float = 0.0, worker: str = "",
-            trajectory: str = "", turn: int = 0) -> None:
+    def add(self, x: Sequence[float], comm_s: float, seconds: float) -> None:
         self.rows.append((x[0], x[1], x[2], x[3], comm_s, seconds))
-        self.whose.append((at, worker, trajectory, turn))
-
-    def _beyond(self, c: Sequence[float]) -> list[float]:
-        return [max(0.0, r[5] - r[4] - sum(ci * xi for ci, xi in zip(c[:4], r))) for r in self.rows]
 
     def quantiles(self, c: Sequence[float]) -> tuple[float, ...]:
         """Quantiles at GAP_PROBS of each turn's seconds beyond the engine time the coefficients `c`
@@ -170,7 +157,7 @@ class Replies:
         empty until MIN_SAMPLES turns, or when no turn took longer than its engine time."""
         if len(self.rows) < MIN_SAMPLES:
             return ()
-        beyond = self._beyond(c)
+        beyond = [max(0.0, r[5] - r[4] - sum(ci * xi for ci, xi in zip(c[:4], r))) for r in self.rows]
         mean = statistics.fmean(beyond)
         return quantiles([b / mean for b in beyond]) if mean > 0 else ()
 
@@ -178,41 +165,26 @@ class Replies:
         """The RolloutEfficiency field the turns measure under the fit `c` ({}: too few turns, or
         the fit puts no time outside the engine; the configured one stands)."""
         factors = self.quantiles(c) if c[4] > 0 else ()
-        if not factors:
-            return {}
-        together = jitter.shares([(*w, b) for w, b in zip(self.whose, self._beyond(c))])
-        return {"request_quantiles": tuple(min(1000.0, f) for f in factors), **together}
+        return {"request_quantiles": tuple(min(1000.0, f) for f in factors)} if factors else {}
 
     def state(self) -> list:
-        return [[float(f"{v:.9g}") for v in row] + list(w) for row, w in zip(self.rows, self.whose)]
+        return [[float(f"{v:.9g}") for v in row] for row in self.rows]
 
-    def restore(self, state: list) -> None:  # (a row saved before the reply time and worker: 6 values)
-        for row in state:
-            self.rows.append(tuple(float(v) for v in row[:6]))
-            self.whose.append((float(row[6]), str(row[7]), str(row[8]), int(row[9])) if len(row) >= 10
-                              else (0.0, "", "", 0))
+    def restore(self, state: list) -> None:
+        self.rows.extend(tuple(float(v) for v in row) for row in state)
 
 
 class ReplySampler:
-    """Each turn's time outside the engine in the simulator: request_s times a draw (mean ~1),
-    independent draws, or with the shares of jitter.py the turns of one engine's moment and of one
-    trajectory drawn together."""
+    """Each turn's time outside the engine in the simulator: request_s times a draw (mean ~1)."""
 
-    def __init__(self, factors: Sequence[float], engine_share: float = 0.0, engine_s: float = 0.0,
-                 trajectory_share: float = 0.0):
+    def __init__(self, factors: Sequence[float]):
         self.factors = tuple(factors)
-        self.shares = (engine_share, engine_s, trajectory_share) if engine_share > 0 and engine_s > 0 else None
 
     @classmethod
     def of(cls, efficiency) -> "ReplySampler | None":
         """None without a calibrated distribution (every turn gets request_s)."""
-        e = efficiency
-        return cls(e.request_quantiles, e.request_engine_share, e.request_engine_s,
-                   e.request_trajectory_share) if e.request_quantiles else None
+        return cls(efficiency.request_quantiles) if efficiency.request_quantiles else None
 
-    def factor(self, trajectory_id: str, turn: int, worker: str = "", at: float = 0.0) -> float:
-        """The factor on request_s of turn `turn` (0: the first) of the trajectory, answered by
-        `worker` at simulated time `at`."""
-        if self.shares is None:
-            return draw(self.factors, f"{trajectory_id}/{turn}/reply")
-        return draw_at(self.factors, jitter.uniform(trajectory_id, turn, worker, at, *self.shares))
+    def factor(self, trajectory_id: str, turn: int) -> float:
+        """The factor on request_s of turn `turn` (0: the first) of the trajectory."""
+        return draw(self.factors, f"{trajectory_id}/{turn}/reply")

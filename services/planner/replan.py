@@ -134,10 +134,10 @@ class Replanner:
         return None
 
     def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1,
-                     gap_s: float = 0.0, turn_number: int = 0,
-                     whose: tuple[float, str, str] = (0.0, "", "")) -> str | None:
-        """One measured turn (calibration.observe_turn: the turn model, the gaps, the replies)."""
-        return self.calibration.observe_turn(tp, prompt, output, seconds, batch, gap_s, turn_number, whose)
+                     gap_s: float = 0.0, turn_number: int = 0) -> str | None:
+        """One measured turn on a TP-`tp` instance (calibrates the turn model and the gap between turns)."""
+        return self.calibration.observe_turn(tp, prompt, output, seconds, batch, gap_s,  # counts its rejections
+                                             turn_number)
 
     def adopt(self, candidate: Candidate | None) -> None:
         """The plan in force changed outside `consider` (e.g. a resumed planner)."""

@@ -244,8 +244,7 @@ class Rollout:
             unit.carried = 0
         spec, k = unit.spec, unit.turn
         turn = spec.turns[k]
-        back = (instance.request_s * self.replies.factor(spec.trajectory_id, k, instance.wid, now) if self.replies
-                else instance.request_s)
+        back = instance.request_s * self.replies.factor(spec.trajectory_id, k) if self.replies else instance.request_s
         unit.context = unit.final
         unit.turn_left = 0.0
         self.tokens += turn.output_tokens * unit.copies
