@@ -1,7 +1,7 @@
 """The Redis step of a Slurm job: redis-server with a password, on the job's network, persisted.
 
 ```
- job.py ── write_config: bind NODE_ADDRESS, requirepass, appendonly (redis.appendfsync, default always), dir RUN_DIR/redis
+ job.py ── write_config: bind NODE_ADDRESS, requirepass, appendonly (redis.appendfsync), dir RUN_DIR/redis
         └─ srun … python -m libra.slurm.redis_step --config C --stop-file F
               └─ redis-server C        (same process group: Slurm's signals and its cleanup reach it)
  SIGTERM to the job (scancel, node failure elsewhere) ─▶ all steps at once, Redis too:
