@@ -195,6 +195,43 @@ def layout_filter(gpus: int, dp: int, batch: int, per_node: int, whole: bool, co
     return ""
 
 
+class _FleetCosts:
+    """`rollout_time` of each fleet on one trace, remembered across the searches of one `search` call
+    (the packed and the whole-node search, and tables keyed by the training TP degree, cost the same
+    fleets on the same trace and instances).
+
+    The greedy returns `inf` exactly when its makespan reaches the cutoff (the makespan only grows),
+    so a remembered finite makespan answers every cutoff, and a remembered `inf` answers every cutoff
+    at or below the one it was costed under; anything else is costed again. A fleet found infeasible
+    stays so under any cutoff. Rejections are still counted by each search that meets the fleet.
+    """
+
+    def __init__(self, trace: Sequence[tuple[int, int]]):
+        self.trace = cost_rollout.longest_first(trace)
+        self.known: dict[Multiset, tuple[float, float] | Infeasible] = {}
+
+    def seconds(self, mix: Multiset, cutoff: float, instances: dict[int, cost_rollout.Instance]) -> float:
+        """The fleet's makespan, or `inf` at or past `cutoff`; raises `Infeasible` as the greedy does.
+        `instances` (per TP degree) must be the same at every call: they follow from the search's config."""
+        known = self.known.get(mix)
+        if isinstance(known, Infeasible):  # whatever the cutoff (`cost_rollout._fits_nowhere`)
+            raise known
+        if known is not None:
+            value, costed_under = known
+            if value < math.inf:
+                return value if value < cutoff else math.inf
+            if cutoff <= costed_under:
+                return math.inf
+        fleet = [instances[tp] for tp, n in mix for _ in range(n)]
+        try:
+            value = cost_rollout.rollout_time(self.trace, fleet, cutoff=cutoff, ordered=True)
+        except Infeasible as error:
+            self.known[mix] = error
+            raise
+        self.known[mix] = (value, cutoff)
+        return value
+
+
 class _RolloutTable:
     """Best rollout multiset per rollout GPU count, computed lazily under a shrinking cutoff.
 
@@ -208,9 +245,9 @@ class _RolloutTable:
     `failed_up_to` shortcut.
     """
 
-    def __init__(self, trace, instances: dict[int, cost_rollout.Instance], config: SearchConfig,
+    def __init__(self, fleets: _FleetCosts, instances: dict[int, cost_rollout.Instance], config: SearchConfig,
                  packing: placement.Packing, rejected: Rejections):
-        self.trace, self.instances, self.config = cost_rollout.longest_first(trace), instances, config
+        self.fleets, self.instances, self.config = fleets, instances, config
         self.packing, self.rejected = packing, rejected
         self.cache: dict[tuple[int, int], tuple[float, Multiset]] = {}
         self.failed_up_to = 0
@@ -233,10 +270,9 @@ class _RolloutTable:
             if not self.packing.fits(layout.tp, layout.pp * layout.dp, mix):
                 self.rejected.add(f"TP groups would straddle a node of {self.packing.nodes[0]} GPUs")
                 continue
-            fleet = [self.instances[tp] for tp, n in mix for _ in range(n)]
             bar = best[-1][0] if len(best) >= keep else math.inf
             try:
-                seconds = cost_rollout.rollout_time(self.trace, fleet, cutoff=min(cutoff, bar), ordered=True)
+                seconds = self.fleets.seconds(mix, min(cutoff, bar), self.instances)
             except Infeasible as error:
                 self.rejected.add(f"rollout: {error}")
                 continue
@@ -256,16 +292,17 @@ def search(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]], con
         raise Infeasible("an empty trace gives nothing to plan for")
     per_node = gpu.gpus_per_node
     if config.whole_nodes != "auto":
-        result = _search(model, gpu, trace, config, config.whole_nodes == "on")
+        result = _search(model, gpu, trace, config, config.whole_nodes == "on", _FleetCosts(trace))
         result.placement = f"whole nodes {config.whole_nodes} (asked)"
         return result
     consider, why = placement.auto_whole_nodes(config.total_gpus, per_node)
-    packed = _search(model, gpu, trace, config, whole=False)
+    fleets = _FleetCosts(trace)  # the two searches cost many of the same fleets
+    packed = _search(model, gpu, trace, config, False, fleets)
     if not consider:
         packed.placement = f"whole nodes off (auto: {why})"
         return packed
     try:
-        whole = _search(model, gpu, trace, config, whole=True)
+        whole = _search(model, gpu, trace, config, True, fleets)
     except Infeasible as error:
         packed.placement = f"whole nodes off (auto: no whole-node split is feasible: {error})"
         return packed
@@ -280,13 +317,13 @@ def search(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]], con
 
 
 def _search(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]], config: SearchConfig,
-            whole: bool) -> SearchResult:
+            whole: bool, fleets: _FleetCosts) -> SearchResult:
     batch = len(trace)
     seq_len = max(1, round(sum(p + o for p, o in trace) / batch))
     rejected = Rejections()
     layouts = _train_layouts(model, gpu, batch, seq_len, config, whole, rejected)
     packing = placement.Packing(config.total_gpus, gpu.gpus_per_node, config.tp_choices)
-    table = _RolloutTable(trace, rollout_instances(model, gpu, config, rejected), config, packing, rejected)
+    table = _RolloutTable(fleets, rollout_instances(model, gpu, config, rejected), config, packing, rejected)
     top: list[Candidate] = []
     evaluated = 0
     for index, (train_s, layout) in enumerate(layouts):

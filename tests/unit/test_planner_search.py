@@ -205,3 +205,93 @@ def test_neighbours_trade_the_fewest_engines_that_exchange_evenly():
     assert far[:2] == near[:2]
     assert {c.rollout for c in far[2:]} == {((4, 8),), ((1, 32),), ((2, 4), (4, 6)), ((1, 8), (2, 12))}
     assert all(c.layout == plan.layout and c.rollout_gpus == 32 for c in far)
+
+
+def _reference_greedy(trace, fleet):
+    """The greedy on identical instances, written plainly: longest first, each request to the instance
+    whose load finishes first (the lowest index on ties); the makespan is the latest finish any
+    instance was given on the way (one more request can shorten a load: a larger decode batch)."""
+    costs = cr._Costs(fleet[0])
+    loads = [cr._Load() for _ in fleet]
+    finishes = [0.0] * len(fleet)
+    makespan = 0.0
+    for prompt, output in sorted(trace, key=lambda r: r[0] + r[1], reverse=True):
+        index = min(range(len(fleet)), key=lambda i: (finishes[i], i))
+        loads[index] = costs.added(loads[index], prompt, output)
+        finishes[index] = costs.finish(loads[index])
+        makespan = max(makespan, finishes[index])
+    return makespan
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_one_degree_greedy_assigns_as_the_rule_says(seed):
+    """A fleet of one TP degree takes its own loop (each request to the instance that finishes its
+    load first): the makespan is the plain rule's, with and without a cutoff."""
+    model, gpu = model_named("qwen2.5-7b"), gpu_named("h200-141g")
+    eff = cr.RolloutEfficiency()
+    trace = _trace(seed, 12, 4)
+    for tp, n in ((1, 3), (2, 5), (4, 1)):
+        fleet = [cr.instance(model, gpu, tp, eff)] * n
+        exact = cr.rollout_time(trace, fleet)
+        assert exact == pytest.approx(_reference_greedy(trace, fleet), rel=1e-12)
+        assert cr.rollout_time(trace, fleet, cutoff=exact * 0.99) == math.inf
+        assert cr.rollout_time(trace, fleet, cutoff=exact * 1.01) == exact
+
+
+def test_the_fleet_memo_answers_as_costing_again_would(monkeypatch):
+    """`_FleetCosts` remembers each fleet's makespan across the searches of one call: every answer,
+    under any cutoff and in any order (an infeasible fleet included), is what the greedy says afresh."""
+    from libra.services.planner.search import _FleetCosts
+
+    model, gpu = model_named("qwen2.5-7b"), gpu_named("h200-141g")
+    eff = cr.RolloutEfficiency()
+    instances = {tp: cr.instance(model, gpu, tp, eff) for tp in (1, 2, 4)}
+    tp1 = instances[1].kv_capacity_tokens
+    trace = _trace(5, 8, 4) + [(tp1, 10)]  # one request only TP2 or more can hold
+    rng = random.Random(0)
+    fleets = [((1, 2),), ((1, 4),), ((2, 1),), ((1, 2), (2, 1)), ((4, 1),)]
+    fresh_of = {}
+    for mix in fleets:
+        try:
+            fresh_of[mix] = cr.rollout_time(trace, [instances[tp] for tp, n in mix for _ in range(n)])
+        except Infeasible:
+            fresh_of[mix] = None
+    memo = _FleetCosts(trace)
+    for _ in range(200):
+        mix = rng.choice(fleets)
+        fresh = fresh_of[mix]
+        cutoff = rng.choice([math.inf, 1.0, 1e9]) if fresh is None else fresh * rng.choice([0.5, 0.999, 1.0, 1.001, 2])
+        fleet = [instances[tp] for tp, n in mix for _ in range(n)]
+        try:
+            expected = cr.rollout_time(trace, fleet, cutoff=cutoff)
+        except Infeasible:
+            expected = "infeasible"
+        try:
+            got = memo.seconds(mix, cutoff, instances)
+        except Infeasible:
+            got = "infeasible"
+        assert got == expected, (mix, cutoff)
+
+
+@pytest.mark.parametrize("whole", ["auto", "off"])
+def test_sharing_fleet_costs_changes_no_result(monkeypatch, whole):
+    """The packed and the whole-node search (and the tables per training TP) share fleet costs: the
+    result, its alternatives and its rejection counts are those of costing every fleet afresh."""
+    from libra.services.planner import search as search_mod
+
+    model, gpu = model_named("qwen3-4b"), _small_node(4)
+    trace = _trace(3, 8, 8)
+    configs = [SearchConfig(total_gpus=16, group_size=8, whole_nodes=whole, top_k=6),
+               SearchConfig(total_gpus=14, group_size=8, whole_nodes=whole, top_k=6, distinct_splits=True,
+                            fleets_per_split=2)]
+    shared = [search(model, gpu, trace, config) for config in configs]
+
+    def afresh(self, mix, cutoff, instances):
+        fleet = [instances[tp] for tp, n in mix for _ in range(n)]
+        return cr.rollout_time(self.trace, fleet, cutoff=cutoff, ordered=True)
+
+    monkeypatch.setattr(search_mod._FleetCosts, "seconds", afresh)
+    for config, got in zip(configs, shared):
+        expected = search(model, gpu, trace, config)
+        assert got.alternatives == expected.alternatives and got.best == expected.best
+        assert got.rejected == expected.rejected and got.placement == expected.placement
