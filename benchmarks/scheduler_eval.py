@@ -7,6 +7,12 @@ same layouts: the planner's simulator with its simple instance model (`services/
 on that layout (`sim/bound.py`: no policy, clairvoyant or not, can finish sooner) and compared
 with load balance's.
 
+How far the bound is from what routing can reach, the row `partition`: knowing every trajectory's
+true total output in advance, the longest ones go to the longest bucket, the next to the next, and
+so on, each kept there (least loaded in its bucket, affinity): the best such split of a grid of
+bucket shares (`PARTITION_SHARES`; `Partition`). It is not a bound (a policy that moves
+trajectories can beat it) but a clairvoyant reference no causal policy is expected to reach.
+
 Traces (a window of `--trajectories` trajectories, all released at once):
 
     signal            synthetic: the first tool outcome predicts the continuation
@@ -40,7 +46,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from libra.errors import InvalidArgument
-from libra.routing.baselines import LAMLFQ, Clairvoyant, LengthAware, LoadBalance
+from libra.routing.baselines import LAMLFQ, BucketPolicy, Clairvoyant, LengthAware, LoadBalance
 from libra.routing.cmlfq import CMLFQ
 from libra.routing.policy import Policy
 from libra.services.planner.sim.bound import lower_bound
@@ -63,6 +69,13 @@ RECORDED = {  # name -> (file, that run's buckets, its rollout.max_new_tokens: w
 SYNTHETIC_TURN_BUDGET = 4096  # max_new_tokens a synthetic turn books (the simulator's default)
 BASELINES = ("load_balance", "length_aware", "la_mlfq")
 POLICY_NAMES = ("cmlfq", *BASELINES, "clairvoyant")
+ROWS = (*POLICY_NAMES, "partition")
+# shares of the window for the longest buckets, longest first (the shortest bucket takes the rest)
+PARTITION_SHARES = {
+    2: [(share,) for share in (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)],
+    3: [(long, medium) for long in (0.01, 0.02, 0.03, 0.04, 0.05, 0.0625, 0.075, 0.1, 0.125, 0.15)
+        for medium in (0.0125, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)],
+}
 CAP = 1_000_000  # outstanding tokens per worker before spilling (the service default)
 Draw = Callable[[int, int, str], list[TrajectorySpec]]  # (n, seed, id prefix) -> trajectories
 
@@ -126,6 +139,45 @@ def build(name: str, window: Callable[[], Window], cap: int, buckets) -> Policy:
     return Clairvoyant(cap, buckets=buckets, remaining_of=lambda tid: window().remaining_of(tid))
 
 
+class Partition(BucketPolicy):
+    """Each trajectory in the bucket level given for it in advance, for its whole life (evaluation only)."""
+
+    name = "partition"
+
+    def __init__(self, per_worker_cap_tokens: int, buckets: list[tuple[str, int]], level_of: dict[str, int]):
+        super().__init__(per_worker_cap_tokens, True, buckets)
+        self.level_of_trajectory = level_of
+
+    def target_level(self, turn, placement) -> tuple[int, str]:
+        return self.level_of_trajectory[turn.trajectory_id], "partition"
+
+
+def best_partition(case: Case, specs: Sequence[TrajectorySpec], cap: int) -> tuple[float, tuple[float, ...]]:
+    """The shortest makespan of the clairvoyant partitions (module docstring), and its shares."""
+    levels = len(case.buckets)
+    if levels == 1:
+        grid: list[tuple[float, ...]] = [()]
+    elif levels in PARTITION_SHARES:
+        grid = PARTITION_SHARES[levels]
+    else:
+        raise InvalidArgument(f"the partition reference knows 1 to 3 buckets, got {len(case.buckets)}")
+    longest_first = sorted(specs, key=lambda spec: (-spec.output_tokens, spec.trajectory_id))
+    best = (float("inf"), ())
+    for shares in grid:
+        level_of, start = {}, 0
+        for depth, share in enumerate(shares):  # the longest bucket first
+            count = max(1, round(share * len(specs)))
+            for spec in longest_first[start:start + count]:
+                level_of[spec.trajectory_id] = levels - 1 - depth
+            start += count
+        for spec in longest_first[start:]:
+            level_of[spec.trajectory_id] = 0
+        window = Window(case.layout, specs, turn_budget_tokens=case.turn_budget_tokens)
+        makespan = window.run(Partition(cap, case.buckets, level_of)).makespan_s
+        best = min(best, (makespan, shares))
+    return best
+
+
 def evaluate(case: Case, seed: int, n: int, cap: int = CAP) -> list[Run]:
     """Every policy on one seed: warm up on one window, measure on the next (same prompt pool)."""
     warm = case.draw(n, seed * 1000 + 1, f"s{seed}w-")
@@ -143,6 +195,12 @@ def evaluate(case: Case, seed: int, n: int, cap: int = CAP) -> list[Run]:
                                  f"{result.makespan_s:.3f} s, under the lower bound {bound.makespan_s:.3f} s")
         runs.append(Run(case.trace, case.layout_name, name, seed, result.makespan_s, bound.makespan_s,
                         bound.binding, result.moves, dict(result.reasons)))
+    makespan, shares = best_partition(case, measured, cap)
+    if makespan < bound.makespan_s * (1 - 1e-9):
+        raise AssertionError(f"the partition {shares} on {case.trace} / {case.layout_name} seed {seed} finished in "
+                             f"{makespan:.3f} s, under the lower bound {bound.makespan_s:.3f} s")
+    runs.append(Run(case.trace, case.layout_name, "partition", seed, makespan, bound.makespan_s, bound.binding, 0,
+                    {"shares " + "/".join(f"{share:g}" for share in shares): 1}))
     return runs
 
 
@@ -156,7 +214,7 @@ def table(runs: Sequence[Run]) -> list[str]:
         seeds = sorted({r.seed for r in here})
         by = {(r.policy, r.seed): r for r in here}
         best = {seed: min(by[p, seed].makespan_s for p in BASELINES) for seed in seeds}
-        for name in POLICY_NAMES:
+        for name in ROWS:
             mine = [by[name, seed] for seed in seeds]
             makespan = sum(r.makespan_s for r in mine) / len(mine)
             over_bound = sum(r.makespan_s / r.bound_s for r in mine) / len(mine)
@@ -174,13 +232,16 @@ def verdict(runs: Sequence[Run]) -> list[str]:
     for trace, layout in dict.fromkeys((r.trace, r.layout) for r in runs):
         here = [r for r in runs if (r.trace, r.layout) == (trace, layout)]
         mean = {p: sum(r.makespan_s for r in here if r.policy == p) / len([r for r in here if r.policy == p])
-                for p in POLICY_NAMES}
+                for p in ROWS}
         best = min(BASELINES, key=mean.__getitem__)
         ratio = mean["cmlfq"] / mean[best]
         mine = [r for r in here if r.policy == "cmlfq"]
         bound = sum(r.makespan_s / r.bound_s for r in mine) / len(mine)
+        partition = [r for r in here if r.policy == "partition"]
+        reference = sum(r.makespan_s / r.bound_s for r in partition) / len(partition)
         lines.append(f"{trace:<22} {layout:<18} cmlfq / {best} = {ratio:.3f} ({'ok' if ratio <= 1.03 else 'MISS'}"
-                     f" within 3%); cmlfq / bound = {bound:.2f}")
+                     f" within 3%); cmlfq / bound = {bound:.2f}; clairvoyant partition / bound = {reference:.2f}; "
+                     f"cmlfq / partition = {mean['cmlfq'] / mean['partition']:.3f}")
     return lines
 
 
