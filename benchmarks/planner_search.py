@@ -26,7 +26,7 @@ import time
 
 import yaml
 
-from libra.services.planner import cost_rollout, search as search_module
+from libra.services.planner import search as search_module
 from libra.services.planner.hardware import gpu_named, model_named
 from libra.services.planner.search import SearchConfig, search
 
@@ -64,12 +64,7 @@ def design_search(path: str, sets: list[str], prompts: int):
 def fleets_afresh():
     """The baseline: every fleet costed again whenever a search asks (nothing shared)."""
     shared = search_module._FleetCosts.seconds
-
-    def afresh(self, mix, cutoff, instances):
-        fleet = [instances[tp] for tp, n in mix for _ in range(n)]
-        return cost_rollout.rollout_time(self.trace, fleet, cutoff=cutoff, ordered=True)
-
-    search_module._FleetCosts.seconds = afresh
+    search_module._FleetCosts.seconds = search_module._FleetCosts.afresh
     try:
         yield
     finally:

@@ -267,8 +267,6 @@ def _greedy(trace: Sequence[tuple[int, int]], instances: Sequence[Instance], cut
             by_tp[inst.tp] = (_Costs(inst), [])
         by_tp[inst.tp][1].append((0.0, index, _Load()))
     classes = list(by_tp.values())
-    if len(classes) == 1:
-        return _greedy_one_degree(trace, instances, cutoff, *classes[0])
     makespan = 0.0
     for prompt, output in trace:  # longest first (`longest_first`)
         best = None
@@ -280,7 +278,8 @@ def _greedy(trace: Sequence[tuple[int, int]], instances: Sequence[Instance], cut
             if best is None or finish < best[0]:
                 best = (finish, heap, load)
         if best is None:
-            raise _fits_nowhere(prompt, output, instances)
+            raise Infeasible(f"a request of {prompt}+{output} tokens fits the KV cache of no instance "
+                             f"(largest holds {max(i.kv_capacity_tokens for i in instances)} tokens)")
         finish, heap, load = best
         heapq.heapreplace(heap, (finish, heap[0][1], load))
         if finish > makespan:
@@ -288,30 +287,3 @@ def _greedy(trace: Sequence[tuple[int, int]], instances: Sequence[Instance], cut
             if makespan >= cutoff:
                 return math.inf
     return makespan
-
-
-def _greedy_one_degree(trace: Sequence[tuple[int, int]], instances: Sequence[Instance], cutoff: float,
-                       costs: _Costs, heap: list) -> float:
-    """`_greedy` where every instance has one TP degree (the same choices, without comparing degrees):
-    each request goes to the instance that finishes first, the top of the one heap."""
-    makespan = 0.0
-    capacity, added, finish_of, replace = costs.capacity, costs.added, costs.finish, heapq.heapreplace
-    for prompt, output in trace:  # longest first (`longest_first`)
-        if prompt + output > capacity:
-            raise _fits_nowhere(prompt, output, instances)
-        top = heap[0]
-        load = added(top[2], prompt, output)
-        finish = finish_of(load)
-        replace(heap, (finish, top[1], load))
-        if finish > makespan:
-            makespan = finish
-            if makespan >= cutoff:
-                return math.inf
-    return makespan
-
-
-def _fits_nowhere(prompt: int, output: int, instances: Sequence[Instance]) -> Infeasible:
-    """Longest first, a request that fits no instance comes before every one that fits: the greedy
-    fails on it before any cutoff can stop it, so infeasibility does not depend on the cutoff."""
-    return Infeasible(f"a request of {prompt}+{output} tokens fits the KV cache of no instance "
-                      f"(largest holds {max(i.kv_capacity_tokens for i in instances)} tokens)")

@@ -203,7 +203,9 @@ class _FleetCosts:
     The greedy returns `inf` exactly when its makespan reaches the cutoff (the makespan only grows),
     so a remembered finite makespan answers every cutoff, and a remembered `inf` answers every cutoff
     at or below the one it was costed under; anything else is costed again. A fleet found infeasible
-    stays so under any cutoff. Rejections are still counted by each search that meets the fleet.
+    stays so under any cutoff: longest first, a request that fits no instance comes before every one
+    that fits, so the greedy fails on it before a cutoff can stop it. Rejections are still counted by
+    each search that meets the fleet.
     """
 
     def __init__(self, trace: Sequence[tuple[int, int]]):
@@ -214,7 +216,7 @@ class _FleetCosts:
         """The fleet's makespan, or `inf` at or past `cutoff`; raises `Infeasible` as the greedy does.
         `instances` (per TP degree) must be the same at every call: they follow from the search's config."""
         known = self.known.get(mix)
-        if isinstance(known, Infeasible):  # whatever the cutoff (`cost_rollout._fits_nowhere`)
+        if isinstance(known, Infeasible):  # whatever the cutoff (above)
             raise known
         if known is not None:
             value, costed_under = known
@@ -222,14 +224,18 @@ class _FleetCosts:
                 return value if value < cutoff else math.inf
             if cutoff <= costed_under:
                 return math.inf
-        fleet = [instances[tp] for tp, n in mix for _ in range(n)]
         try:
-            value = cost_rollout.rollout_time(self.trace, fleet, cutoff=cutoff, ordered=True)
+            value = self.afresh(mix, cutoff, instances)
         except Infeasible as error:
             self.known[mix] = error
             raise
         self.known[mix] = (value, cutoff)
         return value
+
+    def afresh(self, mix: Multiset, cutoff: float, instances: dict[int, cost_rollout.Instance]) -> float:
+        """The greedy on the fleet, nothing remembered (`seconds` without the memo)."""
+        fleet = [instances[tp] for tp, n in mix for _ in range(n)]
+        return cost_rollout.rollout_time(self.trace, fleet, cutoff=cutoff, ordered=True)
 
 
 class _RolloutTable:

@@ -224,9 +224,9 @@ def _reference_greedy(trace, fleet):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_one_degree_greedy_assigns_as_the_rule_says(seed):
-    """A fleet of one TP degree takes its own loop (each request to the instance that finishes its
-    load first): the makespan is the plain rule's, with and without a cutoff."""
+def test_the_greedy_on_one_degree_assigns_as_the_rule_says(seed):
+    """A fleet of one TP degree: each request to the instance that finishes its load first; the
+    makespan is the plain rule's, and a cutoff below it returns inf, above it the makespan."""
     model, gpu = model_named("qwen2.5-7b"), gpu_named("h200-141g")
     eff = cr.RolloutEfficiency()
     trace = _trace(seed, 12, 4)
@@ -238,7 +238,7 @@ def test_the_one_degree_greedy_assigns_as_the_rule_says(seed):
         assert cr.rollout_time(trace, fleet, cutoff=exact * 1.01) == exact
 
 
-def test_the_fleet_memo_answers_as_costing_again_would(monkeypatch):
+def test_the_fleet_memo_answers_as_costing_again_would():
     """`_FleetCosts` remembers each fleet's makespan across the searches of one call: every answer,
     under any cutoff and in any order (an infeasible fleet included), is what the greedy says afresh."""
     from libra.services.planner.search import _FleetCosts
@@ -285,12 +285,7 @@ def test_sharing_fleet_costs_changes_no_result(monkeypatch, whole):
                SearchConfig(total_gpus=14, group_size=8, whole_nodes=whole, top_k=6, distinct_splits=True,
                             fleets_per_split=2)]
     shared = [search(model, gpu, trace, config) for config in configs]
-
-    def afresh(self, mix, cutoff, instances):
-        fleet = [instances[tp] for tp, n in mix for _ in range(n)]
-        return cr.rollout_time(self.trace, fleet, cutoff=cutoff, ordered=True)
-
-    monkeypatch.setattr(search_mod._FleetCosts, "seconds", afresh)
+    monkeypatch.setattr(search_mod._FleetCosts, "seconds", search_mod._FleetCosts.afresh)
     for config, got in zip(configs, shared):
         expected = search(model, gpu, trace, config)
         assert got.alternatives == expected.alternatives and got.best == expected.best
