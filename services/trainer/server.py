@@ -204,6 +204,10 @@ def serve(config: RunConfig, port: int | None = None) -> int:
         group = ranks.join()
         _log.info("following rank 0", rank=rank, world=world)
         ranks.follow(make_backend(config), group)
+        ranks.leave()
         return 0
-    return run_service(TrainerService(config, world), port if port is not None else config.port_of("trainer"),
+    code = run_service(TrainerService(config, world), port if port is not None else config.port_of("trainer"),
                        config.metrics_port_of("trainer"))
+    if world > 1 and code == 0:
+        ranks.leave()  # after the followers' release (TrainerService.close)
+    return code

@@ -6,7 +6,7 @@ Megatron backend on a tiny random Qwen2 model. Rank 0 makes the calls the servic
 probs, two GRPO steps, the HF export, published weights, a checkpoint); rank 1 only follows. What
 must hold: rank 0 sees what one process sees (log-probs, metrics, weights after each step — each
 rank trained its own shard of whole groups, 1 group and 2), the follower made every call and was
-released by `stop`, the files exist once. A torch trainer launched on two ranks fails at start.
+released by `stop`, the files exist once, and each rank leaves its process groups. A torch trainer launched on two ranks fails at start.
 """
 
 from __future__ import annotations
@@ -84,6 +84,11 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> Non
         leader.stop()  # idempotent
     else:
         result = {"calls": ranks.follow(backend, group)}
+    ranks.leave()  # what `libra serve trainer` does after a clean stop: no gloo thread outlives the interpreter
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    result["left"] = not dist.is_initialized() and not ps.model_parallel_is_initialized()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -94,8 +99,8 @@ def test_two_ranks_follow_the_leader_and_train_like_one_process(model_dir, tmp_p
     mp.start_processes(_rank, args=(2, free_port(), model_dir, str(tmp_path)), nprocs=2, join=True,
                        start_method="spawn")
     leader, follower = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
-    assert follower == {"calls": 8}  # load, log-probs, 2 steps, 2 exports, weights, checkpoint
-    assert "2 ranks" in leader["refusal"]
+    assert follower == {"calls": 8, "left": True}  # load, log-probs, 2 steps, 2 exports, weights, checkpoint
+    assert "2 ranks" in leader["refusal"] and leader["left"]
 
     from libra.services.trainer.megatron.backend import MegatronBackend
 
