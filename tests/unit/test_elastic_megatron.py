@@ -244,6 +244,9 @@ def _megatron_core_rank(rank: int, world: int, model_dir: str, port: int, out: s
                   params=[p.detach().clone() for p in backend.model.parameters()])
     torch.save(record, f"{out}-{rank}.pt")
     core.close()
+    from libra.services.trainer import ranks
+
+    ranks.leave()  # as a trainer rank does after a clean stop (gloo's threads must not outlive the interpreter)
 
 
 @pytest.mark.slow
