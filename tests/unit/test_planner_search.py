@@ -208,34 +208,48 @@ def test_neighbours_trade_the_fewest_engines_that_exchange_evenly():
 
 
 def _reference_greedy(trace, fleet):
-    """The greedy on identical instances, written plainly: longest first, each request to the instance
-    whose load finishes first (the lowest index on ties); the makespan is the latest finish any
-    instance was given on the way (one more request can shorten a load: a larger decode batch)."""
-    costs = cr._Costs(fleet[0])
+    """The greedy written plainly with `_Costs.added` and `_Costs.finish`: longest first; of each TP
+    degree, the instance whose load finishes first (the lowest index on ties) is offered the request;
+    it goes to the offer that finishes earliest with it (the degree met first in the fleet on ties);
+    the makespan is the latest finish any instance was given on the way (one more request can
+    shorten a load: a larger decode batch)."""
+    costs = {inst.tp: cr._Costs(inst) for inst in reversed(fleet)}
+    order = list(dict.fromkeys(inst.tp for inst in fleet))
     loads = [cr._Load() for _ in fleet]
     finishes = [0.0] * len(fleet)
     makespan = 0.0
     for prompt, output in sorted(trace, key=lambda r: r[0] + r[1], reverse=True):
-        index = min(range(len(fleet)), key=lambda i: (finishes[i], i))
-        loads[index] = costs.added(loads[index], prompt, output)
-        finishes[index] = costs.finish(loads[index])
-        makespan = max(makespan, finishes[index])
+        offers = []
+        for tp in order:
+            if prompt + output > costs[tp].capacity:
+                continue
+            index = min((i for i, inst in enumerate(fleet) if inst.tp == tp), key=lambda i: (finishes[i], i))
+            load = costs[tp].added(loads[index], prompt, output)
+            offers.append((costs[tp].finish(load), index, load))
+        finish, index, load = min(offers, key=lambda offer: offer[0])  # min keeps the first of equals
+        loads[index], finishes[index] = load, finish
+        makespan = max(makespan, finish)
     return makespan
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_greedy_on_one_degree_assigns_as_the_rule_says(seed):
-    """A fleet of one TP degree: each request to the instance that finishes its load first; the
-    makespan is the plain rule's, and a cutoff below it returns inf, above it the makespan."""
-    model, gpu = model_named("qwen2.5-7b"), gpu_named("h200-141g")
-    eff = cr.RolloutEfficiency()
+def test_the_greedy_assigns_as_the_rule_says(seed):
+    """The greedy's flat hot loop against the rule written with `_Costs`' methods: fleets of one
+    degree and of several, a dense model and an MoE one (whose decode reads depend on the batch); the
+    same makespan to the last bit; a cutoff below it returns inf, above it the makespan."""
+    gpu = gpu_named("h200-141g")
     trace = _trace(seed, 12, 4)
-    for tp, n in ((1, 3), (2, 5), (4, 1)):
-        fleet = [cr.instance(model, gpu, tp, eff)] * n
-        exact = cr.rollout_time(trace, fleet)
-        assert exact == pytest.approx(_reference_greedy(trace, fleet), rel=1e-12)
-        assert cr.rollout_time(trace, fleet, cutoff=exact * 0.99) == math.inf
-        assert cr.rollout_time(trace, fleet, cutoff=exact * 1.01) == exact
+    for name in ("qwen2.5-7b", "qwen3-30b-a3b"):
+        model = model_named(name)
+        eff = cr.RolloutEfficiency()
+        kinds = {tp: cr.instance(model, gpu, tp, eff) for tp in (1, 2, 4) if not (name != "qwen2.5-7b" and tp == 1)}
+        fleets = [[kinds[tp]] * n for tp, n in ((1, 3), (2, 5), (4, 1)) if tp in kinds]
+        fleets.append([kinds[4], kinds[2], kinds[4], kinds[2], kinds[2]])
+        for fleet in fleets:
+            exact = cr.rollout_time(trace, fleet)
+            assert exact == _reference_greedy(trace, fleet), (name, [i.tp for i in fleet])
+            assert cr.rollout_time(trace, fleet, cutoff=exact * 0.99) == math.inf
+            assert cr.rollout_time(trace, fleet, cutoff=exact * 1.01) == exact
 
 
 def test_the_fleet_memo_answers_as_costing_again_would():
