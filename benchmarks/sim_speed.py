@@ -6,11 +6,13 @@ archive`) — as pairs that run at the same time, every run its own process, all
 bounds how many). Each run's CPU seconds are the simulator's own figure (its "CPU …s" line: the
 search plus the simulation, the trace's generation excluded) and the whole process's (wait4). The
 two trees' outputs must agree line for line apart from timings; the script says where they do not.
+`--search-only` times the first plan's search alone instead (benchmarks/planner_search.py --design,
+its own seconds: wall, which is its CPU when the run has a core to itself).
 
     .venv/bin/python benchmarks/sim_speed.py --baseline dfa247d [--pairs b=3 c=2] [--steps 100] [--search-only]
 
-On a shared 2-core machine whole runs drift ±15% between rounds; run it where enough cores are
-idle for every pair at once (the GPU machine's 16 CPU cores: docs/benchmarks.md).
+On a shared 2-core machine whole runs drift ±15% between rounds; run it where cores are idle
+(the GPU machine's 16 CPU cores, `--jobs 2`: a pair at a time; docs/benchmarks.md).
 """
 
 from __future__ import annotations
