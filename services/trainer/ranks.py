@@ -155,10 +155,10 @@ def join() -> Any:
 def leave() -> None:
     """Tear down this rank's process groups (Megatron's, then torch.distributed's) before the
     interpreter exits. Without it gloo's worker threads outlive finalization and the process may
-    abort ("terminate called without an active exception", SIGABRT) after a clean stop: measured
-    here, 7 of 25 two-rank gloo runs that skip it, 0 of 25 that call it. Local on every rank (no
-    collective), so ranks may leave in any order; call it only after a clean stop (a rank that failed
-    exits as it is)."""
+    abort ("terminate called without an active exception", SIGABRT) after a clean stop, as a
+    follower did in CI, and as bare two-rank gloo processes that skip it here often do. Local on
+    every rank (no collective), so ranks may leave in any order; call it only after a clean stop (a
+    rank that failed exits as it is)."""
     import torch.distributed as dist
 
     try:
