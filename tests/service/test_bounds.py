@@ -116,7 +116,9 @@ def test_preflight_is_bounded_in_gpus_size_and_time(redis_url, run_id, tmp_path,
             CODES.INVALID_ARGUMENT
 
         async def two_at_once():
-            slow = asyncio.ensure_future(stub.Preflight(_preflight(16_384, 2000), timeout=60))
+            # ~33 CPU-s of search on the dev machine (2,000 samples took ~2 s once the greedy got faster,
+            # under the 3 s limit): far past the limit on any machine, and the child is killed at 3 s
+            slow = asyncio.ensure_future(stub.Preflight(_preflight(16_384, 40_000), timeout=60))
             await asyncio.sleep(1.0)  # the first one is searching
             try:
                 await stub.Preflight(_preflight(16), timeout=10)
