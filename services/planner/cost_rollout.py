@@ -17,7 +17,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 from pydantic import Field, field_validator
 
@@ -154,23 +154,13 @@ def instance(model: ModelSpec, gpu: GpuSpec, tp: int, eff: RolloutEfficiency) ->
     return Instance(tp, weights, kv_per_token, int(free // kv_per_token), model, gpu, eff)
 
 
-class _Load(NamedTuple):
-    """Requests assigned to one instance so far, summarised for the finish-time estimate."""
-
-    prefill_s: float = 0.0
-    decode_tokens: int = 0
-    context_sum: float = 0.0  # sum over requests of mean context while decoding
-    longest_output: int = 0
-    requests: int = 0
-
-
 class _Costs:
-    """One instance's finish-time estimate with its constants folded (the greedy's hot loop).
+    """One TP degree's finish-time constants, folded once per fleet (the greedy's hot loop reads them).
 
-    Continuous batching: prefills are serialised (sum of their times). Decode runs at a steady
-    batch b = the number of requests, capped by `max_seqs` and by how many mean-size contexts fit
-    in the KV cache; it needs max(longest output, total output / b) steps, each costing
-    `Instance.decode_step_seconds(b, b * mean context)`.
+    The estimate (`_greedy` computes it): continuous batching; prefills are serialised (sum of their
+    times). Decode runs at a steady batch b = the number of requests, capped by `max_seqs` and by
+    how many mean-size contexts fit in the KV cache; it needs max(longest output, total output / b)
+    steps, each costing `Instance.decode_step_seconds(b, b * mean context)`.
     """
 
     def __init__(self, inst: Instance):
@@ -184,28 +174,7 @@ class _Costs:
         self.step_fixed = comm_fixed + inst.eff.step_overhead_s
         per_seq_comm = 2 * model.layers * (inst.allreduce_seconds(1) - inst.allreduce_seconds(0))
         self.step_per_seq = per_seq_comm + inst.eff.step_per_seq_s
-        self.inst = inst
-
-    def finish(self, load: _Load) -> float:
-        prefill_s, decode_tokens, context_sum, longest, requests = load
-        if not requests:
-            return 0.0
-        mean_context = context_sum / requests
-        batch = max(1, min(requests, self.max_seqs, int(self.capacity // max(mean_context, 1.0))))
-        steps = max(longest, -(-decode_tokens // batch))
-        fraction = _expert_read_fraction(self.inst.model, batch) if self.inst.model.experts else 1.0
-        step = (self.weight_s * fraction + self.kv_s * batch * mean_context
-                + self.step_fixed + self.step_per_seq * batch)
-        return prefill_s + steps * step
-
-    def added(self, load: _Load, prompt: int, output: int) -> _Load:
-        return _Load(load[0] + self.prefill_per_token * prompt, load[1] + output,
-                     load[2] + prompt + output / 2.0, max(load[3], output), load[4] + 1)
-
-
-def finish_seconds(inst: Instance, load: _Load) -> float:
-    """When an instance finishes the requests summarised by `load` (see `_Costs`)."""
-    return _Costs(inst).finish(load)
+        self.moe = model if model.experts else None  # MoE: a step reads the experts its batch hit
 
 
 def longest_first(trace: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -259,10 +228,10 @@ def _best_sub_fleet(trace: Sequence[tuple[int, int]], instances: Sequence[Instan
 
 
 def _greedy(trace: Sequence[tuple[int, int]], instances: Sequence[Instance], cutoff: float) -> float:
-    """The greedy of `rollout_time`. Its hot loop is `_Costs.added` then `_Costs.finish` written out
-    on flat tuples (finish, index, prefill_s, decode_tokens, context_sum, longest_output, requests),
-    the same operations in the same order, so the same floats (tests/unit/test_planner_search.py
-    checks it against the two methods); 0.6x the CPU of calling them per request and class."""
+    """The greedy of `rollout_time`. One heap per TP degree of flat tuples (finish, index, prefill_s,
+    decode_tokens, context_sum, longest_output, requests): each request is offered to every degree's
+    least-loaded instance and goes where it finishes first (`_Costs`' estimate, written out here:
+    the hot loop of every search; tests/unit/test_planner_search.py states the rule apart)."""
     if not instances:
         raise Infeasible("no rollout instances")
     by_tp: dict[int, tuple] = {}
@@ -271,13 +240,13 @@ def _greedy(trace: Sequence[tuple[int, int]], instances: Sequence[Instance], cut
         if kind is None:
             c = _Costs(inst)
             kind = by_tp[inst.tp] = (c.capacity, c.prefill_per_token, c.max_seqs, c.weight_s, c.kv_s, c.step_fixed,
-                                     c.step_per_seq, inst.model if inst.model.experts else None, [])
+                                     c.step_per_seq, c.moe, [])
         kind[-1].append((0.0, index, 0.0, 0, 0.0, 0, 0))
     classes = list(by_tp.values())
-    makespan, fraction = 0.0, 1.0
+    makespan = 0.0
     for prompt, output in trace:  # longest first (`longest_first`)
         best_heap, best_finish, best = None, math.inf, None
-        for capacity, per_token, max_seqs, weight_s, kv_s, fixed, per_seq, experts, heap in classes:
+        for capacity, per_token, max_seqs, weight_s, kv_s, fixed, per_seq, moe, heap in classes:
             if prompt + output > capacity:
                 continue
             _, index, prefill_s, decode, context, longest, requests = heap[0]  # this degree's least loaded
@@ -289,8 +258,7 @@ def _greedy(trace: Sequence[tuple[int, int]], instances: Sequence[Instance], cut
             mean = context / requests
             batch = max(1, min(requests, max_seqs, int(capacity // max(mean, 1.0))))
             steps = max(longest, -(-decode // batch))
-            if experts is not None:
-                fraction = _expert_read_fraction(experts, batch)
+            fraction = 1.0 if moe is None else _expert_read_fraction(moe, batch)
             finish = prefill_s + steps * (weight_s * fraction + kv_s * batch * mean + fixed + per_seq * batch)
             if best_heap is None or finish < best_finish:
                 best_heap, best_finish = heap, finish

@@ -160,15 +160,11 @@ def leave() -> None:
     every rank (no collective), so ranks may leave in any order; call it only after a clean stop (a
     rank that failed exits as it is)."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps  # several ranks run the Megatron backend (`check`)
 
-    try:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-    except ImportError:
-        pass
-    if dist.is_available() and dist.is_initialized():
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

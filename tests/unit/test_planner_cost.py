@@ -162,10 +162,9 @@ def test_training_layout_must_divide_the_batch():
 def test_finish_estimate_uses_the_documented_step_time(model_name, tp, overheads):
     eff = EFF.model_copy(update={"step_overhead_s": 0.003, "step_per_seq_s": 0.0002}) if overheads else EFF
     inst = cr.instance(model_named(model_name), gpu_named("h100-80g"), tp, eff)
-    alone = cr.finish_seconds(inst, cr._Load(inst.prefill_seconds(800), 1000, 800 + 500.0, 1000, 1))
+    alone = cr.rollout_time([(800, 1000)], [inst])  # one request: the finish estimate itself
     expected = inst.prefill_seconds(800) + 1000 * inst.decode_step_seconds(1, 1300)
     assert alone == pytest.approx(expected, rel=1e-12)
-    assert cr.rollout_time([(800, 1000)], [inst]) == pytest.approx(expected, rel=1e-12)
     if overheads:  # the calibrated overheads are in every step, the closed form's and the instance's
         plain = cr.instance(model_named(model_name), gpu_named("h100-80g"), tp, EFF)
         assert expected - plain.prefill_seconds(800) - 1000 * plain.decode_step_seconds(1, 1300) == \

@@ -207,25 +207,40 @@ def test_neighbours_trade_the_fewest_engines_that_exchange_evenly():
     assert all(c.layout == plan.layout and c.rollout_gpus == 32 for c in far)
 
 
+def _finish(c, load) -> float:
+    """The finish estimate stated plainly (cost_rollout._Costs' docstring) for one instance's load
+    [prefill seconds, decode tokens, sum of mean contexts, longest output, requests]."""
+    prefill_s, decode_tokens, context_sum, longest, requests = load
+    mean_context = context_sum / requests
+    batch = max(1, min(requests, c.max_seqs, int(c.capacity // max(mean_context, 1.0))))
+    steps = max(longest, -(-decode_tokens // batch))
+    fraction = 1.0 if c.moe is None else cr._expert_read_fraction(c.moe, batch)
+    step = c.weight_s * fraction + c.kv_s * batch * mean_context + c.step_fixed + c.step_per_seq * batch
+    return prefill_s + steps * step
+
+
 def _reference_greedy(trace, fleet):
-    """The greedy written plainly with `_Costs.added` and `_Costs.finish`: longest first; of each TP
-    degree, the instance whose load finishes first (the lowest index on ties) is offered the request;
-    it goes to the offer that finishes earliest with it (the degree met first in the fleet on ties);
-    the makespan is the latest finish any instance was given on the way (one more request can
-    shorten a load: a larger decode batch)."""
+    """The greedy written plainly: longest first; of each TP degree, the instance whose load
+    finishes first (the lowest index on ties) is offered the request; it goes to the offer that
+    finishes earliest with it (the degree met first in the fleet on ties); the makespan is the
+    latest finish any instance was given on the way (one more request can shorten a load: a larger
+    decode batch)."""
     costs = {inst.tp: cr._Costs(inst) for inst in reversed(fleet)}
     order = list(dict.fromkeys(inst.tp for inst in fleet))
-    loads = [cr._Load() for _ in fleet]
+    loads = [[0.0, 0, 0.0, 0, 0] for _ in fleet]
     finishes = [0.0] * len(fleet)
     makespan = 0.0
     for prompt, output in sorted(trace, key=lambda r: r[0] + r[1], reverse=True):
         offers = []
         for tp in order:
-            if prompt + output > costs[tp].capacity:
+            c = costs[tp]
+            if prompt + output > c.capacity:
                 continue
             index = min((i for i, inst in enumerate(fleet) if inst.tp == tp), key=lambda i: (finishes[i], i))
-            load = costs[tp].added(loads[index], prompt, output)
-            offers.append((costs[tp].finish(load), index, load))
+            p, d, ctx, longest, n = loads[index]
+            load = [p + c.prefill_per_token * prompt, d + output, ctx + prompt + output / 2.0, max(longest, output),
+                    n + 1]
+            offers.append((_finish(c, load), index, load))
         finish, index, load = min(offers, key=lambda offer: offer[0])  # min keeps the first of equals
         loads[index], finishes[index] = load, finish
         makespan = max(makespan, finish)
@@ -234,8 +249,7 @@ def _reference_greedy(trace, fleet):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_greedy_assigns_as_the_rule_says(seed):
-    """The greedy's flat hot loop against the rule written with `_Costs`' methods: fleets of one
-    degree and of several, a dense model and an MoE one (whose decode reads depend on the batch); the
+    """The greedy's flat hot loop against the rule written plainly: fleets of one degree and of several, a dense model and an MoE one (whose decode reads depend on the batch); the
     same makespan to the last bit; a cutoff below it returns inf, above it the makespan."""
     gpu = gpu_named("h200-141g")
     trace = _trace(seed, 12, 4)

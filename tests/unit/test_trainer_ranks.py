@@ -6,7 +6,8 @@ Megatron backend on a tiny random Qwen2 model. Rank 0 makes the calls the servic
 probs, two GRPO steps, the HF export, published weights, a checkpoint); rank 1 only follows. What
 must hold: rank 0 sees what one process sees (log-probs, metrics, weights after each step — each
 rank trained its own shard of whole groups, 1 group and 2), the follower made every call and was
-released by `stop`, the files exist once, and each rank leaves its process groups. A torch trainer launched on two ranks fails at start.
+released by `stop`, the files exist once, and each rank leaves its process groups. A torch trainer
+launched on two ranks fails at start.
 """
 
 from __future__ import annotations
