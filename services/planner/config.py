@@ -104,7 +104,8 @@ class ClusterSettings(Section):
     tp_choices: tuple[int, ...] = Field((1, 2, 4, 8), min_length=1, description="TP degrees the search may use "
                                                                                 "(both sides)")
     min_train_gpus: int = Field(1, ge=1, le=1_000_000, description="fewest GPUs the search gives training")
-    min_rollout_gpus: int = Field(1, ge=1, le=1_000_000, description="fewest GPUs the search gives rollout")
+    min_rollout_gpus: int = Field(1, ge=1, le=1_000_000, description="fewest GPUs the search gives rollout, "
+                                                                      "counting only those its engines use")
     whole_nodes: Literal["auto", "on", "off"] = Field(
         "auto", description="on: each side whole nodes; off: sides may share a node; auto: on for >= 2 whole "
                             "nodes while it costs <= 5% of the predicted step (services/planner/placement.py)")

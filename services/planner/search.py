@@ -37,7 +37,7 @@ class SearchConfig(Section):
     total_gpus: int = Field(..., ge=2, le=1_000_000, description="GPUs shared by training and rollout")
     group_size: int = Field(8, ge=1, le=4096, description="GRPO samples per prompt (whole groups per DP replica)")
     min_train_gpus: int = Field(1, ge=1, le=1_000_000, description="fewest GPUs for training")
-    min_rollout_gpus: int = Field(1, ge=1, le=1_000_000, description="fewest GPUs for rollout")
+    min_rollout_gpus: int = Field(1, ge=1, le=1_000_000, description="fewest GPUs for rollout, used by its engines")
     tp_choices: tuple[int, ...] = Field((1, 2, 4, 8), min_length=1, description="TP degrees to try (both sides)")
     pp_choices: tuple[int, ...] = Field((1, 2, 4, 8), min_length=1, description="training PP degrees to try")
     micro_batches: tuple[int, ...] = Field((1, 2, 4, 8), min_length=1, description="sequences per micro-batch")
@@ -246,6 +246,8 @@ class _RolloutTable:
 
     Fewer GPUs never beat more (idle GPUs are allowed in exact mode; approximately so on the grid),
     so once R GPUs cannot beat a cutoff, no count <= R is costed again: `failed_up_to` remembers R.
+    A fleet whose engines use fewer than `min_rollout_gpus` is not costed (the GPUs it leaves idle
+    are not rollout's): still monotone, since a larger count keeps every fleet a smaller one had.
     Where TP groups may straddle a node (`placement.Packing.needed`), the fleet must also pack next
     to the training groups: the table is then keyed by the training TP degree too, without the
     `failed_up_to` shortcut.
@@ -271,8 +273,12 @@ class _RolloutTable:
 
     def _search(self, gpus: int, cutoff: float, layout: Layout) -> list[tuple[float, Multiset]]:
         keep = self.config.fleets_per_split if self.config.distinct_splits else 1
+        floor = self.config.min_rollout_gpus
         best: list[tuple[float, Multiset]] = []
         for mix in multisets(gpus, list(self.instances), self.config):
+            if sum(tp * n for tp, n in mix) < floor:  # GPUs left idle do not count as given to rollout
+                self.rejected.add(f"a rollout fleet of fewer than min_rollout_gpus={floor} GPUs (the rest idle)")
+                continue
             if not self.packing.fits(layout.tp, layout.pp * layout.dp, mix):
                 self.rejected.add(f"TP groups would straddle a node of {self.packing.nodes[0]} GPUs")
                 continue

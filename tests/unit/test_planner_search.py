@@ -45,7 +45,7 @@ def brute_force(model, gpu, trace, config: SearchConfig) -> list[float]:
         best = math.inf
         for counts in itertools.product(*(range(gpus // tp + 1) for tp in kinds)):
             used = sum(n * tp for n, tp in zip(counts, kinds))
-            if 0 < used <= gpus:
+            if max(1, config.min_rollout_gpus) <= used <= gpus:  # idle GPUs are not rollout's
                 fleet = [kinds[tp] for n, tp in zip(counts, kinds) for _ in range(n)]
                 try:
                     best = min(best, cr.rollout_time(trace, fleet))
@@ -112,10 +112,29 @@ def test_plans_respect_groups_min_gpus_and_nodes():
         layout = cand.layout
         assert (len(trace) // layout.dp) % 16 == 0
         assert layout.gpus % 4 == 0 and 16 - layout.gpus >= 8 and layout.tp <= 4
-        assert cand.rollout_gpus <= 16 - layout.gpus and all(tp <= 4 for tp, _ in cand.rollout)
+        assert 8 <= cand.rollout_gpus <= 16 - layout.gpus and all(tp <= 4 for tp, _ in cand.rollout)
     assert result.rejected["a DP replica would split a GRPO group of 16 in a batch of 64"] > 0
     assert result.rejected["rollout tp8 would straddle nodes of 4 GPUs"] == 1
     assert result.placement == "whole nodes on (asked)"
+
+
+@pytest.mark.parametrize("tps", [(4,), (2, 4)])
+def test_min_rollout_gpus_counts_the_gpus_the_fleet_uses(tps):
+    """A fleet that leaves some of rollout's GPUs idle below min_rollout_gpus is not a plan (nor
+    costed: the even split of a 4,096-GPU design used to cost its 255 sub-fleets); the search still
+    matches the brute force, which applies the same floor."""
+    model, gpu = model_named("qwen2.5-3b"), gpu_named("a100-80g")
+    trace = _trace(5, 8, 4)
+    config = SearchConfig(total_gpus=16, group_size=4, tp_choices=tps, min_train_gpus=8, min_rollout_gpus=8,
+                          top_k=3, whole_nodes="off")
+    result = search(model, gpu, trace, config)
+    expected = brute_force(model, gpu, trace, config)
+    assert result.best.step_s == pytest.approx(expected[0], rel=1e-9)
+    assert [c.step_s for c in result.alternatives] == pytest.approx(expected[:3], rel=1e-9)
+    assert all(c.rollout_gpus == 8 and c.layout.gpus == 8 for c in result.alternatives)
+    assert result.rejected["a rollout fleet of fewer than min_rollout_gpus=8 GPUs (the rest idle)"] >= 1
+    free = search(model, gpu, trace, config.model_copy(update={"min_rollout_gpus": 1}))  # sub-fleets allowed
+    assert free.best.step_s <= result.best.step_s
 
 
 def test_whole_nodes_asked_on_one_node_is_refused_with_the_reason():
