@@ -179,12 +179,14 @@ def fitted_turns(run: Loaded, cal: Calibration, model: ModelSpec) -> list[float]
     """Each measured turn's seconds as the calibrated turn model predicts them at the turn's own
     measured batch: the model alone, without the simulator's dynamics (which set the batch there)."""
     engine = cost_rollout.instance(model, CPU_CORE, 1, cal.rollout_efficiency())
-    out = []
-    for t in run.turns:
-        batch, output, prompt = max(1, t["batch"]), t["output_tokens"], t["prompt_tokens"]
-        step = engine.decode_step_seconds(batch, batch * (prompt + output / 2.0))
-        out.append((engine.prefill_seconds(prompt) if prompt else 0.0) + output * step + engine.eff.request_s)
-    return out
+    return [turn_seconds(engine, t["prompt_tokens"], t["output_tokens"], t["batch"]) for t in run.turns]
+
+
+def turn_seconds(engine, prompt: float, output: float, batch: float) -> float:
+    """The calibrated turn model's seconds for one turn at a given mean batch (one cost-model engine)."""
+    batch = max(1.0, batch)
+    step = engine.decode_step_seconds(batch, batch * (prompt + output / 2.0))
+    return (engine.prefill_seconds(prompt) if prompt else 0.0) + output * step + engine.eff.request_s
 
 
 def per_token(turns: list[dict], engine) -> dict[str, list[float]]:

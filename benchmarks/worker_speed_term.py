@@ -129,16 +129,11 @@ class Recorder:
             unit = complete(timed)
             tokens = recorder.tokens.pop(id(unit), None)
             if tokens and len(timed._latencies) > latencies and len(timed._batches) > batches:
-                fitted = recorder.predict(*tokens, timed._batches[-1])
+                fitted = sim_probes.turn_seconds(recorder.engine, *tokens, timed._batches[-1])
                 if fitted > 0:
                     recorder.ratios.append(timed._latencies[-1] / fitted)
             return unit
         sim_probes.Timed.enqueue, sim_probes.Timed.complete = timed_enqueue, timed_complete
-
-    def predict(self, prompt: float, output: float, batch: float) -> float:
-        e, batch = self.engine, max(1.0, batch)
-        step = e.decode_step_seconds(batch, batch * (prompt + output / 2.0))
-        return (e.prefill_seconds(prompt) if prompt else 0.0) + output * step + e.eff.request_s
 
 
 def ratio_probes(run, ratios: list[float], fitted: list[float]) -> dict:
@@ -194,10 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         cal = sim_vs_real.calibrate(run, model, Layout(1, 1, 1, run.config.trainer.micro_batch_size), "mean")
         fitted = sim_probes.fitted_turns(run, cal, model)
         ratios = [t["seconds"] / f if f > 0 else 0.0 for t, f in zip(run.turns, fitted)]
-        measured_q = gaps.quantiles([r for r in ratios if r > 0])
-        quantiles = list(time_weighted([r for r in ratios if r > 0]) if args.weighting == "time" else measured_q)
+        positive = [r for r in ratios if r > 0]
+        measured_q = gaps.quantiles(positive)
+        quantiles = list(time_weighted(positive) if args.weighting == "time" else measured_q)
         recorder.engine = cost_rollout.instance(model, sim_probes.CPU_CORE, 1, cal.rollout_efficiency())
-        for round_ in range(4 if args.weighting == "matched" else 1):
+        for _ in range(4 if args.weighting == "matched" else 1):
             speeds.quantiles, recorder.ratios = tuple(sorted(quantiles)), []
             predicted, notes = sim_vs_real.replay(run, how="mean")
             replayed_q = gaps.quantiles(recorder.ratios)

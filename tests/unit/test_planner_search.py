@@ -137,6 +137,14 @@ def test_min_rollout_gpus_counts_the_gpus_the_fleet_uses(tps):
     assert free.best.step_s <= result.best.step_s
 
 
+def test_a_floor_no_fleet_can_reach_is_refused_naming_it():
+    """Rollout's 10 GPUs hold at most one TP-8 or two TP-4 engines (8 GPUs): no plan, and the reason says why."""
+    config = SearchConfig(total_gpus=14, group_size=4, tp_choices=(4, 8), min_train_gpus=4, min_rollout_gpus=10,
+                          whole_nodes="off")
+    with pytest.raises(Infeasible, match=r"x a rollout fleet of fewer than min_rollout_gpus=10 GPUs \(the rest idle\)"):
+        search(model_named("qwen2.5-3b"), gpu_named("a100-80g"), _trace(5, 8, 4), config)
+
+
 def test_whole_nodes_asked_on_one_node_is_refused_with_the_reason():
     model, gpu = model_named("qwen2.5-3b"), gpu_named("a100-80g")
     with pytest.raises(Infeasible, match="less than two nodes .*whole_nodes off"):  # 8 GPUs = one node
