@@ -97,7 +97,7 @@ def run_one(job: tuple) -> dict:
                               "reason": c.reason} for c in result.plan_changes], "rejected": usage.rejected,
             "hybrid_moves": played.hybrid_moves, "notes": len(result.notes), "pooled": result.pooled,
             "copies": result.copies,
-            "routes": result.routes, "cpu_s": time.process_time() - started,
+            "routes": result.routes, "cpu_s": time.process_time() - started + result.worker_cpu_s,
             "steps": [{"step": s.step, "time_s": s.time_s, "interval_s": s.interval_s, "rollout_s": s.rollout_s,
                        "train_s": s.train_s, "sequences": s.sequences} for s in steps]}
 

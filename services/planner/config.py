@@ -53,6 +53,10 @@ class ReplanSettings(Section):
                                                              "(staleness + 1 steps) is used, rounding down")
     sim_warmup_steps: int = Field(4, ge=0, le=64, description="steps replayed before those, to fill the pipeline "
                                                              "and let the routing policy learn (not measured)")
+    sim_workers: int = Field(1, ge=0, le=256, description="processes that replay the candidates of one decision "
+                                                          "side by side (1: one after the other in the planner's "
+                                                          "process; 0: one per available core, at most 16); "
+                                                          "the decisions are the same, only sooner")
     drain_s: float = Field(30.0, ge=0, le=86_400, description="seconds to drain a GPU that changes role")
     process_start_s: float = Field(60.0, ge=0, le=86_400, description="seconds to start a new worker or trainer")
     load_gbps: float = Field(5.0, gt=0, le=10_000, description="GB/s per GPU when loading weights or state")

@@ -79,14 +79,31 @@ class Played:
         return self.elapsed_s / self.intervals
 
 
+@dataclass(frozen=True)
+class Replay:
+    """One replay of a window: under `plan`, or under `plan` until the warm-up's end and `move_to`
+    after it, ready `transition_s` later; at these efficiencies."""
+
+    plan: Candidate
+    rollout: RolloutEfficiency
+    train: TrainEfficiency
+    move_to: Candidate | None = None
+    transition_s: float = 0.0
+
+
 class Ranker(Protocol):
     """Plays a window of recent steps under a plan (and optionally a move to another)."""
+
+    workers: int  # replays played side by side (> 1: the judge plays ahead what it may need)
 
     def window(self, observations: Sequence) -> object | None:
         """The replayable window of these `StepObservation`s (None: too little to replay)."""
 
     def play(self, window: object, plan: Candidate, rollout: RolloutEfficiency, train: TrainEfficiency,
              move_to: Candidate | None = None, transition_s: float = 0.0) -> Played: ...
+
+    def play_all(self, window: object, replays: Sequence[Replay]) -> list[Played]:
+        """Each replay's `Played`, in order (the same as `play` on each)."""
 
 
 @dataclass
@@ -124,7 +141,11 @@ def by_simulation(ranker: Ranker, observations: Sequence, current: Candidate, sh
     if window is None:
         return Verdict(False, "not evaluated: too few recent steps to replay")
     rollout, train = calibration.rollout_efficiency(), calibration.train_efficiency()
-    base = ranker.play(window, current, rollout, train)
+    # in parallel, the candidates are played beside the plan in force at the speeds before this
+    # window's recalibration, and again only if it moved them (the same results, fewer rounds)
+    ahead = ranker.workers > 1
+    played = ranker.play_all(window, [Replay(plan, rollout, train) for plan in [current, *(shortlist if ahead else [])]])
+    base = played[0]
     steps = base.steps
     measured_s = measured_per_step(observations, base.intervals)
     q = measured_s / base.per_step_s if measured_s > 0 and 0 < base.per_step_s < math.inf else math.nan
@@ -136,17 +157,20 @@ def by_simulation(ranker: Ranker, observations: Sequence, current: Candidate, sh
         calibration.observe_pipeline(sum(m for m, _ in pairs), sum(s for _, s in pairs), before)
         if abs(calibration.pipeline_slowdown() / before - 1.0) > REPLAY_TOLERANCE:
             rollout = calibration.rollout_efficiency()
-            base = ranker.play(window, current, rollout, train)
-    a = base.per_step_s
-    fixed = sorted(((ranker.play(window, candidate, rollout, train).per_step_s, index, candidate)
-                    for index, candidate in enumerate(shortlist)), key=lambda row: row[:2])
+            played = ranker.play_all(window, [Replay(plan, rollout, train) for plan in [current, *shortlist]])
+    if len(played) == 1:
+        played += ranker.play_all(window, [Replay(plan, rollout, train) for plan in shortlist])
+    a = played[0].per_step_s
+    fixed = sorted(((replay.per_step_s, index, candidate)
+                    for index, (replay, candidate) in enumerate(zip(played[1:], shortlist))), key=lambda row: row[:2])
+    moving = [candidate for b, _, candidate in fixed[:MOVES_PLAYED] if math.isfinite(b)]  # the fastest few: their
+    moves = ranker.play_all(window, [Replay(current, rollout, train, candidate, transition(current, candidate))
+                                     for candidate in moving])  # move itself is played too
     ranked = []
-    for order, (b, _, candidate) in enumerate(fixed):  # the move itself is played for the fastest few
+    for order, (b, _, candidate) in enumerate(fixed):
         cost = math.inf
-        if order < MOVES_PLAYED and math.isfinite(b):
-            moved = ranker.play(window, current, rollout, train, move_to=candidate,
-                                transition_s=transition(current, candidate))
-            cost = max(0.0, moved.elapsed_s - b * moved.intervals)
+        if order < len(moves):
+            cost = max(0.0, moves[order].elapsed_s - b * moves[order].intervals)
         ranked.append((candidate, b, cost))
     if not ranked:
         return Verdict(False, "not applied: the search found no other plan to simulate", current_s=a, q=q)

@@ -122,7 +122,8 @@ class PlannerService(Service):
                         per_worker_cap_tokens=scheduler.per_worker_cap_tokens,
                         max_in_flight=self.config.rollout.max_concurrent_trajectories,
                         core_replicas=self.config.elastic.core_replicas)
-        ranker = SimRanker(model, gpu, search_config, sim, settings.sim_window_steps, settings.sim_warmup_steps)
+        ranker = SimRanker(model, gpu, search_config, sim, settings.sim_window_steps, settings.sim_warmup_steps,
+                           workers=settings.sim_workers)
         self.replanner = Replanner(model, gpu, cluster.gpus, settings, search_config,
                                    candidate_from_plan(await self.store.get_plan()), ranker, total_steps=trainer.steps)
         blob = await self.store.load_blob(ONLINE_BLOB)
@@ -319,6 +320,9 @@ class PlannerService(Service):
         for task in list(self._handovers):
             task.cancel()
         await asyncio.gather(*self._handovers, return_exceptions=True)
+        ranker = getattr(self.replanner, "ranker", None)
+        if ranker is not None:  # its replay workers, if any
+            await asyncio.to_thread(ranker.close)
         if self.store is not None:
             await self.store.close()
 

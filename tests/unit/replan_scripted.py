@@ -31,6 +31,11 @@ class ScriptedRanker:
         recent = list(observations)[-4:]
         return recent if len(recent) >= 2 else None
 
+    workers = 1
+
+    def play_all(self, window, replays) -> list[Played]:
+        return [self.play(window, r.plan, r.rollout, r.train, r.move_to, r.transition_s) for r in replays]
+
     def play(self, window, plan, rollout, train, move_to=None, transition_s=0.0) -> Played:
         self.plays += 1
         steps = len(window)

@@ -139,6 +139,9 @@ class Simulator:
         finally:
             if self.collects:
                 gc.enable()
+            close = getattr(self.controller, "close", None)
+            if close is not None:  # the replanner's replay workers, if any
+                close()
 
     def _run(self, progress: Callable[[StepRecord], None] | None) -> SimResult:
         started, cpu = time.perf_counter(), time.process_time()
@@ -194,10 +197,11 @@ class Simulator:
         peak = max([self.peak_kv] + [i.peak_kv for i in self.rollout.instances.values()])
         copies = max(spec.copies for specs in self.trace.steps for spec in specs)
         trajectories = self.trace.batch * self.steps  # trained (rejected ones are not counted)
+        workers_cpu = getattr(self.controller, "worker_cpu_s", 0.0)
         return SimResult(self.records, self.events.now, trajectories, self.trained_tokens, self.changes,
                          self.first_plan, self.candidate.describe(), self.rollout.routes, self.rollout.reasons,
-                         peak, self.pooled, copies, time.perf_counter() - started, time.process_time() - cpu,
-                         self.notes)
+                         peak, self.pooled, copies, time.perf_counter() - started,
+                         time.process_time() - cpu + workers_cpu, self.notes, workers_cpu)
 
     @property
     def left(self) -> list[int]:

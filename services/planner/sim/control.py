@@ -76,6 +76,11 @@ class SearchOnce:
     def after_step(self, record: StepRecord) -> PlanChange | None:
         return None
 
+    @property
+    def worker_cpu_s(self) -> float:
+        """CPU seconds of replays run in worker processes (planner.replan.sim_workers > 1)."""
+        return self.first.worker_cpu_s if self.first is not None else 0.0
+
 
 def static(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, settings: ReplanSettings | None = None,
            sim: "SimConfig | None" = None) -> SearchOnce:
@@ -107,7 +112,7 @@ class Online(SearchOnce):
                                                     "min_history_samples": min(trace.batch,
                                                                                self.settings.min_history_samples)})
         ranker = SimRanker(self.model, self.gpu, self.config, self.sim, settings.sim_window_steps,
-                           settings.sim_warmup_steps)
+                           settings.sim_warmup_steps, workers=settings.sim_workers)
         steps = self.sim.steps or len(trace.steps)
         self.replanner = Replanner(self.model, self.gpu, self.config.total_gpus, settings, self.config, best, ranker,
                                    total_steps=steps)
@@ -130,6 +135,16 @@ class Online(SearchOnce):
                                            decision.reason))
             return self.changes[-1]
         return None
+
+    @property
+    def worker_cpu_s(self) -> float:
+        ranker = self.replanner.ranker if self.replanner is not None else None
+        return super().worker_cpu_s + (ranker.worker_cpu_s if ranker is not None else 0.0)
+
+    def close(self) -> None:
+        """Stop the replanner's replay workers, if any."""
+        if self.replanner is not None and self.replanner.ranker is not None:
+            self.replanner.ranker.close()
 
 
 class Scripted:

@@ -11,6 +11,8 @@ simulator, under one plan or across a move from one plan to another.
     play(window, plan, efficiencies[, move_to, transition_s]) ─▶ Played(steps' ends, batch rollout spans)
         the window from an empty pipeline under `plan` (`run.run_plan`), or under `plan` until the
         end of the warm-up and `move_to` after it, ready `transition_s` later
+    play_all(window, [Replay]) ─▶ [Played]
+        several at once, in `workers` processes when there are more than one (replays.py)
 
 The efficiencies are the calibrated ones, so the replay runs at the speeds the run has shown. A
 plan that cannot run the window (a trajectory no engine holds, a layout out of memory) plays as
@@ -26,12 +28,13 @@ from typing import Sequence
 from libra.errors import InvalidArgument
 from libra.services.planner.cost_rollout import RolloutEfficiency
 from libra.services.planner.cost_train import TrainEfficiency
-from libra.services.planner.evaluate import Played
+from libra.services.planner.evaluate import Played, Replay
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.config import ReplanSettings
 from libra.services.planner.search import Candidate, SearchConfig, search
 from libra.services.planner.shortlist import shortlist, split_neighbours
 from libra.services.planner.sim.cluster import SimConfig
+from libra.services.planner.sim.replays import Context, ReplayPool
 from libra.services.planner.transition import same_plan
 from libra.traces.spec import Trace, TrajectorySpec, TurnSpec, check, pairs
 
@@ -40,7 +43,7 @@ class SimRanker:
     """Replays of the recent window on the cluster simulator (one `Simulator` run per `play`)."""
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, search: SearchConfig, sim: SimConfig,
-                 window_steps: int = 9, warmup_steps: int = 4, max_units: int = 1024):
+                 window_steps: int = 9, warmup_steps: int = 4, max_units: int = 1024, workers: int = 1):
         period = sim.staleness + 1
         if window_steps < 1 + period or warmup_steps < 0:
             raise InvalidArgument(f"window_steps must be >= {1 + period} (one step, then a whole pipeline period "
@@ -51,6 +54,7 @@ class SimRanker:
         self.window_steps = warmup_steps + 1 + (window_steps - 1) // period * period
         self.max_units = max_units
         self.plays = 0
+        self.pool = ReplayPool(workers)
 
     def window(self, observations: Sequence) -> Trace | None:
         recent = list(observations)[-self.window_steps:]
@@ -77,18 +81,25 @@ class SimRanker:
 
     def play(self, window: Trace, plan: Candidate, rollout: RolloutEfficiency, train: TrainEfficiency,
              move_to: Candidate | None = None, transition_s: float = 0.0) -> Played:
-        from libra.services.planner.sim.run import run_plan
+        return self.play_all(window, [Replay(plan, rollout, train, move_to, transition_s)])[0]
 
-        self.plays += 1
-        search = self.search.model_copy(update={"rollout": rollout, "train": train})
-        try:
-            result = run_plan(self.model, self.gpu, window, plan, search, self.sim, move_to=move_to,
-                              transition_s=transition_s, move_after=self.warm)
-        except InvalidArgument:
-            steps = len(window.steps)
-            return Played((0.0,) * (self.warm + 1) + (math.inf,) * (steps - 1 - self.warm), (math.inf,) * steps,
-                          self.warm)
-        return Played(tuple(s.time_s for s in result.steps), tuple(s.rollout_s for s in result.steps), self.warm)
+    def play_all(self, window: Trace, replays: Sequence[Replay]) -> list[Played]:
+        """Every replay of `window`, in order: in worker processes when `workers` > 1 (replays.py)."""
+        self.plays += len(replays)
+        return self.pool.map(Context(self.model, self.gpu, self.search, self.sim, self.warm), window, replays)
+
+    @property
+    def workers(self) -> int:
+        return self.pool.workers
+
+    @property
+    def worker_cpu_s(self) -> float:
+        """CPU seconds spent in worker processes (0 with one worker: the replays ran here)."""
+        return self.pool.worker_cpu_s
+
+    def close(self) -> None:
+        """Stop the worker processes, if any (they start again when needed)."""
+        self.pool.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +110,7 @@ class FirstPlan:
     searched: Candidate  # the closed-form search's best
     ranked: tuple[tuple[Candidate, float], ...]  # (candidate, simulated seconds per step), fastest first
     reason: str
+    worker_cpu_s: float = 0.0  # CPU seconds of the replays run in worker processes
 
 
 def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimConfig, batch: Sequence[TrajectorySpec],
@@ -122,10 +134,15 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
     for candidate in split_neighbours(model, gpu, lengths, config, result.best, whole):
         if not any(same_plan(candidate, c) for c in candidates):
             candidates.append(candidate)
-    ranker = SimRanker(model, gpu, config, sim, settings.sim_window_steps, settings.sim_warmup_steps)
+    ranker = SimRanker(model, gpu, config, sim, settings.sim_window_steps, settings.sim_warmup_steps,
+                       workers=settings.sim_workers)
     window = ranker.repeated(batch)
-    played = sorted(((ranker.play(window, candidate, config.rollout, config.train).per_step_s, index, candidate)
-                     for index, candidate in enumerate(candidates)), key=lambda row: row[:2])
+    try:
+        replays = ranker.play_all(window, [Replay(candidate, config.rollout, config.train) for candidate in candidates])
+    finally:
+        ranker.close()
+    played = sorted(((replay.per_step_s, index, candidate)
+                     for index, (replay, candidate) in enumerate(zip(replays, candidates))), key=lambda row: row[:2])
     ranked = tuple((candidate, per_step) for per_step, _, candidate in played)
     chosen, per_step = ranked[0]
     if not math.isfinite(per_step):
@@ -139,7 +156,7 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
         reason = (f"the fastest of {len(ranked)} plans simulated on the batch: {per_step:.1f}s per step "
                   f"against {searched_s:.1f}s for the closed form's best ({result.best.describe()}): "
                   f"{chosen.describe()}")
-    return FirstPlan(chosen, result.best, ranked, reason)
+    return FirstPlan(chosen, result.best, ranked, reason, ranker.worker_cpu_s)
 
 
 def _cohorts(lengths: list[tuple[int, int]], step: int, max_units: int) -> list[TrajectorySpec]:

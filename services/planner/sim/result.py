@@ -61,8 +61,9 @@ class SimResult:
     pooled: int  # largest number of engines behind one simulated worker
     copies: int
     wall_s: float  # seconds this run took on this machine (the initial plan's search included)
-    cpu_s: float  # CPU seconds of this process for the run (less sensitive to a shared machine)
+    cpu_s: float  # CPU seconds of this process for the run, and of its replay workers (if any)
     notes: list[str] = field(default_factory=list)
+    worker_cpu_s: float = 0.0  # of cpu_s: the replay workers' (planner.replan.sim_workers > 1)
 
     @property
     def trajectories_per_s(self) -> float:

@@ -1,0 +1,130 @@
+"""Replays of one window under several plans, in this process or in worker processes.
+
+A replanner's decision plays the recent window once per candidate (`rank.SimRanker`), and the
+replays are independent: each starts from an empty pipeline and reads nothing but its inputs. With
+`planner.replan.sim_workers` above 1 they run in a pool of worker processes, so a decision takes
+about as long as its slowest replay instead of their sum (the CPU spent is the same, plus each
+worker unpickling the window once per decision). The results are the same as one after the other:
+`play_one` is the only code that plays, in either place (tests/unit/test_replays_parallel.py).
+
+    ReplayPool(workers).map(context, window, replays) ─▶ [Played], in the order of `replays`
+
+The window travels pickled once per `map` call and each worker keeps the last one it unpickled,
+so a worker that plays several candidates of one decision reads it once. Workers come from a
+forkserver (a spawn on platforms without one): safe beside gRPC's threads in the planner service,
+and they load the simulator once, when the pool starts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import math
+import multiprocessing
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from libra.errors import InvalidArgument
+from libra.services.planner.evaluate import Played, Replay
+from libra.services.planner.hardware import GpuSpec, ModelSpec
+from libra.services.planner.search import SearchConfig
+from libra.traces.spec import Trace
+
+MAX_AUTO_WORKERS = 16
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every replay of a ranker shares besides the window."""
+
+    model: ModelSpec
+    gpu: GpuSpec
+    search: SearchConfig
+    sim: object  # cluster.SimConfig (not imported here: the simulator imports the planner's modules)
+    warm: int
+
+
+def play_one(context: Context, window: Trace, replay: Replay) -> Played:
+    """The window from an empty pipeline (`run.run_plan`); a plan that cannot run it plays as steps
+    that never end (never chosen; a plan in force that cannot is moved off)."""
+    from libra.services.planner.sim.run import run_plan
+
+    search = context.search.model_copy(update={"rollout": replay.rollout, "train": replay.train})
+    try:
+        result = run_plan(context.model, context.gpu, window, replay.plan, search, context.sim,
+                          move_to=replay.move_to, transition_s=replay.transition_s, move_after=context.warm)
+    except InvalidArgument:
+        steps, warm = len(window.steps), context.warm
+        return Played((0.0,) * (warm + 1) + (math.inf,) * (steps - 1 - warm), (math.inf,) * steps, warm)
+    return Played(tuple(s.time_s for s in result.steps), tuple(s.rollout_s for s in result.steps), context.warm)
+
+
+def resolve_workers(workers: int) -> int:
+    """0: one per core this process may run on, at most `MAX_AUTO_WORKERS`; else as given."""
+    if workers > 0:
+        return workers
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_AUTO_WORKERS))
+
+
+class ReplayPool:
+    """`workers` processes, started at the first `map` with more than one replay; `close()` stops
+    them (also at interpreter exit)."""
+
+    _keys = itertools.count()
+
+    def __init__(self, workers: int):
+        self.workers = resolve_workers(workers)
+        self.worker_cpu_s = 0.0  # CPU seconds the workers spent on replays (this process's own not counted)
+        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def map(self, context: Context, window: Trace, replays: Sequence[Replay]) -> list[Played]:
+        if self.workers <= 1 or len(replays) <= 1:
+            return [play_one(context, window, replay) for replay in replays]
+        executor = self._start()
+        key = f"{os.getpid()}-{next(self._keys)}"
+        blob = pickle.dumps((context, window), protocol=pickle.HIGHEST_PROTOCOL)
+        futures = [executor.submit(_play_in_worker, key, blob, replay) for replay in replays]
+        try:
+            done = [future.result() for future in futures]
+        except concurrent.futures.process.BrokenProcessPool as error:  # a worker killed (out of memory?)
+            self.close()
+            raise RuntimeError(f"a replay worker process died ({error}); the decision was not made. Out of "
+                               f"memory? lower planner.replan.sim_workers (now {self.workers}). From a script of "
+                               f"your own? start it under `if __name__ == '__main__':` (each worker imports the "
+                               f"main module)") from None
+        self.worker_cpu_s += sum(cpu_s for _, cpu_s in done)
+        return [played for played, _ in done]
+
+    def _start(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self._executor is None:
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+            if "forkserver" in methods:
+                context.set_forkserver_preload(["libra.services.planner.sim.run"])
+            self._executor = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=context)
+        return self._executor
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+
+_last: tuple[str, Context, Trace] | None = None  # in a worker: the window it last unpickled
+
+
+def _play_in_worker(key: str, blob: bytes, replay: Replay) -> tuple[Played, float]:
+    """The replay, and the CPU seconds this worker spent on it (unpickling included)."""
+    global _last
+    cpu = time.process_time()
+    if _last is None or _last[0] != key:
+        context, window = pickle.loads(blob)
+        _last = (key, context, window)
+    return play_one(_last[1], _last[2], replay), time.process_time() - cpu

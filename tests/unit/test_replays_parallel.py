@@ -1,0 +1,98 @@
+"""The replanner's replays in worker processes (`planner.replan.sim_workers`, sim/replays.py): the
+same decisions as one after the other, a pool that really runs elsewhere and stops, and a worker's
+death reported as an error that names the setting."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from pydantic import ValidationError
+
+from libra.services.planner.config import ReplanSettings
+from libra.services.planner.evaluate import Replay
+from libra.services.planner.hardware import gpu_named, model_named
+from libra.services.planner.search import SearchConfig, search
+from libra.services.planner.sim import run as sim_run
+from libra.services.planner.sim.cluster import SimConfig
+from libra.services.planner.sim.rank import SimRanker
+from libra.services.planner.sim.replays import MAX_AUTO_WORKERS, ReplayPool, resolve_workers
+from libra.traces import synthetic
+
+MODEL, GPU = model_named("qwen2.5-3b"), gpu_named("h200-141g")
+# decide after every step on a short window, so that a small drifting run moves (and recalibrates)
+EVERY_STEP = dict(interval_s=1, queue_depth_high=0, active_rollouts_high=0, rejected_fraction_high=0,
+                  time_ratio_high=0, warmup_steps=0, cooldown_s=0, recheck_s=0, confirm=1, sim_window_steps=3,
+                  sim_warmup_steps=1, window_steps=8, shortlist=2, neighbours=2)
+
+
+def test_an_online_run_decides_the_same_with_replay_workers():
+    trace = synthetic.drifting(11, 8, 8, 0, 4.0, 1)
+    runs = [sim_run.simulate(MODEL, GPU, 32, trace, "online", "cmlfq", SimConfig(),
+                             ReplanSettings(**EVERY_STEP, sim_workers=workers)) for workers in (1, 2)]
+    alone, side_by_side = runs
+    assert alone.plan_changes, "the run must move for the comparison to mean anything"
+    assert side_by_side.plan_changes == alone.plan_changes  # the same moves, steps, reasons
+    assert side_by_side.first_plan == alone.first_plan and side_by_side.steps == alone.steps
+    # the run's CPU counts its replay workers' too (none with one worker: the replays ran here)
+    assert alone.worker_cpu_s == 0.0 and 0.0 < side_by_side.worker_cpu_s < side_by_side.cpu_s
+
+
+def _window_and_plans():
+    trace = synthetic.drifting(6, 4, 8, 0, 0.0, 1)
+    config = SearchConfig(total_gpus=16, group_size=8)
+    result = search(MODEL, GPU, trace.pairs(0), config.model_copy(update={"distinct_splits": True, "top_k": 3}))
+    return trace, config, result.alternatives
+
+
+def test_the_pool_plays_elsewhere_returns_in_order_and_stops():
+    trace, config, plans = _window_and_plans()
+    best, other = plans[0], plans[-1]
+    alone = SimRanker(MODEL, GPU, config, SimConfig(), window_steps=3, warmup_steps=1)
+    pooled = SimRanker(MODEL, GPU, config, SimConfig(), window_steps=3, warmup_steps=1, workers=2)
+    window = alone.repeated(trace.steps[0])
+    replays = [Replay(best, config.rollout, config.train),
+               Replay(best, config.rollout.model_copy(update={"decode_bw": config.rollout.decode_bw / 2}),
+                      config.train),
+               Replay(best, config.rollout, config.train, move_to=other, transition_s=30.0),
+               Replay(other, config.rollout, config.train)]
+    try:
+        expected = alone.play_all(window, replays)
+        assert pooled.play_all(window, replays) == expected
+        assert expected[1].per_step_s > expected[0].per_step_s  # half the decode speed is slower: order kept
+        workers = list(pooled.pool._executor._processes.values())
+        assert len(workers) == 2 and all(p.pid != os.getpid() and p.is_alive() for p in workers)
+    finally:
+        pooled.close()
+    assert all(not p.is_alive() for p in workers) and pooled.pool._executor is None
+
+
+class _KillsTheWorker:
+    """Unpickled in a worker, it ends that worker's process (what the OOM killer would do)."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+def test_a_dead_worker_is_an_error_naming_the_setting_and_the_pool_starts_again():
+    trace, config, plans = _window_and_plans()
+    ranker = SimRanker(MODEL, GPU, config, SimConfig(), window_steps=3, warmup_steps=1, workers=2)
+    window = ranker.repeated(trace.steps[0])
+    fine = Replay(plans[0], config.rollout, config.train)
+    try:
+        with pytest.raises(RuntimeError, match="replay worker process died.*sim_workers"):
+            ranker.play_all(window, [fine, Replay(_KillsTheWorker(), config.rollout, config.train)])
+        assert ranker.pool._executor is None  # closed: the next decision starts a fresh pool
+        assert ranker.play_all(window, [fine, fine])[0] == SimRanker(
+            MODEL, GPU, config, SimConfig(), window_steps=3, warmup_steps=1).play_all(window, [fine])[0]
+    finally:
+        ranker.close()
+
+
+def test_the_setting_is_bounded_and_zero_means_the_cores_at_hand():
+    with pytest.raises(ValidationError, match="sim_workers"):
+        ReplanSettings(sim_workers=-1)
+    with pytest.raises(ValidationError, match="sim_workers"):
+        ReplanSettings(sim_workers=10_000)
+    assert 1 <= resolve_workers(0) <= min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)))
+    assert ReplayPool(3).workers == 3
