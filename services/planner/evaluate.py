@@ -158,7 +158,7 @@ def by_simulation(ranker: Ranker, observations: Sequence, current: Candidate, sh
         if abs(calibration.pipeline_slowdown() / before - 1.0) > REPLAY_TOLERANCE:
             rollout = calibration.rollout_efficiency()
             played = ranker.play_all(window, [Replay(plan, rollout, train) for plan in [current, *shortlist]])
-    if len(played) == 1:
+    if len(played) < 1 + len(shortlist):  # (not played ahead, and no recalibration played them)
         played += ranker.play_all(window, [Replay(plan, rollout, train) for plan in shortlist])
     a = played[0].per_step_s
     fixed = sorted(((replay.per_step_s, index, candidate)
