@@ -56,6 +56,7 @@ TITLES = {"a": "(a) sync colocated (verl)", "b": "(b) async even split + LB (ARe
           "c": "(c) Libra static", "d": "(d) Libra full"}
 SWEEP = {"a": ([1, 2, 4, 8], [1], [2], [4], [8]), "b": ([1], [2], [4], [8])}
 TRACES: dict = {}  # (gpus, steps, seed, drift) -> Trace, built before the workers fork
+REPLAY_WORKERS = [1]  # planner.replan.sim_workers of every run (--replay-workers; the results do not depend on it)
 
 
 def overrides_for(key: str, gpus: int, extra: dict | None = None) -> dict:
@@ -76,9 +77,9 @@ def command(key: str, sets: dict, args: argparse.Namespace, gpus: int) -> str:
 def run_one(job: tuple) -> dict:
     """One simulated run (in a worker process): the row's numbers, or why it could not run."""
     label, key, gpus, sets, cmd, trace_key, role = job
-    config = load_run_config(ROOT / CONFIGS[key], sets, env={})
+    config = load_run_config(ROOT / CONFIGS[key], {**sets, "planner.replan.sim_workers": REPLAY_WORKERS[0]}, env={})
     design = sim_design.design_of(config)
-    started = time.process_time()
+    started, wall = time.process_time(), time.perf_counter()
     try:
         played = sim_design.simulate_design(design, TRACES[trace_key], trace_key[1])
     except Exception as error:  # noqa: BLE001 - a setting the design cannot run is a row that says why
@@ -98,6 +99,7 @@ def run_one(job: tuple) -> dict:
             "hybrid_moves": played.hybrid_moves, "notes": len(result.notes), "pooled": result.pooled,
             "copies": result.copies,
             "routes": result.routes, "cpu_s": time.process_time() - started + result.worker_cpu_s,
+            "wall_s": time.perf_counter() - wall, "replay_workers": REPLAY_WORKERS[0],
             "steps": [{"step": s.step, "time_s": s.time_s, "interval_s": s.interval_s, "rollout_s": s.rollout_s,
                        "train_s": s.train_s, "sequences": s.sequences} for s in steps]}
 
@@ -246,8 +248,12 @@ def main() -> None:
                              "after every step: the costliest run by far)")
     parser.add_argument("--only", nargs="+", default=list("abcd"), choices=list("abcd"))
     parser.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes")
+    parser.add_argument("--replay-workers", type=int, default=1,
+                        help="planner.replan.sim_workers of every run: the online runs' replays side by side in "
+                             "this many processes (the same results, sooner; not part of a row's command)")
     parser.add_argument("--out", default=str(RESULTS / "headline_sim.json"))
     args = parser.parse_args()
+    REPLAY_WORKERS[0] = args.replay_workers
     started = time.perf_counter()
     for gpus in args.gpus:  # built once here; the worker processes inherit them
         TRACES[(gpus, args.steps, args.seed, args.drift)] = sim_run.build_trace(  # as `libra sim --config` does
@@ -256,7 +262,7 @@ def main() -> None:
     reports = [scale(gpus, args) for gpus in args.gpus]
     RESULTS.mkdir(exist_ok=True)
     if reports and reports[0]["best"]:
-        out = RESULTS / f"headline_{reports[0]['gpus']}.png"
+        out = pathlib.Path(args.out).parent / f"headline_{reports[0]['gpus']}.png"  # beside --out's json
         plot(reports[0], out, args)
         print(f"\nwrote {out}")
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
