@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "asynchronous pipeline, the router; as a run's first plan is chosen) instead of by the "
                            "closed form's one synchronous step; seconds to a minute at thousands of GPUs")
     plan.add_argument("--staleness", type=int, default=1, help="with --simulate: the run's staleness bound")
+    plan.add_argument("--sim-workers", type=int, default=0,
+                      help="with --simulate: processes replaying the plans side by side (default 0: one per core, "
+                           "at most 16; 1: one after the other); the ranking is the same either way")
     plan.add_argument("--policy", default="cmlfq", choices=POLICY_CHOICES,
                       help="with --simulate: the run's routing policy")
     plan.set_defaults(func=cmd_plan)

@@ -22,6 +22,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"libra plan needs {', '.join(missing)} (or `libra plan explain --config FILE`)")
     if args.simulate and not 0 <= args.staleness <= 64:  # before any search: a bad flag fails at once
         raise ConfigError(f"--staleness must be in 0..64 (the staleness bound of the run), got {args.staleness}")
+    if args.simulate and not 0 <= args.sim_workers <= 256:
+        raise ConfigError(f"--sim-workers must be in 0..256 (processes replaying plans side by side; 0: one per "
+                          f"core, at most 16), got {args.sim_workers}")
     options = {"group_size": args.group_size, "whole_nodes": args.whole_nodes}
     for name in ("tp_choices", "pp_choices", "min_train_gpus", "min_rollout_gpus"):
         if getattr(args, name) is not None:
@@ -49,8 +52,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"chosen: {first.chosen.describe()}")
         print(f"trace:  {note}")
         print(f"why:    {first.reason}")
-        print(f"simulated ({len(first.ranked)} plans; staleness {args.staleness}, {args.policy} routing; "
-              "seconds per step in the pipeline once filled):")
+        print(f"simulated ({len(first.ranked)} plans in {first.workers} process{'es' if first.workers > 1 else ''}; "
+              f"staleness {args.staleness}, {args.policy} routing; seconds per step in the pipeline once filled):")
         for rank, (candidate, per_step) in enumerate(first.ranked, start=1):
             mark = "  (the closed form's best)" if candidate == first.searched else ""
             print(f"  #{rank}: {per_step:8.1f}s  {candidate.describe()}{mark}")
@@ -70,7 +73,7 @@ def _simulated(args: argparse.Namespace, model, gpu, batch, options: dict):
 
     config = search_config(args.gpus, args.top_k, options)
     sim = SimConfig(staleness=args.staleness, policy=args.policy, batching="in_order")
-    return first_plan(model, gpu, config, sim, batch, ReplanSettings())
+    return first_plan(model, gpu, config, sim, batch, ReplanSettings(sim_workers=args.sim_workers))
 
 
 def degrees(text: str) -> tuple[int, ...]:

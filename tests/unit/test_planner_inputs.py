@@ -90,7 +90,12 @@ def test_plan_simulate_ranks_the_shortlist_on_the_simulator_and_keeps_the_batchs
     seconds = [float(line.split()[1].removesuffix("s")) for line in ranked]
     assert seconds == sorted(seconds) and "cmlfq routing" in done.stdout
     assert lines[-1].startswith("rollout buckets: tp")
+    alone = libra("plan", "--trace", path, "--gpus", "16", "--simulate", "--sim-workers", "1")
+    assert "in 1 process;" in alone.stdout and [line for line in alone.stdout.splitlines() if line.startswith("  #")] \
+        == ranked  # the default replays side by side (one process per core): the same ranking
     bad = libra("plan", "--trace", path, "--gpus", "16", "--simulate", "--staleness", "99")
     assert refused(bad, "--staleness must be in 0..64")
     early = libra("plan", "--trace", "/nonexistent.jsonl", "--gpus", "16", "--simulate", "--staleness", "99")
     assert refused(early, "--staleness must be in 0..64")  # checked before the trace is read or searched
+    many = libra("plan", "--trace", "/nonexistent.jsonl", "--gpus", "16", "--simulate", "--sim-workers", "-1")
+    assert refused(many, "--sim-workers must be in 0..256")

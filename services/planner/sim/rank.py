@@ -111,6 +111,7 @@ class FirstPlan:
     ranked: tuple[tuple[Candidate, float], ...]  # (candidate, simulated seconds per step), fastest first
     reason: str
     worker_cpu_s: float = 0.0  # CPU seconds of the replays run in worker processes
+    workers: int = 1  # processes that played the replays (1: this one)
 
 
 def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimConfig, batch: Sequence[TrajectorySpec],
@@ -156,7 +157,7 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
         reason = (f"the fastest of {len(ranked)} plans simulated on the batch: {per_step:.1f}s per step "
                   f"against {searched_s:.1f}s for the closed form's best ({result.best.describe()}): "
                   f"{chosen.describe()}")
-    return FirstPlan(chosen, result.best, ranked, reason, ranker.worker_cpu_s)
+    return FirstPlan(chosen, result.best, ranked, reason, ranker.worker_cpu_s, ranker.workers)
 
 
 def _cohorts(lengths: list[tuple[int, int]], step: int, max_units: int) -> list[TrajectorySpec]:
