@@ -5,6 +5,10 @@ death reported as an error that names the setting."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -16,7 +20,7 @@ from libra.services.planner.search import SearchConfig, search
 from libra.services.planner.sim import run as sim_run
 from libra.services.planner.sim.cluster import SimConfig
 from libra.services.planner.sim.rank import SimRanker
-from libra.services.planner.sim.replays import MAX_AUTO_WORKERS, ReplayPool, resolve_workers
+from libra.services.planner.sim.replays import MAX_AUTO_WORKERS, OWNER_POLL_S, ReplayPool, resolve_workers
 from libra.traces import synthetic
 
 MODEL, GPU = model_named("qwen2.5-3b"), gpu_named("h200-141g")
@@ -96,3 +100,48 @@ def test_the_setting_is_bounded_and_zero_means_the_cores_at_hand():
         ReplanSettings(sim_workers=10_000)
     assert 1 <= resolve_workers(0) <= min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)))
     assert ReplayPool(3).workers == 3
+
+
+OWNER_KILLED = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from test_replays_parallel import _window_and_plans, MODEL, GPU
+from libra.services.planner.evaluate import Replay
+from libra.services.planner.sim.cluster import SimConfig
+from libra.services.planner.sim.rank import SimRanker
+trace, config, plans = _window_and_plans()
+ranker = SimRanker(MODEL, GPU, config, SimConfig(), window_steps=3, warmup_steps=1, workers=2)
+ranker.play_all(ranker.repeated(trace.steps[0]), [Replay(plans[0], config.rollout, config.train)] * 2)
+print(*ranker.pool._executor._processes, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would: no close(), no atexit
+"""
+
+
+def test_workers_end_when_their_owner_is_killed_outright(tmp_path):
+    """Killed with SIGKILL and not yet reaped by its parent (a zombie), the owner is gone for its
+    workers: they end within a few polls instead of waiting for work forever."""
+    out = tmp_path / "pids"
+    with out.open("w") as sink:
+        owner = subprocess.Popen([sys.executable, "-c", OWNER_KILLED.format(tests=os.path.dirname(__file__))],
+                                 stdout=sink, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(out.read_text().split()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = [int(pid) for pid in out.read_text().split()]
+    assert len(workers) == 2
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    try:
+        deadline = time.monotonic() + 10 * OWNER_POLL_S
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(owner.pid), "the owner should be a zombie here (killed, not reaped)"
+        assert not any(alive(pid) for pid in workers), "replay workers outlived their killed owner"
+    finally:
+        assert owner.wait(timeout=30) == -signal.SIGKILL

@@ -23,6 +23,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import threading
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -34,6 +35,7 @@ from libra.services.planner.search import SearchConfig
 from libra.traces.spec import Trace
 
 MAX_AUTO_WORKERS = 16
+OWNER_POLL_S = 1.0  # how often a worker checks that the pool's owner is alive
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,9 @@ class ReplayPool:
             context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
             if "forkserver" in methods:
                 context.set_forkserver_preload(["libra.services.planner.sim.run"])
-            self._executor = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=context)
+            self._executor = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=context,
+                                                                    initializer=_watch_owner,
+                                                                    initargs=(os.getpid(), OWNER_POLL_S))
         return self._executor
 
     def close(self) -> None:
@@ -118,6 +122,48 @@ class ReplayPool:
 
 
 _last: tuple[str, Context, Trace] | None = None  # in a worker: the window it last unpickled
+
+
+def _watch_owner(owner: int, every_s: float) -> None:
+    """In a worker: end this process once the pool's owner is gone. A planner killed outright
+    (SIGKILL, the OOM killer) cannot stop its pool, and its idle workers would wait for work forever
+    (their parent is the forkserver, which stays while they do)."""
+    born = _started(owner)
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            if not _alive(owner, born):
+                os._exit(0)
+
+    threading.Thread(target=watch, name="replay-owner-watch", daemon=True).start()
+
+
+def _started(pid: int) -> str | None:
+    """The process's start time (Linux /proc), to tell it from a later process given its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, born: str | None) -> bool:
+    """A zombie (killed, not yet reaped by its parent) or a new process with its pid is not alive."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return fields[0] not in ("Z", "X") and (born is None or fields[19] == born)
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: the pid alone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _play_in_worker(key: str, blob: bytes, replay: Replay) -> tuple[Played, float]:
