@@ -2,10 +2,13 @@
 
 A replanner's decision plays the recent window once per candidate (`rank.SimRanker`), and the
 replays are independent: each starts from an empty pipeline and reads nothing but its inputs. With
-`planner.replan.sim_workers` above 1 they run in a pool of worker processes, so a decision takes
-about as long as its slowest replay instead of their sum (the CPU spent is the same, plus each
-worker unpickling the window once per decision). The results are the same as one after the other:
-`play_one` is the only code that plays, in either place (tests/unit/test_replays_parallel.py).
+`planner.replan.sim_workers` above 1 they run in a pool of worker processes, so a round of
+replays takes about as long as its slowest instead of their sum (the CPU spent about the same:
+each worker unpickles the window once per decision, and the online judge plays a few replays
+ahead that a recalibration may make it play again, evaluate.by_simulation). The results are the
+same as one after the other: `play_one` is the only code that plays, in either place
+(tests/unit/test_replays_parallel.py). Each worker keeps the last window it read until the next
+decision brings another: memory of one window per worker.
 
     ReplayPool(workers).map(context, window, replays) ─▶ [Played], in the order of `replays`
 
