@@ -55,9 +55,10 @@ def explain(arun, chan, limit=50) -> planner_pb2.ExplainResponse:
     return arun(planner_pb2_grpc.PlannerStub(chan).Explain(planner_pb2.ExplainRequest(limit=limit)))
 
 
-def test_online_planner_calibrates_decides_applies_and_resumes(redis_url, run_id, tmp_path, arun, store):
+@pytest.mark.parametrize("workers", [1, 2])  # replays in the planner's process, or side by side in 2 workers
+def test_online_planner_calibrates_decides_applies_and_resumes(redis_url, run_id, tmp_path, arun, store, workers):
     elastic, _ = arun(start(ElasticService(run_config(redis_url, run_id, tmp_path))))
-    config = planner_config(redis_url, run_id, tmp_path, elastic.port)
+    config = planner_config(redis_url, run_id, tmp_path, elastic.port, sim_workers=workers)
     service, clock = PlannerService(config), Clock()
     service.clock = clock
     running, chan = arun(start(service))
@@ -111,7 +112,10 @@ def test_online_planner_calibrates_decides_applies_and_resumes(redis_url, run_id
     reply = explain(arun, chan)
     step_time = [t for t in reply.calibration.times if t.what == "step"][0]
     assert step_time.samples >= 4 and step_time.measured_seconds == 100.0 and step_time.predicted_seconds > 0
+    pool = service.replanner.ranker.pool
+    assert pool.workers == workers and (pool.worker_cpu_s > 0) == (workers > 1)  # the replays ran where asked
     arun(running.stop())
+    assert pool._executor is None  # a stopped planner leaves no replay workers behind
 
     # a restarted planner continues from the cursor: nothing is read twice
     service = PlannerService(config)
