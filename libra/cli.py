@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--max-units", type=int, default=1024,
                      help="simulated trajectories per step; above it one stands for several identical ones")
     sim.add_argument("--max-workers", type=int, default=256, help="engines simulated one by one; above it pooled")
+    sim.add_argument("--sim-workers", type=int,
+                     help="processes replaying the planner's candidate plans side by side (0: one per core, at "
+                          "most 16; default: the config's planner.replan.sim_workers, else 1); the same results")
     sim.add_argument("--json", help="write the result as JSON here")
     sim.add_argument("--plot", help="write throughput over steps as a PNG here")
     sim.set_defaults(func=cmd_sim)

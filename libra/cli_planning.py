@@ -6,6 +6,7 @@ libra/cli.py wires them into the command line."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from libra.cli_config import client, load
 from libra.errors import ConfigError, FailedPrecondition
@@ -124,9 +125,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from libra.errors import InvalidArgument
     from libra.services.planner.hardware import load_gpu, load_model
     from libra.services.planner.sim import design as sim_design, run as sim_run
+    from libra.services.planner.config import ReplanSettings
     from libra.services.planner.sim.cluster import SimConfig
 
     design = None
+    if args.sim_workers is not None and not 0 <= args.sim_workers <= 256:
+        raise ConfigError(f"--sim-workers must be in 0..256 (processes replaying plans side by side; 0: one per "
+                          f"core, at most 16), got {args.sim_workers}")
     if args.config:
         flags = ("cluster", "model", "gpus", "policy", "planner", "staleness", "group_size")
         given = [f"--{flag.replace('_', '-')}" for flag in flags if getattr(args, flag) is not None]
@@ -135,6 +140,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
                               "scheduler.policy, planner.mode, trainer.max_staleness, trainer.group_size); "
                               "override them with --set KEY=VALUE")
         design = sim_design.design_of(load(args), args.max_workers)
+        if args.sim_workers is not None:
+            design = dataclasses.replace(design, replan=design.replan.model_copy(update={"sim_workers": args.sim_workers}))
         model, gpu, gpus, group_size = design.model, design.gpu, design.search.total_gpus, design.search.group_size
         label = design.name
     elif not (args.cluster and args.model and args.gpus):
@@ -163,10 +170,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
             played = sim_design.simulate_design(design, trace, args.steps, progress=report)
             result, extra = played.result, played.lines()
         else:
+            replan = ReplanSettings(sim_workers=args.sim_workers if args.sim_workers is not None else 1)
             result, extra = sim_run.simulate(model, gpu, gpus, trace, args.planner or "static", args.policy or "cmlfq",
                                              SimConfig(staleness=1 if args.staleness is None else args.staleness,
                                                        max_workers=args.max_workers),
-                                             progress=report, group_size=group_size), []
+                                             replan, progress=report, group_size=group_size), []
     except InvalidArgument as error:
         raise ConfigError(str(error)) from None
     print("\n".join(sim_run.summary(result) + extra))

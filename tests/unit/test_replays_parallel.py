@@ -4,6 +4,7 @@ death reported as an error that names the setting."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -145,3 +146,20 @@ def test_workers_end_when_their_owner_is_killed_outright(tmp_path):
         assert not any(alive(pid) for pid in workers), "replay workers outlived their killed owner"
     finally:
         assert owner.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_libra_sim_takes_the_workers_from_its_flag_with_the_same_result(tmp_path):
+    def sim(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "libra.cli", "sim", "--cluster", "configs/hardware/h200-141g.yaml",
+                               "--model", "configs/models/qwen3-4b.yaml", "--gpus", "16", "--steps", "10",
+                               "--planner", "online", *extra], capture_output=True, text=True, timeout=300)
+
+    results = []
+    for workers in ("1", "2"):
+        done = sim("--sim-workers", workers, "--json", str(tmp_path / f"w{workers}.json"))
+        assert done.returncode == 0, done.stderr
+        result = json.loads((tmp_path / f"w{workers}.json").read_text())
+        results.append({k: v for k, v in result.items() if k not in ("wall_s", "cpu_s")})
+    assert results[0] == results[1] and results[0]["trajectories_per_s"] > 0
+    bad = sim("--sim-workers", "-3")
+    assert bad.returncode == 2 and "--sim-workers must be in 0..256" in bad.stderr and "Traceback" not in bad.stderr
