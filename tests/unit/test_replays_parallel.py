@@ -103,6 +103,16 @@ def test_the_setting_is_bounded_and_zero_means_the_cores_at_hand():
     assert ReplayPool(3).workers == 3
 
 
+def test_auto_workers_respect_a_containers_cpu_quota(tmp_path):
+    quota = tmp_path / "cpu.max"
+    quota.write_text("100000 100000\n")  # one CPU, whatever the affinity says
+    assert resolve_workers(0, str(quota)) == 1
+    quota.write_text("max 100000\n")  # no quota: the affinity decides
+    assert resolve_workers(0, str(quota)) == min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)))
+    assert resolve_workers(0, str(tmp_path / "absent")) == resolve_workers(0, str(quota))
+    assert resolve_workers(5, str(quota)) == 5  # a number given is taken as given
+
+
 OWNER_KILLED = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})

@@ -67,14 +67,22 @@ def play_one(context: Context, window: Trace, replay: Replay) -> Played:
     return Played(tuple(s.time_s for s in result.steps), tuple(s.rollout_s for s in result.steps), context.warm)
 
 
-def resolve_workers(workers: int) -> int:
-    """0: one per core this process may run on, at most `MAX_AUTO_WORKERS`; else as given."""
+def resolve_workers(workers: int, cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """0: one per core this process may run on (its CPU affinity, and a container's CPU quota),
+    at most `MAX_AUTO_WORKERS`; else as given."""
     if workers > 0:
         return workers
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
+    try:  # cgroup v2: "max 100000" (no quota) or "200000 100000" (2 CPUs)
+        with open(cpu_max) as limits:
+            quota, period = limits.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
     return max(1, min(cores, MAX_AUTO_WORKERS))
 
 
