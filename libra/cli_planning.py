@@ -23,9 +23,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"libra plan needs {', '.join(missing)} (or `libra plan explain --config FILE`)")
     if args.simulate and not 0 <= args.staleness <= 64:  # before any search: a bad flag fails at once
         raise ConfigError(f"--staleness must be in 0..64 (the staleness bound of the run), got {args.staleness}")
-    if args.simulate and not 0 <= args.sim_workers <= 256:
-        raise ConfigError(f"--sim-workers must be in 0..256 (processes replaying plans side by side; 0: one per "
-                          f"core, at most 16), got {args.sim_workers}")
+    if args.simulate:
+        _check_sim_workers(args.sim_workers)
     options = {"group_size": args.group_size, "whole_nodes": args.whole_nodes}
     for name in ("tp_choices", "pp_choices", "min_train_gpus", "min_rollout_gpus"):
         if getattr(args, name) is not None:
@@ -75,6 +74,13 @@ def _simulated(args: argparse.Namespace, model, gpu, batch, options: dict):
     config = search_config(args.gpus, args.top_k, options)
     sim = SimConfig(staleness=args.staleness, policy=args.policy, batching="in_order")
     return first_plan(model, gpu, config, sim, batch, ReplanSettings(sim_workers=args.sim_workers))
+
+
+def _check_sim_workers(value: int) -> None:
+    """--sim-workers of `libra plan --simulate` and `libra sim`, refused before any work."""
+    if not 0 <= value <= 256:
+        raise ConfigError(f"--sim-workers must be in 0..256 (processes replaying plans side by side; 0: one per "
+                          f"core, at most 16), got {value}")
 
 
 def degrees(text: str) -> tuple[int, ...]:
@@ -129,9 +135,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from libra.services.planner.sim.cluster import SimConfig
 
     design = None
-    if args.sim_workers is not None and not 0 <= args.sim_workers <= 256:
-        raise ConfigError(f"--sim-workers must be in 0..256 (processes replaying plans side by side; 0: one per "
-                          f"core, at most 16), got {args.sim_workers}")
+    if args.sim_workers is not None:
+        _check_sim_workers(args.sim_workers)
     if args.config:
         flags = ("cluster", "model", "gpus", "policy", "planner", "staleness", "group_size")
         given = [f"--{flag.replace('_', '-')}" for flag in flags if getattr(args, flag) is not None]
