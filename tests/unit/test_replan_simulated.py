@@ -66,6 +66,38 @@ def test_the_replay_calibrates_the_pipeline_and_plays_again_when_it_moved():
     assert ranker.plays - before == 1 + 2
 
 
+class SpeedRanker(ScriptedRanker):
+    """Its replays run at the calibrated speed (finish times too, not only the spans), so a candidate
+    played before a recalibration would show if it were used; with `workers` > 1 the judge plays
+    ahead as it does for worker processes."""
+
+    def __init__(self, workers: int):
+        super().__init__({g: 80.0 for g in range(1, 16) if g != 8} | {8: 100.0}, 0.0, span_factor=2.0)
+        self.workers = workers
+
+    def play(self, window, plan, rollout, train, move_to=None, transition_s=0.0):
+        played = super().play(window, plan, rollout, train, move_to, transition_s)
+        slowdown = 0.7 / rollout.decode_bw
+        return type(played)(tuple(t * slowdown for t in played.finish_s), played.rollout_spans, played.warm)
+
+
+def test_played_ahead_the_candidates_are_played_again_after_a_recalibration_and_decide_the_same():
+    decisions = []
+    for ranker in (SpeedRanker(workers=1), SpeedRanker(workers=2)):
+        r = observed(ranker, shortlist=1, neighbours=0, whole_exchanges=False, confirm=1)
+        first = r.consider(10.0)
+        counts = [ranker.plays]
+        second = r.consider(20.0)
+        counts.append(ranker.plays - counts[0])
+        decisions.append((first.applied, first.reason, first.predicted_current_s, first.predicted_new_s,
+                          second.reason, counts))
+    alone, ahead = decisions
+    # ahead: the plan in force and the candidate (2), both again at the recalibrated speed (2), the
+    # move (1); then, with nothing to recalibrate, 2 + 1 (one after the other: 1 + 1 + 2, then 1 + 2)
+    assert alone[-1] == [4, 3] and ahead[-1] == [5, 3]
+    assert alone[:-1] == ahead[:-1]  # the same verdicts: the replays before the recalibration were not used
+
+
 # -- the real ranker on the cluster simulator --------------------------------------------------------
 SMALL = SearchConfig(total_gpus=16, group_size=4, exact_multiset_limit=64)
 

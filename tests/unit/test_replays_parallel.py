@@ -25,7 +25,7 @@ from libra.services.planner.sim.replays import MAX_AUTO_WORKERS, OWNER_POLL_S, R
 from libra.traces import synthetic
 
 MODEL, GPU = model_named("qwen2.5-3b"), gpu_named("h200-141g")
-# decide after every step on a short window, so that a small drifting run moves (and recalibrates)
+# decide after every step on a short window, so that a small drifting run moves
 EVERY_STEP = dict(interval_s=1, queue_depth_high=0, active_rollouts_high=0, rejected_fraction_high=0,
                   time_ratio_high=0, warmup_steps=0, cooldown_s=0, recheck_s=0, confirm=1, sim_window_steps=3,
                   sim_warmup_steps=1, window_steps=8, shortlist=2, neighbours=2)
