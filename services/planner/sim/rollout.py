@@ -43,7 +43,7 @@ from libra.services.planner.sim.result import RolloutResult
 from libra.services.planner.sim.simple import SimpleModel
 from libra.traces.spec import TrajectorySpec, check_spec
 
-TOOL, DONE, UP, FINISH = "tool", "done", "up", "finish"
+TOOL, DONE, UP, FINISH, PARKED = "tool", "done", "up", "finish", "parked"
 NONE: frozenset[str] = frozenset()
 
 
@@ -87,6 +87,7 @@ class Rollout:
         self.fit_classes: list[tuple[Instance, tuple[str, ...]]] = []  # (one instance, the wids alike)
         self.excluded: dict[tuple[int, ...], frozenset[str]] = {}  # failing classes -> their wids
         self.parked: list[Unit] = []
+        self.flush_pending = False  # a PARKED event is queued
         self.routes, self.moves, self.tokens, self.reasons = 0, 0, 0, Counter()
         self.last_finish = 0.0  # not the last event: a stale completion may pop after it
         self.plan = ""  # how errors name the instances in force
@@ -103,6 +104,12 @@ class Rollout:
         instance.last = self.events.now
         self.serving_changed()
         self.register(instance)
+        if self.parked and not self.flush_pending:  # routed once every instance up at this instant is:
+            self.flush_pending = True  # (a plan that replaced every engine starts them together, and
+            self.events.push(self.events.now, PARKED, None)  # the first one up must not get them all)
+
+    def route_parked(self) -> None:
+        self.flush_pending = False
         parked, self.parked = self.parked, []
         for unit in parked:
             self.route(unit)
@@ -164,6 +171,8 @@ class Rollout:
             self.route(item)
         elif kind == UP:
             self.up(item)
+        elif kind == PARKED:
+            self.route_parked()
         elif kind == FINISH:
             self.finish(item)
         else:
