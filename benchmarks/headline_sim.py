@@ -45,7 +45,7 @@ import sys
 import time
 
 from libra.config import load_run_config
-from libra.services.planner.sim import design as sim_design, run as sim_run
+from libra.services.planner.sim import design as sim_design
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -256,9 +256,8 @@ def main() -> None:
     REPLAY_WORKERS[0] = args.replay_workers
     started = time.perf_counter()
     for gpus in args.gpus:  # built once here; the worker processes inherit them
-        TRACES[(gpus, args.steps, args.seed, args.drift)] = sim_run.build_trace(  # as `libra sim --config` does
-            "r2e", sim_design.trace_batches(args.steps), gpus, 8, args.seed,
-            sim_design.trace_drift(args.drift, args.steps), 1024)
+        TRACES[(gpus, args.steps, args.seed, args.drift)] = sim_design.design_trace(  # as `libra sim --config` does
+            "r2e", args.steps, gpus, 8, args.seed, args.drift)
     reports = [scale(gpus, args) for gpus in args.gpus]
     RESULTS.mkdir(exist_ok=True)
     if reports and reports[0]["best"]:

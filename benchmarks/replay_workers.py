@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from libra.config import load_run_config  # noqa: E402
-from libra.services.planner.sim import design as sim_design, run as sim_run  # noqa: E402
+from libra.services.planner.sim import design as sim_design  # noqa: E402
 from libra.services.planner.sim.rank import first_plan  # noqa: E402
 
 CONFIG = "configs/headline/c-libra-static.yaml"
@@ -51,8 +51,7 @@ def main() -> int:
         parser.error("--workers must start with 1: the serial decision every other is compared with")
     design = sim_design.design_of(load_run_config(args.config, {"planner.cluster.gpus": args.gpus}, env={}))
     steps = 100  # the headline's trace (benchmarks/headline_sim.py): its step-0 batch is what is ranked
-    trace = sim_run.build_trace("r2e", sim_design.trace_batches(steps), args.gpus, design.search.group_size,
-                                args.seed, sim_design.trace_drift(1.0, steps), 1024)
+    trace = sim_design.design_trace("r2e", steps, args.gpus, design.search.group_size, args.seed, 1.0)
     batch = trace.steps[0]
     print(f"{args.config} at {args.gpus} GPUs: the first plan's decision over step 0's {trace.batch:,} trajectories "
           f"(cores available: {len(os.sched_getaffinity(0))})", flush=True)

@@ -17,7 +17,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from libra.config import load_run_config  # noqa: E402
-from libra.services.planner.sim import design as sim_design, run as sim_run  # noqa: E402
+from libra.services.planner.sim import design as sim_design  # noqa: E402
 from libra.services.planner.sim.cluster import Simulator  # noqa: E402
 
 
@@ -37,8 +37,7 @@ def main() -> int:
     config = load_run_config(args.config, {"planner.cluster.gpus": args.gpus,
                                            "planner.replan.sim_workers": args.replay_workers}, env={})
     design = sim_design.design_of(config)
-    trace = sim_run.build_trace("r2e", sim_design.trace_batches(args.steps), args.gpus, design.search.group_size,
-                                args.seed, sim_design.trace_drift(1.0, args.steps), 1024)
+    trace = sim_design.design_trace("r2e", args.steps, args.gpus, design.search.group_size, args.seed, 1.0)
     controller = sim_design.controller_of(design)
     started = time.perf_counter()
     seen = [0]

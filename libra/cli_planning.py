@@ -160,8 +160,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
             model, gpu = load_model(args.model), load_gpu(args.cluster)
         prompts = args.prompts or max(8, gpus)
         if design is not None:  # spare batches replace rejected groups (the same trace for every design)
-            trace = sim_run.build_trace(args.trace, sim_design.trace_batches(args.steps), prompts, group_size,
-                                        args.seed, sim_design.trace_drift(args.drift, args.steps), args.max_units)
+            trace = sim_design.design_trace(args.trace, args.steps, prompts, group_size, args.seed, args.drift,
+                                             args.max_units)
         else:
             trace = sim_run.build_trace(args.trace, args.steps, prompts, group_size, args.seed, args.drift,
                                         args.max_units)

@@ -132,6 +132,15 @@ def trace_batches(steps: int) -> int:
     return steps + math.ceil(steps * 0.3) + 1
 
 
+def design_trace(source: str, steps: int, prompts: int, group_size: int, seed: int, drift: float,
+                 max_units: int = 1024) -> Trace:
+    """The trace a design is played on for `steps` training steps (`libra sim --config`, the headline
+    benchmarks): `trace_batches(steps)` batches whose lengths grow by 1 + `drift` over the steps trained."""
+    from libra.services.planner.sim.run import build_trace
+
+    return build_trace(source, trace_batches(steps), prompts, group_size, seed, trace_drift(drift, steps), max_units)
+
+
 def trace_drift(drift: float, steps: int) -> float:
     """The generator's drift for a trace of `trace_batches(steps)` batches that grows by 1 + `drift`
     over the `steps` trained."""
