@@ -60,3 +60,30 @@ def test_a_move_that_replaces_every_engine_spreads_the_waiting_turns_over_the_ne
     assert len(routed) == 6 and routed[-1] <= 1.3 * routed[0], routed
     after = lambda sim: sum(r.rollout_s for r in sim.records[2:4])  # noqa: E731 - the two batches after the move
     assert after(moved) <= 1.15 * after(held), (after(moved), after(held))
+
+
+def test_a_move_keeps_the_engines_it_still_has_whatever_their_pools():
+    """Pooled at two engines a worker (6 engines, max_workers 4), MIXED's two TP4 engines are one
+    simulated worker; WIDE has 3 engines, one a worker. The move keeps that pool (both engines go on
+    serving, their turns stay) and starts one TP4 engine; matched by pool it replaced all three and
+    moved the pool's turns."""
+    trace = synthetic.drifting(8, 16, 4, seed=5, drift=0.0)
+    pooled = SimConfig(max_workers=4)
+    simulator = Simulator(MODEL, GPU, trace, control.Scripted(MIXED, {1: control.PlanChange(WIDE, 5.0, "test move")}),
+                          CONFIG, pooled)
+    before = {}
+    original = simulator._apply
+
+    def spy(candidate, ready, lengths):
+        if simulator.rollout.instances:  # the move, not the first plan
+            before.update({i.wid: (i.tp, i.replicas, i.requests()) for i in simulator.rollout.instances.values()})
+        return original(candidate, ready, lengths)
+
+    simulator._apply = spy
+    simulator.run()
+    tp4 = [wid for wid, (tp, replicas, _) in before.items() if tp == 4]
+    assert len(tp4) == 1 and before[tp4[0]][1] == 2  # one pool of both TP4 engines before the move
+    after = {i.wid: (i.tp, i.replicas) for i in simulator.rollout.instances.values()}
+    assert tp4[0] in after and sorted(after.values()) == [(4, 1), (4, 2)], after
+    assert before[tp4[0]][2] > 0  # the pool had turns in flight: they stay on it
+    assert simulator.changes[0].moved_turns == sum(n for tp, _, n in before.values() if tp == 1)  # only TP1's moved

@@ -31,8 +31,9 @@ then the trainer moves its state in from the host, trains and moves it out (`hos
 new weights are copied in place into the engines (over NVLink); only then is the next batch
 released. Rollout and training never overlap.
 
-Resolution. Engines are pooled (`engines.pool`) above `max_workers`, and a trace entry may
-stand for `copies` trajectories; both are exact at small scale (1) and reported in the result.
+Resolution. Engines are pooled (`engines.pool`) above `max_workers` (a plan change keeps the
+engines of each TP degree it still has, whatever their pools), and a trace entry may stand for
+`copies` trajectories; both are exact at small scale (1) and reported in the result.
 What the GPUs did per pool and the staleness of every trained trajectory go to `usage` (usage.py).
 Deterministic: no wall clock in the simulated time; randomness lives in the trace.
 """
@@ -57,7 +58,7 @@ from libra.services.planner.preflight import to_plan
 from libra.services.planner.search import Candidate, SearchConfig
 from libra.services.planner.sim.batching import Batch, Batching, feeder
 from libra.services.planner.sim.control import Controller
-from libra.services.planner.sim.engines import CostModelEngines, pool
+from libra.services.planner.sim.engines import CostModelEngines, pool_size, split
 from libra.services.planner.sim.instance import Instance, InstanceModel, SimulationError, Unit
 from libra.services.planner.sim.result import PlanChangeRecord, SimResult, StepRecord
 from libra.services.planner.sim.rollout import UP, Events, Rollout
@@ -309,26 +310,41 @@ class Simulator:
 
     # -- plans -----------------------------------------------------------------------------------
     def _apply(self, candidate: Candidate, ready: float, lengths) -> int:
-        """Make `candidate` the plan: keep matching engines, take the others down, start new ones."""
-        wanted = pool(candidate.rollout, self.config.max_workers)
-        missing = [tp for tp, _ in wanted if not self.instance_model.holds(tp)]
+        """Make `candidate` the plan: keep the engines it still has, take the others down, start the rest.
+
+        Engines are matched by TP degree, not by how the simulator pools them: a plan with as many TP 8
+        engines keeps every one of them even where its engine count pools them differently (a pool
+        kept whole while it fits; the engines still missing start in pools of the new plan's size)."""
+        wanted: dict[int, int] = {}
+        for tp, n in candidate.rollout:
+            wanted[tp] = wanted.get(tp, 0) + n
+        missing = sorted(tp for tp, n in wanted.items() if n and not self.instance_model.holds(tp))
         if missing:
             raise SimulationError(f"plan {candidate.describe()} uses rollout tp {missing}, which cannot hold "
                                   f"{self.model.name} on {self.gpu.name}")
-        self.pooled = max([self.pooled] + [n for _, n in wanted])
+        per = pool_size(candidate.rollout, self.config.max_workers)
         self.usage.plan(self.events.now, candidate.layout.gpus, candidate.rollout_gpus)
-        spare: dict[tuple[int, int], list[Instance]] = {}
+        spare: dict[int, list[Instance]] = {}
         for instance in self.rollout.instances.values():
-            spare.setdefault((instance.tp, instance.replicas), []).append(instance)
+            spare.setdefault(instance.tp, []).append(instance)
         keep, add = [], []
-        for key in wanted:
-            (keep if spare.get(key) else add).append(spare[key].pop() if spare.get(key) else key)
+        for tp in sorted(wanted):
+            left = wanted[tp]
+            for instance in reversed(spare.get(tp, [])):  # the latest started first, as a drain would keep them
+                if instance.replicas <= left:
+                    keep.append(instance)
+                    left -= instance.replicas
+            add.extend((tp, size) for size in split(left, per))
+        kept = set(map(id, keep))
         moved = []
         for group in spare.values():
             for instance in group:
+                if id(instance) in kept:
+                    continue
                 moved.extend(self.rollout.remove(instance))
                 self.peak_kv = max(self.peak_kv, instance.peak_kv)
                 self.usage.engine(instance.busy_s, instance.tp * instance.replicas)
+        self.pooled = max([self.pooled] + [i.replicas for i in keep] + [n for _, n in add])
         for tp, replicas in add:
             self.next_id += 1
             instance = self.instance_model.instance(f"tp{tp}-{self.next_id}", f"tp{tp}", tp, replicas, ready)

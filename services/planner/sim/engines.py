@@ -223,14 +223,19 @@ class CostModelEngines:
                                  on_start=self.on_start)
 
 
+def pool_size(rollout: tuple[tuple[int, int], ...], max_workers: int) -> int:
+    """Engines behind one simulated worker: 1 while the plan has at most `max_workers` engines."""
+    return max(1, math.ceil(sum(n for _, n in rollout) / max_workers))
+
+
+def split(engines: int, per: int) -> list[int]:
+    """`engines` of one TP degree as pools of at most `per`, sizes differing by at most one."""
+    groups = math.ceil(engines / per) if engines > 0 else 0
+    return [engines // groups + (1 if g < engines % groups else 0) for g in range(groups)]
+
+
 def pool(rollout: tuple[tuple[int, int], ...], max_workers: int) -> list[tuple[int, int]]:
     """(tp, replicas) per simulated worker: every engine its own worker when there are at most
     `max_workers`, else pools of about equal size per TP degree (sizes differ by at most one)."""
-    engines = sum(n for _, n in rollout)
-    per = max(1, math.ceil(engines / max_workers))
-    out = []
-    for tp, n in sorted(rollout):
-        groups = max(1, math.ceil(n / per)) if n else 0
-        for g in range(groups):
-            out.append((tp, n // groups + (1 if g < n % groups else 0)))
-    return out
+    per = pool_size(rollout, max_workers)
+    return [(tp, size) for tp, n in sorted(rollout) for size in split(n, per)]
