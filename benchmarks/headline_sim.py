@@ -27,16 +27,19 @@ R2E-Gym-like trace (libra/traces/r2e.py: up to 30k new tokens and 12 turns, leng
 
 Runs are independent and deterministic; `--jobs` runs them in parallel processes. Every finished
 run is appended to OUT with the suffix .rows.jsonl at once, and a run whose command is there
-already is not run again (delete that file to start afresh).
+already is not run again (delete that file to start afresh). With --checkpoint-dir DIR each run
+also saves its whole state in DIR every 5 minutes (services/planner/sim/checkpoint.py), so a run
+stopped part way (an hour at 4,096 GPUs) goes on from there when the command is run again.
 
     .venv/bin/python benchmarks/headline_sim.py [--gpus 48 512 4096] [--steps 100] [--seed 0]
         [--drift 1.0] [--ablation-gpus 48] [--online-gpus 48 512 4096] [--jobs 1] [--only a b c d]
-        [--out FILE]
+        [--replay-workers N] [--checkpoint-dir DIR] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing
 import pathlib
@@ -46,6 +49,7 @@ import time
 
 from libra.config import load_run_config
 from libra.services.planner.sim import design as sim_design
+from libra.services.planner.sim.checkpoint import Checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -57,6 +61,8 @@ TITLES = {"a": "(a) sync colocated (verl)", "b": "(b) async even split + LB (ARe
 SWEEP = {"a": ([1, 2, 4, 8], [1], [2], [4], [8]), "b": ([1], [2], [4], [8])}
 TRACES: dict = {}  # (gpus, steps, seed, drift) -> Trace, built before the workers fork
 REPLAY_WORKERS = [1]  # planner.replan.sim_workers of every run (--replay-workers; the results do not depend on it)
+CHECKPOINTS: list[pathlib.Path | None] = [None]  # --checkpoint-dir: each run saves itself there as it goes
+CHECKPOINT_EVERY_S = 300.0
 
 
 def overrides_for(key: str, gpus: int, extra: dict | None = None) -> dict:
@@ -79,9 +85,11 @@ def run_one(job: tuple) -> dict:
     label, key, gpus, sets, cmd, trace_key, role = job
     config = load_run_config(ROOT / CONFIGS[key], {**sets, "planner.replan.sim_workers": REPLAY_WORKERS[0]}, env={})
     design = sim_design.design_of(config)
-    started, wall = time.process_time(), time.perf_counter()
+    checkpoint = None
+    if CHECKPOINTS[0] is not None:  # a row stopped part way goes on from its checkpoint (named by its command)
+        checkpoint = Checkpoint(_checkpoint_of(cmd), key=cmd, every_s=CHECKPOINT_EVERY_S)
     try:
-        played = sim_design.simulate_design(design, TRACES[trace_key], trace_key[1])
+        played = sim_design.simulate_design(design, TRACES[trace_key], trace_key[1], checkpoint=checkpoint)
     except Exception as error:  # noqa: BLE001 - a setting the design cannot run is a row that says why
         return {"label": label, "key": key, "role": role, "gpus": gpus, "sets": sets, "command": cmd,
                 "error": str(error)[:400]}
@@ -98,8 +106,8 @@ def run_one(job: tuple) -> dict:
                               "reason": c.reason} for c in result.plan_changes], "rejected": usage.rejected,
             "hybrid_moves": played.hybrid_moves, "notes": len(result.notes), "pooled": result.pooled,
             "copies": result.copies,
-            "routes": result.routes, "cpu_s": time.process_time() - started + result.worker_cpu_s,
-            "wall_s": time.perf_counter() - wall, "replay_workers": REPLAY_WORKERS[0],
+            "routes": result.routes, "cpu_s": result.cpu_s,  # (every part of a resumed run, its workers' included)
+            "wall_s": result.wall_s, "replay_workers": REPLAY_WORKERS[0],
             "steps": [{"step": s.step, "time_s": s.time_s, "interval_s": s.interval_s, "rollout_s": s.rollout_s,
                        "train_s": s.train_s, "sequences": s.sequences} for s in steps]}
 
@@ -120,10 +128,19 @@ def run_all(jobs: list[tuple], processes: int, rows_file: pathlib.Path) -> list[
         return rows + [_progress(row, rows_file) for row in pool.imap_unordered(run_one, todo)]
 
 
+def _checkpoint_of(cmd: str) -> pathlib.Path | None:
+    if CHECKPOINTS[0] is None:
+        return None
+    return CHECKPOINTS[0] / f"{hashlib.sha256(cmd.encode()).hexdigest()[:16]}.pkl"
+
+
 def _progress(row: dict, rows_file: pathlib.Path | None) -> dict:
     if rows_file is not None:
         with rows_file.open("a") as out:
             out.write(json.dumps(row, default=str) + "\n")
+        done = _checkpoint_of(row["command"])
+        if done is not None:  # the row is kept: nothing left to go on from
+            done.unlink(missing_ok=True)
     if "error" in row:
         print(f"  {row['label']:44s} cannot run: {row['error'][:160]}", flush=True)
     else:
@@ -251,9 +268,13 @@ def main() -> None:
     parser.add_argument("--replay-workers", type=int, default=1,
                         help="planner.replan.sim_workers of every run: the online runs' replays side by side in "
                              "this many processes (the same results, sooner; not part of a row's command)")
+    parser.add_argument("--checkpoint-dir",
+                        help="each run saves its whole state here every 5 minutes and, run again, goes on from it "
+                             "(a stopped or killed benchmark loses at most that; not part of a row's command)")
     parser.add_argument("--out", default=str(RESULTS / "headline_sim.json"))
     args = parser.parse_args()
     REPLAY_WORKERS[0] = args.replay_workers
+    CHECKPOINTS[0] = pathlib.Path(args.checkpoint_dir) if args.checkpoint_dir else None
     started = time.perf_counter()
     for gpus in args.gpus:  # built once here; the worker processes inherit them
         TRACES[(gpus, args.steps, args.seed, args.drift)] = sim_design.design_trace(  # as `libra sim --config` does

@@ -226,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-workers", type=int,
                      help="processes replaying the planner's candidate plans side by side (0: one per core, at "
                           "most 16; default: the config's planner.replan.sim_workers, else 1); the same results")
+    sim.add_argument("--checkpoint", metavar="FILE",
+                     help="save the run's whole state here as it goes, and go on from this file if it exists "
+                          "(a run of the same inputs: a long run stopped or killed loses at most "
+                          "--checkpoint-every-s of work); removed once the run is done")
+    sim.add_argument("--checkpoint-every-s", type=float, default=300.0,
+                     help="wall seconds between checkpoints, at a step's end (0: after every step)")
     sim.add_argument("--json", help="write the result as JSON here")
     sim.add_argument("--plot", help="write throughput over steps as a PNG here")
     sim.set_defaults(func=cmd_sim)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pathlib
 
 from libra.cli_config import client, load
 from libra.errors import ConfigError, FailedPrecondition
@@ -167,19 +168,21 @@ def cmd_sim(args: argparse.Namespace) -> int:
                                         args.max_units)
         print(f"trace {trace.source}: {args.steps} steps x {trace.batch} trajectories; mean tokens step 0 "
               f"{trace.mean_tokens(0):,.0f}, last step {trace.mean_tokens(args.steps - 1):,.0f}")
+        checkpoint = _sim_checkpoint(args)
         every = max(1, args.steps // 10)
         report = lambda r: print(f"  step {r.step:4d}  t={r.time_s:9,.0f}s  step {r.interval_s:6.1f}s  "  # noqa: E731
                                  f"rollout {r.rollout_s:6.1f}s  train {r.train_s:6.1f}s") if r.step % every == 0 else None
         if design is not None:
             print(design.describe())
-            played = sim_design.simulate_design(design, trace, args.steps, progress=report)
+            played = sim_design.simulate_design(design, trace, args.steps, progress=report, checkpoint=checkpoint)
             result, extra = played.result, played.lines()
         else:
             replan = ReplanSettings(sim_workers=args.sim_workers if args.sim_workers is not None else 1)
             result, extra = sim_run.simulate(model, gpu, gpus, trace, args.planner or "static", args.policy or "cmlfq",
                                              SimConfig(staleness=1 if args.staleness is None else args.staleness,
                                                        max_workers=args.max_workers),
-                                             replan, progress=report, group_size=group_size), []
+                                             replan, progress=report, group_size=group_size,
+                                             checkpoint=checkpoint), []
     except InvalidArgument as error:
         raise ConfigError(str(error)) from None
     print("\n".join(sim_run.summary(result) + extra))
@@ -189,4 +192,34 @@ def cmd_sim(args: argparse.Namespace) -> int:
         sim_run.write_json(args.json, sim_run.to_json(result, {**about, "gpus": gpus, "trace": trace.source}))
     if args.plot:
         sim_run.plot({label: result}, args.plot, f"{model.name}, {gpus} x {gpu.name}, {trace.source}")
+    if checkpoint is not None:  # the run is done and written: nothing left to go on from
+        checkpoint.path.unlink(missing_ok=True)
     return 0
+
+
+SIM_INPUTS = ("config", "set", "cluster", "model", "gpus", "steps", "trace", "policy", "planner", "prompts",
+              "group_size", "seed", "drift", "staleness", "max_units", "max_workers")  # what a run's result depends on
+
+
+def _sim_checkpoint(args: argparse.Namespace):
+    """`libra sim --checkpoint FILE`: the run's inputs as its key (a config's file by its content too, so
+    an edited config starts afresh instead of going on with the old one); None without the flag."""
+    import hashlib
+    import json
+
+    from libra.services.planner.sim.checkpoint import Checkpoint
+
+    if not args.checkpoint:
+        return None
+    if not 0 <= args.checkpoint_every_s <= 86_400:
+        raise ConfigError(f"--checkpoint-every-s must be 0..86400 seconds, got {args.checkpoint_every_s}")
+    inputs = {name: getattr(args, name, None) for name in SIM_INPUTS}
+    for name in ("config", "cluster", "model", "trace"):
+        path = inputs[name]
+        if path and pathlib.Path(path).is_file():
+            inputs[f"{name}_sha256"] = hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()[:16]
+    key = json.dumps(inputs, sort_keys=True, default=str)
+    checkpoint = Checkpoint(pathlib.Path(args.checkpoint), key=key, every_s=args.checkpoint_every_s)
+    if checkpoint.path.exists():
+        print(f"going on from the checkpoint {checkpoint.path}")
+    return checkpoint

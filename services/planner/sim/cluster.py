@@ -49,6 +49,7 @@ from typing import Callable
 from pydantic import Field, model_validator
 
 from libra.configbase import Section
+from libra.errors import InvalidArgument
 from libra.routing.config import RoutingConfig
 from libra.routing.names import PolicyName
 from libra.routing.registry import make_policy
@@ -57,6 +58,8 @@ from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.preflight import to_plan
 from libra.services.planner.search import Candidate, SearchConfig
 from libra.services.planner.sim.batching import Batch, Batching, feeder
+from libra.services.planner.sim.checkpoint import Checkpoint
+from libra.services.planner.sim.checkpoint import resume as checkpoint_resume
 from libra.services.planner.sim.control import Controller
 from libra.services.planner.sim.engines import CostModelEngines, pool_size, split
 from libra.services.planner.sim.instance import Instance, InstanceModel, SimulationError, Unit
@@ -131,12 +134,15 @@ class Simulator:
                                           f"the largest {model.name} engine on {gpu.name} holds {largest} KV tokens")
 
     # -- the run ---------------------------------------------------------------------------------
-    def run(self, progress: Callable[[StepRecord], None] | None = None) -> SimResult:
+    def run(self, progress: Callable[[StepRecord], None] | None = None,
+            checkpoint: Checkpoint | None = None) -> SimResult:
+        """Play the trace (or go on where a resumed simulator stopped: `Simulator.resume`); with a
+        `checkpoint`, save the whole state at a step's end every `checkpoint.every_s` seconds."""
         self.collects = gc.isenabled()  # (a replay inside a run finds it paused: the run collects)
         if self.collects:  # the loop makes millions of short-lived objects (events, turns), none in a
             gc.disable()  # cycle: reference counting frees them; the collector runs once a step instead
         try:  # (for the cycles a controller leaves: searches, replays), not every 700 allocations
-            return self._run(progress)
+            return self._run(progress, checkpoint)
         finally:
             if self.collects:
                 gc.enable()
@@ -144,8 +150,32 @@ class Simulator:
             if close is not None:  # the replanner's replay workers, if any
                 close()
 
-    def _run(self, progress: Callable[[StepRecord], None] | None) -> SimResult:
-        started, cpu = time.perf_counter(), time.process_time()
+    @classmethod
+    def resume(cls, path, key: str = "", replay_workers: int | None = None) -> "Simulator":
+        """The simulator a checkpoint at `path` saved for the run named `key` (`run()` goes on from there),
+        its replanner replaying in `replay_workers` processes if given (else as saved)."""
+        simulator = checkpoint_resume(path, key)
+        if not isinstance(simulator, cls):
+            raise InvalidArgument(f"{path} does not hold a cluster simulation")
+        set_workers = getattr(simulator.controller, "set_replay_workers", None)
+        if replay_workers is not None and set_workers is not None:
+            set_workers(replay_workers)
+        return simulator
+
+    @classmethod
+    def run_or_resume(cls, make: Callable[[], "Simulator"], progress: Callable[[StepRecord], None] | None = None,
+                      checkpoint: Checkpoint | None = None,
+                      replay_workers: int | None = None) -> tuple["Simulator", SimResult]:
+        """`make()`'s simulator run to its end, or, where `checkpoint` names a file, the saved one's run
+        continued; with its result."""
+        if checkpoint is not None and checkpoint.path.exists():
+            simulator = cls.resume(checkpoint.path, checkpoint.key, replay_workers)
+        else:
+            simulator = make()
+        return simulator, simulator.run(progress, checkpoint)
+
+    def _setup(self) -> None:
+        self.wall_s, self.cpu_s = 0.0, 0.0  # of the parts of the run before this process's (a resumed run)
         self.events = Events()
         self.rollout = Rollout(self.events, None, self.config.turn_budget_tokens, on_finish=self._finished,
                                gaps=GapSampler.of(self.search_config.rollout),
@@ -153,7 +183,7 @@ class Simulator:
         self.usage = Usage(self.config.colocated)
         self.feeder = feeder(self.config.batching, self.trace, self.config.staleness)
         if hasattr(self.instance_model, "on_start"):  # the version of each trajectory's first token
-            self.instance_model.on_start = lambda unit: self.feeder.started(unit.spec.trajectory_id, self.version)
+            self.instance_model.on_start = self._on_start
         self.steps = self.config.steps or len(self.trace.steps)
         if self.steps > len(self.trace.steps):
             raise SimulationError(f"{self.steps} steps to train from a trace of {len(self.trace.steps)} batches; "
@@ -176,6 +206,11 @@ class Simulator:
                                    self.config.core_replicas)
         self._apply(self.candidate, 0.0, self.trace.pairs(0))
         self.events.push(0.0, RELEASE, None)
+
+    def _run(self, progress: Callable[[StepRecord], None] | None, checkpoint: Checkpoint | None) -> SimResult:
+        started, cpu = time.perf_counter(), time.process_time()
+        if not hasattr(self, "events"):  # (a resumed simulator has played part of the run)
+            self._setup()
         handlers = {RELEASE: self._release, TRAIN: self._try_train, TRAIN_DONE: self._train_done}
         heap, events, handle = self.events.heap, self.events, self.rollout.handle
         while heap and self.version < self.steps:
@@ -185,8 +220,11 @@ class Simulator:
                 handle(kind, item, version)
                 continue
             handler(item)
-            if progress and kind == TRAIN_DONE:
-                progress(self.records[-1])
+            if kind == TRAIN_DONE:
+                if progress:
+                    progress(self.records[-1])
+                if checkpoint is not None and checkpoint.due() and self.version < self.steps:
+                    self._save(checkpoint, started, cpu)
         if self.version < self.steps:
             raise SimulationError(f"the simulation stalled at step {self.version}: nothing left to happen "
                                   f"({len(self.rollout.parked)} turns wait for an engine)")
@@ -201,8 +239,21 @@ class Simulator:
         workers_cpu = getattr(self.controller, "worker_cpu_s", 0.0)
         return SimResult(self.records, self.events.now, trajectories, self.trained_tokens, self.changes,
                          self.first_plan, self.candidate.describe(), self.rollout.routes, self.rollout.reasons,
-                         peak, self.pooled, copies, time.perf_counter() - started,
-                         time.process_time() - cpu + workers_cpu, self.notes, workers_cpu)
+                         peak, self.pooled, copies, self.wall_s + time.perf_counter() - started,
+                         self.cpu_s + time.process_time() - cpu + workers_cpu, self.notes, workers_cpu)
+
+    def _save(self, checkpoint: Checkpoint, started: float, cpu: float) -> None:
+        """The whole state to `checkpoint`, its wall and CPU figures counting this process's part so far."""
+        before = self.wall_s, self.cpu_s
+        self.wall_s += time.perf_counter() - started
+        self.cpu_s += time.process_time() - cpu
+        try:
+            checkpoint.save(self, self.version)
+        finally:
+            self.wall_s, self.cpu_s = before
+
+    def _on_start(self, unit: Unit) -> None:
+        self.feeder.started(unit.spec.trajectory_id, self.version)
 
     @property
     def left(self) -> list[int]:

@@ -146,6 +146,11 @@ class Online(SearchOnce):
         if self.replanner is not None and self.replanner.ranker is not None:
             self.replanner.ranker.close()
 
+    def set_replay_workers(self, workers: int) -> None:
+        """Replay in `workers` processes from now on (a resumed run on another machine; the same results)."""
+        if self.replanner is not None and self.replanner.ranker is not None:
+            self.replanner.ranker.set_workers(workers)
+
 
 class Scripted:
     """A given first plan and given changes {step: PlanChange} (tests and what-if runs)."""

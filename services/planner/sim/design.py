@@ -45,6 +45,7 @@ from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.hardware import GpuSpec, ModelSpec, gpu_named, model_named
 from libra.services.planner.search import SearchConfig
 from libra.services.planner.sim import control
+from libra.services.planner.sim.checkpoint import Checkpoint
 from libra.services.planner.sim.cluster import SimConfig, Simulator
 from libra.services.planner.sim.colocated import Colocated
 from libra.services.planner.sim.result import SimResult, StepRecord
@@ -148,16 +149,19 @@ def trace_drift(drift: float, steps: int) -> float:
 
 
 def simulate_design(design: Design, trace: Trace, steps: int = 0,
-                    progress: Callable[[StepRecord], None] | None = None) -> DesignRun:
+                    progress: Callable[[StepRecord], None] | None = None,
+                    checkpoint: Checkpoint | None = None) -> DesignRun:
     """Train `steps` steps (0: one per batch) on `trace` under the design; a trace the design cannot
-    run raises `InvalidArgument` naming why."""
+    run raises `InvalidArgument` naming why. With `checkpoint`, the run saves itself as it goes and,
+    where the checkpoint's file exists, goes on from it (checkpoint.py)."""
     if trace.batch % design.search.group_size:
         raise InvalidArgument(f"the trace's batch of {trace.batch} is not a whole number of GRPO groups of "
                               f"{design.search.group_size} (trainer.group_size)")
     sim = design.sim.model_copy(update={"steps": steps})
-    simulator = Simulator(design.model, design.gpu, trace, controller_of(design), design.search, sim)
     try:
-        result = simulator.run(progress)
+        simulator, result = Simulator.run_or_resume(
+            lambda: Simulator(design.model, design.gpu, trace, controller_of(design), design.search, sim),
+            progress, checkpoint, design.replan.sim_workers)
     except Infeasible as error:
         raise InvalidArgument(f"{design.name}: {design.search.total_gpus} GPUs cannot run {design.model.name} on "
                               f"{design.gpu.name} for this trace: {error}") from None

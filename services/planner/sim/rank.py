@@ -34,7 +34,7 @@ from libra.services.planner.config import ReplanSettings
 from libra.services.planner.search import Candidate, SearchConfig, search
 from libra.services.planner.shortlist import shortlist, split_neighbours
 from libra.services.planner.sim.cluster import SimConfig
-from libra.services.planner.sim.replays import Context, ReplayPool
+from libra.services.planner.sim.replays import Context, ReplayPool, resolve_workers
 from libra.services.planner.transition import same_plan
 from libra.traces.spec import Trace, TrajectorySpec, TurnSpec, check, pairs
 
@@ -100,6 +100,10 @@ class SimRanker:
     def close(self) -> None:
         """Stop the worker processes, if any (they start again when needed)."""
         self.pool.close()
+
+    def set_workers(self, workers: int) -> None:
+        self.pool.close()
+        self.pool.workers = resolve_workers(workers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,6 +115,9 @@ class ReplayPool:
         self.worker_cpu_s += sum(cpu_s for _, cpu_s in done)
         return [played for played, _ in done]
 
+    def __getstate__(self) -> dict:  # a checkpointed run's pool: its settings, not its processes (restarted
+        return {**self.__dict__, "_executor": None}  # at the next map)
+
     def _start(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._executor is None:
             methods = multiprocessing.get_all_start_methods()

@@ -23,6 +23,7 @@ from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.search import Candidate, SearchConfig
 from libra.services.planner.sim import control
+from libra.services.planner.sim.checkpoint import Checkpoint
 from libra.services.planner.sim.cluster import SimConfig, Simulator
 from libra.services.planner.sim.instance import InstanceModel
 from libra.services.planner.sim.result import SimResult, StepRecord
@@ -67,8 +68,9 @@ def make_controller(planner: str, model: ModelSpec, gpu: GpuSpec, config: Search
 def simulate(model: ModelSpec, gpu: GpuSpec, gpus: int, trace: Trace, planner: str, policy: str,
              sim: SimConfig | None = None, replan: ReplanSettings | None = None,
              progress: Callable[[StepRecord], None] | None = None, group_size: int = 8,
-             search_options: dict | None = None) -> SimResult:
-    """Run one simulation; every bad-input path ends in `InvalidArgument` naming the cause."""
+             search_options: dict | None = None, checkpoint: Checkpoint | None = None) -> SimResult:
+    """Run one simulation (with `checkpoint`: saved as it goes, and continued from its file if there is
+    one); every bad-input path ends in `InvalidArgument` naming the cause."""
     if gpus < 2:
         raise InvalidArgument(f"gpus must be >= 2 (one to train, one to roll out), got {gpus}")
     try:
@@ -80,9 +82,10 @@ def simulate(model: ModelSpec, gpu: GpuSpec, gpus: int, trace: Trace, planner: s
         raise InvalidArgument(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
     if policy not in POLICIES:
         raise InvalidArgument(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    controller = make_controller(planner, model, gpu, config, replan, sim)
     try:
-        return Simulator(model, gpu, trace, controller, config, sim).run(progress)
+        return Simulator.run_or_resume(
+            lambda: Simulator(model, gpu, trace, make_controller(planner, model, gpu, config, replan, sim), config, sim),
+            progress, checkpoint, replan.sim_workers if replan is not None else None)[1]
     except Infeasible as error:
         raise InvalidArgument(f"{gpus} GPUs cannot run {model.name} on {gpu.name} for this trace: {error}") from None
 

@@ -1,0 +1,78 @@
+"""A long simulation's progress on disk: a run killed or stopped goes on from its last checkpoint.
+
+A 4,096-GPU online run takes an hour or more of CPU (its replanner replays the recent steps after
+each step), longer than a shared machine's session or a batch job's slot. `Simulator.run(checkpoint=
+Checkpoint(path))` writes the whole simulator (event heap, engines, turns in flight, the routing
+policy's prefix forest, the replanner's calibration and history, the random generators) to `path`
+at a step's end, at most every `every_s` seconds of wall time, by writing a file beside it and
+renaming it over (a kill while writing leaves the previous checkpoint whole). `resume(path, key)`
+loads it; the run then continues exactly as if it had never stopped (the same events in the same
+order: tests/unit/test_sim_checkpoint.py), and its CPU and wall figures add up every part.
+
+`key` names the run's inputs (the command line, say): a checkpoint of other inputs is refused with
+both named, never continued as if it were this run's. A checkpoint is a pickle: load only files
+you wrote (it runs code it names, like any pickle).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+import time
+from dataclasses import dataclass, field
+
+from libra.errors import InvalidArgument
+
+FORMAT = "libra-sim-checkpoint/1"
+
+
+@dataclass
+class Checkpoint:
+    """Where and how often a run saves itself: `every_s` wall seconds at most (0: after every step)."""
+
+    path: pathlib.Path
+    key: str = ""
+    every_s: float = 300.0
+    saved: int = 0  # checkpoints written by this process
+    last_s: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.path = pathlib.Path(self.path)
+        if self.every_s < 0:
+            raise InvalidArgument(f"checkpoint every_s must be >= 0 seconds, got {self.every_s}")
+
+    def due(self) -> bool:
+        return time.perf_counter() - self.last_s >= self.every_s
+
+    def save(self, simulator: object, step: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(self.path.name + ".partial")
+        with open(partial, "wb") as out:
+            pickle.dump({"format": FORMAT, "key": self.key, "step": step, "simulator": simulator}, out,
+                        protocol=pickle.HIGHEST_PROTOCOL)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, self.path)
+        self.saved += 1
+        self.last_s = time.perf_counter()
+
+
+def resume(path: str | os.PathLike[str], key: str = "") -> object:
+    """The simulator saved at `path` (`Simulator.run` continues it); a file of another format or run is refused."""
+    path = pathlib.Path(path)
+    try:
+        with open(path, "rb") as source:
+            saved = pickle.load(source)
+    except FileNotFoundError:
+        raise InvalidArgument(f"no checkpoint at {path}") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as error:
+        raise InvalidArgument(f"{path} is not a readable simulation checkpoint ({type(error).__name__}: {error}); "
+                              f"remove it to start the run afresh") from None
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        raise InvalidArgument(f"{path} is not a simulation checkpoint of this version ({FORMAT}); remove it to "
+                              f"start the run afresh")
+    if saved["key"] != key:
+        raise InvalidArgument(f"{path} holds another run's checkpoint (saved for {saved['key']!r}, this run is "
+                              f"{key!r}); name another file, or remove it to start afresh")
+    return saved["simulator"]

@@ -1,0 +1,144 @@
+"""A simulation stopped part way goes on from its checkpoint exactly as if it had never stopped
+(services/planner/sim/checkpoint.py), and a checkpoint that is not this run's is refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from libra.config import load_run_config
+from libra.errors import InvalidArgument
+from libra.services.planner.sim import design as sim_design
+from libra.services.planner.sim.checkpoint import Checkpoint
+from libra.services.planner.sim.cluster import Simulator
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+STEPS = 10
+
+
+class Stopped(Exception):
+    pass
+
+
+def design(workers: int = 1):
+    """(d) at 16 GPUs, its replanner replaying short windows (3 steps after 2 to warm up) so that its
+    decisions replay from the third step on."""
+    config = load_run_config(ROOT / "configs/headline/d-libra-full.yaml",
+                             {"planner.cluster.gpus": 16, "planner.replan.sim_workers": workers,
+                              "planner.replan.sim_window_steps": 3, "planner.replan.sim_warmup_steps": 2}, env={})
+    return sim_design.design_of(config)
+
+
+def trace():
+    return sim_design.design_trace("r2e", STEPS, 16, 8, 0, 1.0)
+
+
+@pytest.fixture(scope="module")
+def whole():
+    run = sim_design.simulate_design(design(), trace(), STEPS)
+    assert [c.step for c in run.result.plan_changes] == [2, 5]  # the cases cover what they claim
+    return figures(run)
+
+
+def figures(run) -> dict:
+    result = run.result
+    return {"steps": [(s.step, s.time_s, s.rollout_s, s.train_s, s.sequences) for s in result.steps],
+            "changes": [(c.step, c.time_s, c.after, c.reason, c.moved_turns) for c in result.plan_changes],
+            "routes": result.routes, "reasons": dict(result.reasons), "makespan": result.makespan_s,
+            "tokens": result.output_tokens, "busy": run.usage.fractions(), "staleness": dict(run.usage.staleness),
+            "rejected": run.usage.rejected, "last_plan": result.last_plan}
+
+
+def stop_after(step: int):
+    def progress(record) -> None:
+        if record.step == step:
+            raise Stopped
+    return progress
+
+
+@pytest.mark.parametrize("stop", [1, 3, 6])
+def test_a_run_stopped_part_way_goes_on_from_its_checkpoint_exactly(tmp_path, stop, whole):
+    """Online (d) at 16 GPUs moves after steps 2 and 5: stopped before, between and after the moves
+    (the checkpoint is the step before the stop's: the stop's own step is played again)."""
+    checkpoint = Checkpoint(tmp_path / "run.pkl", key="test run", every_s=0)
+    with pytest.raises(Stopped):
+        sim_design.simulate_design(design(), trace(), STEPS, progress=stop_after(stop), checkpoint=checkpoint)
+    assert checkpoint.path.exists() and checkpoint.saved == stop
+    assert pickle.loads(checkpoint.path.read_bytes())["step"] == stop  # saved at the end of step stop - 1
+    again = Checkpoint(tmp_path / "run.pkl", key="test run", every_s=0)
+    resumed = sim_design.simulate_design(design(), trace(), STEPS, checkpoint=again)
+    assert figures(resumed) == whole
+    assert resumed.result.cpu_s > 0 and resumed.result.wall_s > 0
+
+
+def test_a_resumed_run_replays_in_the_workers_it_is_given(tmp_path, whole):
+    """Saved with its replays in this process, resumed with two worker processes: the same run."""
+    checkpoint = Checkpoint(tmp_path / "run.pkl", key="k", every_s=0)
+    with pytest.raises(Stopped):
+        sim_design.simulate_design(design(), trace(), STEPS, progress=stop_after(2), checkpoint=checkpoint)
+    resumed = sim_design.simulate_design(design(workers=2), trace(), STEPS, checkpoint=checkpoint)
+    assert figures(resumed) == whole
+    assert resumed.result.worker_cpu_s > 0  # the decisions after the resume ran in the workers
+
+
+def test_checkpoints_not_of_this_run_are_refused_by_name(tmp_path):
+    checkpoint = Checkpoint(tmp_path / "run.pkl", key="gpus 16", every_s=0)
+    with pytest.raises(Stopped):
+        sim_design.simulate_design(design(), trace(), STEPS, progress=stop_after(1), checkpoint=checkpoint)
+    other = Checkpoint(tmp_path / "run.pkl", key="gpus 24")
+    with pytest.raises(InvalidArgument, match=r"another run's checkpoint \(saved for 'gpus 16', this run is 'gpus 24'\)"):
+        sim_design.simulate_design(design(), trace(), STEPS, checkpoint=other)
+    garbage = tmp_path / "garbage.pkl"
+    garbage.write_bytes(b"not a pickle")
+    with pytest.raises(InvalidArgument, match="not a readable simulation checkpoint"):
+        Simulator.resume(garbage)
+    foreign = tmp_path / "foreign.pkl"
+    foreign.write_bytes(pickle.dumps({"some": "dict"}))
+    with pytest.raises(InvalidArgument, match="not a simulation checkpoint of this version"):
+        Simulator.resume(foreign)
+    with pytest.raises(InvalidArgument, match="no checkpoint at"):
+        Simulator.resume(tmp_path / "absent.pkl")
+    with pytest.raises(InvalidArgument, match="every_s must be >= 0"):
+        Checkpoint(tmp_path / "x.pkl", every_s=-1)
+
+
+def test_checkpoints_are_written_no_more_often_than_asked(tmp_path):
+    checkpoint = Checkpoint(tmp_path / "run.pkl", every_s=3600)
+    sim_design.simulate_design(design(), trace(), STEPS, checkpoint=checkpoint)
+    assert checkpoint.saved == 0 and not checkpoint.path.exists()
+
+
+@pytest.mark.slow
+def test_libra_sim_killed_goes_on_from_its_checkpoint(tmp_path):
+    """`libra sim --checkpoint`, SIGKILLed once its first checkpoint is on disk, then run again: the
+    same JSON as a run never stopped (timings aside), and no checkpoint left once it is done."""
+    libra = [sys.executable, "-m", "libra.cli", "sim", "--config", str(ROOT / "configs/headline/d-libra-full.yaml"),
+             "--set", "planner.cluster.gpus=48", "--trace", "r2e", "--steps", "12", "--prompts", "48"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    subprocess.run(libra + ["--json", str(tmp_path / "whole.json")], check=True, env=env, cwd=tmp_path,
+                   capture_output=True, timeout=600)
+    saved = tmp_path / "run.pkl"
+    resumable = libra + ["--checkpoint", str(saved), "--checkpoint-every-s", "0", "--json", str(tmp_path / "part.json")]
+    process = subprocess.Popen(resumable, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not saved.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    assert saved.exists() and process.returncode == -signal.SIGKILL, "killed before its end, with a checkpoint"
+    assert not (tmp_path / "part.json").exists()
+    again = subprocess.run(resumable, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"going on from the checkpoint {saved}" in again.stdout
+    timings = ("wall_s", "cpu_s", "worker_cpu_s")
+    whole, part = (json.loads((tmp_path / name).read_text()) for name in ("whole.json", "part.json"))
+    assert {k: v for k, v in part.items() if k not in timings} == {k: v for k, v in whole.items() if k not in timings}
+    assert not saved.exists()
