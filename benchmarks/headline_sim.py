@@ -39,6 +39,7 @@ stopped part way (an hour at 4,096 GPUs) goes on from there when the command is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -49,7 +50,7 @@ import time
 
 from libra.config import load_run_config
 from libra.services.planner.sim import design as sim_design
-from libra.services.planner.sim.checkpoint import Checkpoint
+from libra.services.planner.sim.checkpoint import Checkpoint, Stopped
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -62,7 +63,7 @@ SWEEP = {"a": ([1, 2, 4, 8], [1], [2], [4], [8]), "b": ([1], [2], [4], [8])}
 TRACES: dict = {}  # (gpus, steps, seed, drift) -> Trace, built before the workers fork
 REPLAY_WORKERS = [1]  # planner.replan.sim_workers of every run (--replay-workers; the results do not depend on it)
 CHECKPOINTS: list[pathlib.Path | None] = [None]  # --checkpoint-dir: each run saves itself there as it goes
-CHECKPOINT_EVERY_S = 300.0
+CHECKPOINT_EVERY_S = [300.0]  # --checkpoint-every-s
 
 
 def overrides_for(key: str, gpus: int, extra: dict | None = None) -> dict:
@@ -87,9 +88,12 @@ def run_one(job: tuple) -> dict:
     design = sim_design.design_of(config)
     checkpoint = None
     if CHECKPOINTS[0] is not None:  # a row stopped part way goes on from its checkpoint (named by its command)
-        checkpoint = Checkpoint(_checkpoint_of(cmd), key=cmd, every_s=CHECKPOINT_EVERY_S)
+        checkpoint = Checkpoint(_checkpoint_of(cmd), key=cmd, every_s=CHECKPOINT_EVERY_S[0])
     try:
-        played = sim_design.simulate_design(design, TRACES[trace_key], trace_key[1], checkpoint=checkpoint)
+        with checkpoint.stop_on_signals() if checkpoint is not None else contextlib.nullcontext():
+            played = sim_design.simulate_design(design, TRACES[trace_key], trace_key[1], checkpoint=checkpoint)
+    except Stopped:  # SIGTERM/SIGINT: saved; the benchmark stops (run it again to go on)
+        raise
     except Exception as error:  # noqa: BLE001 - a setting the design cannot run is a row that says why
         return {"label": label, "key": key, "role": role, "gpus": gpus, "sets": sets, "command": cmd,
                 "error": str(error)[:400]}
@@ -269,12 +273,16 @@ def main() -> None:
                         help="planner.replan.sim_workers of every run: the online runs' replays side by side in "
                              "this many processes (the same results, sooner; not part of a row's command)")
     parser.add_argument("--checkpoint-dir",
-                        help="each run saves its whole state here every 5 minutes and, run again, goes on from it "
-                             "(a stopped or killed benchmark loses at most that; not part of a row's command)")
+                        help="each run saves its whole state here as it goes and, run again, goes on from it (a "
+                             "killed benchmark loses at most --checkpoint-every-s of each run; SIGTERM or Ctrl-C "
+                             "saves at the step's end and exits 75; not part of a row's command)")
+    parser.add_argument("--checkpoint-every-s", type=float, default=300.0,
+                        help="wall seconds between a run's checkpoints, at a step's end")
     parser.add_argument("--out", default=str(RESULTS / "headline_sim.json"))
     args = parser.parse_args()
     REPLAY_WORKERS[0] = args.replay_workers
     CHECKPOINTS[0] = pathlib.Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    CHECKPOINT_EVERY_S[0] = args.checkpoint_every_s
     started = time.perf_counter()
     for gpus in args.gpus:  # built once here; the worker processes inherit them
         TRACES[(gpus, args.steps, args.seed, args.drift)] = sim_design.design_trace(  # as `libra sim --config` does
@@ -295,4 +303,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Stopped as stopped:
+        print(f"headline_sim: {stopped}", file=sys.stderr)
+        sys.exit(75)

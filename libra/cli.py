@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--checkpoint", metavar="FILE",
                      help="save the run's whole state here as it goes, and go on from this file if it exists "
                           "(a run of the same inputs: a long run stopped or killed loses at most "
-                          "--checkpoint-every-s of work); removed once the run is done")
+                          "--checkpoint-every-s of work; SIGTERM or Ctrl-C saves at the step's end and exits "
+                          "75); removed once the run is done")
     sim.add_argument("--checkpoint-every-s", type=float, default=300.0,
                      help="wall seconds between checkpoints, at a step's end (0: after every step)")
     sim.add_argument("--json", help="write the result as JSON here")

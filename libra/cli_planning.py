@@ -6,8 +6,10 @@ libra/cli.py wires them into the command line."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import pathlib
+import sys
 
 from libra.cli_config import client, load
 from libra.errors import ConfigError, FailedPrecondition
@@ -133,6 +135,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from libra.services.planner.hardware import load_gpu, load_model
     from libra.services.planner.sim import design as sim_design, run as sim_run
     from libra.services.planner.config import ReplanSettings
+    from libra.services.planner.sim.checkpoint import Stopped
     from libra.services.planner.sim.cluster import SimConfig
 
     design = None
@@ -172,17 +175,22 @@ def cmd_sim(args: argparse.Namespace) -> int:
         every = max(1, args.steps // 10)
         report = lambda r: print(f"  step {r.step:4d}  t={r.time_s:9,.0f}s  step {r.interval_s:6.1f}s  "  # noqa: E731
                                  f"rollout {r.rollout_s:6.1f}s  train {r.train_s:6.1f}s") if r.step % every == 0 else None
-        if design is not None:
-            print(design.describe())
-            played = sim_design.simulate_design(design, trace, args.steps, progress=report, checkpoint=checkpoint)
-            result, extra = played.result, played.lines()
-        else:
-            replan = ReplanSettings(sim_workers=args.sim_workers if args.sim_workers is not None else 1)
-            result, extra = sim_run.simulate(model, gpu, gpus, trace, args.planner or "static", args.policy or "cmlfq",
-                                             SimConfig(staleness=1 if args.staleness is None else args.staleness,
-                                                       max_workers=args.max_workers),
-                                             replan, progress=report, group_size=group_size,
-                                             checkpoint=checkpoint), []
+        with checkpoint.stop_on_signals() if checkpoint is not None else contextlib.nullcontext():
+            if design is not None:
+                print(design.describe())
+                played = sim_design.simulate_design(design, trace, args.steps, progress=report, checkpoint=checkpoint)
+                result, extra = played.result, played.lines()
+            else:
+                replan = ReplanSettings(sim_workers=args.sim_workers if args.sim_workers is not None else 1)
+                result, extra = sim_run.simulate(model, gpu, gpus, trace, args.planner or "static",
+                                                 args.policy or "cmlfq",
+                                                 SimConfig(staleness=1 if args.staleness is None else args.staleness,
+                                                           max_workers=args.max_workers),
+                                                 replan, progress=report, group_size=group_size,
+                                                 checkpoint=checkpoint), []
+    except Stopped as stopped:  # SIGTERM/SIGINT with --checkpoint: saved, not lost
+        print(f"libra sim: {stopped}", file=sys.stderr)
+        return EXIT_STOPPED
     except InvalidArgument as error:
         raise ConfigError(str(error)) from None
     print("\n".join(sim_run.summary(result) + extra))
@@ -197,6 +205,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_STOPPED = 75  # EX_TEMPFAIL: `libra sim --checkpoint` stopped by a signal after saving; run it again to go on
 SIM_INPUTS = ("config", "set", "cluster", "model", "gpus", "steps", "trace", "policy", "planner", "prompts",
               "group_size", "seed", "drift", "staleness", "max_units", "max_workers")  # what a run's result depends on
 

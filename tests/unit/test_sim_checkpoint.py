@@ -17,7 +17,7 @@ import pytest
 from libra.config import load_run_config
 from libra.errors import InvalidArgument
 from libra.services.planner.sim import design as sim_design
-from libra.services.planner.sim.checkpoint import Checkpoint
+from libra.services.planner.sim.checkpoint import Checkpoint, Stopped as SavedAndStopped
 from libra.services.planner.sim.cluster import Simulator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -110,6 +110,25 @@ def test_checkpoints_not_of_this_run_are_refused_by_name(tmp_path):
         Checkpoint(tmp_path / "x.pkl", every_s=-1)
 
 
+def test_a_signal_saves_the_run_at_the_steps_end_and_stops_it(tmp_path, whole):
+    """SIGTERM inside `stop_on_signals`: the run saves after the step it is in and raises Stopped,
+    naming the file; run again it ends as a run never stopped. The old handler is back after."""
+    checkpoint = Checkpoint(tmp_path / "run.pkl", key="k", every_s=3600)
+
+    def terminate_at_step_3(record) -> None:
+        if record.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SavedAndStopped, match=f"stopped after step 3 of {STEPS} and saved to {tmp_path / 'run.pkl'}"):
+        with checkpoint.stop_on_signals():
+            sim_design.simulate_design(design(), trace(), STEPS, progress=terminate_at_step_3, checkpoint=checkpoint)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert checkpoint.saved == 1 and pickle.loads(checkpoint.path.read_bytes())["step"] == 4
+    resumed = sim_design.simulate_design(design(), trace(), STEPS, checkpoint=Checkpoint(checkpoint.path, key="k"))
+    assert figures(resumed) == whole
+
+
 def test_checkpoints_are_written_no_more_often_than_asked(tmp_path):
     checkpoint = Checkpoint(tmp_path / "run.pkl", every_s=3600)
     sim_design.simulate_design(design(), trace(), STEPS, checkpoint=checkpoint)
@@ -117,9 +136,10 @@ def test_checkpoints_are_written_no_more_often_than_asked(tmp_path):
 
 
 @pytest.mark.slow
-def test_libra_sim_killed_goes_on_from_its_checkpoint(tmp_path):
-    """`libra sim --checkpoint`, SIGKILLed once its first checkpoint is on disk, then run again: the
-    same JSON as a run never stopped (timings aside), and no checkpoint left once it is done."""
+def test_libra_sim_killed_or_stopped_goes_on_from_its_checkpoint(tmp_path):
+    """`libra sim --checkpoint`: SIGKILLed once its first checkpoint is on disk, run again (it goes on),
+    sent SIGTERM once it has saved again (it saves and exits 75), run a third time: the same JSON as a
+    run never stopped (timings aside), and no checkpoint left once it is done."""
     libra = [sys.executable, "-m", "libra.cli", "sim", "--config", str(ROOT / "configs/headline/d-libra-full.yaml"),
              "--set", "planner.cluster.gpus=48", "--trace", "r2e", "--steps", "12", "--prompts", "48"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -127,17 +147,31 @@ def test_libra_sim_killed_goes_on_from_its_checkpoint(tmp_path):
                    capture_output=True, timeout=600)
     saved = tmp_path / "run.pkl"
     resumable = libra + ["--checkpoint", str(saved), "--checkpoint-every-s", "0", "--json", str(tmp_path / "part.json")]
-    process = subprocess.Popen(resumable, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not saved.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=30)
-    assert saved.exists() and process.returncode == -signal.SIGKILL, "killed before its end, with a checkpoint"
-    assert not (tmp_path / "part.json").exists()
+
+    def start_and_wait_for_a_checkpoint() -> subprocess.Popen:
+        before = saved.stat().st_mtime_ns if saved.exists() else None
+        process = subprocess.Popen(resumable, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
+        deadline = time.monotonic() + 300
+        while process.poll() is None and time.monotonic() < deadline and \
+                (not saved.exists() or saved.stat().st_mtime_ns == before):
+            time.sleep(0.05)
+        assert process.poll() is None, "the run ended before it could be stopped"
+        return process
+
+    killed = start_and_wait_for_a_checkpoint()
+    killed.kill()
+    killed.communicate(timeout=30)
+    assert saved.exists() and killed.returncode == -signal.SIGKILL and not (tmp_path / "part.json").exists()
+    stopped = start_and_wait_for_a_checkpoint()
+    stopped.send_signal(signal.SIGTERM)
+    out, err = stopped.communicate(timeout=300)
+    assert stopped.returncode == 75, err[-2000:]
+    assert f"going on from the checkpoint {saved}" in out
+    assert f"and saved to {saved}: run the same command again to go on from there" in err
+    assert saved.exists() and not (tmp_path / "part.json").exists()
     again = subprocess.run(resumable, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert f"going on from the checkpoint {saved}" in again.stdout
     timings = ("wall_s", "cpu_s", "worker_cpu_s")
     whole, part = (json.loads((tmp_path / name).read_text()) for name in ("whole.json", "part.json"))
     assert {k: v for k, v in part.items() if k not in timings} == {k: v for k, v in whole.items() if k not in timings}

@@ -9,6 +9,10 @@ renaming it over (a kill while writing leaves the previous checkpoint whole). `r
 loads it; the run then continues exactly as if it had never stopped (the same events in the same
 order: tests/unit/test_sim_checkpoint.py), and its CPU and wall figures add up every part.
 
+With `stop_on_signals()` SIGTERM and SIGINT (a batch system's notice before its time limit, or
+Ctrl-C) do not kill the run: it saves at the next step's end and raises `Stopped`, whose message
+says how to go on.
+
 `key` names the run's inputs (the command line, say): a checkpoint of other inputs is refused with
 both named, never continued as if it were this run's. A checkpoint is a pickle: load only files
 you wrote (it runs code it names, like any pickle).
@@ -16,15 +20,22 @@ you wrote (it runs code it names, like any pickle).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import pickle
+import signal
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from libra.errors import InvalidArgument
 
 FORMAT = "libra-sim-checkpoint/1"
+
+
+class Stopped(Exception):
+    """The run was asked to stop (a signal) and saved itself: running it again goes on."""
 
 
 @dataclass
@@ -36,6 +47,7 @@ class Checkpoint:
     every_s: float = 300.0
     saved: int = 0  # checkpoints written by this process
     last_s: float = field(default_factory=time.perf_counter)
+    stop: bool = False  # save at the next step's end and raise Stopped
 
     def __post_init__(self) -> None:
         self.path = pathlib.Path(self.path)
@@ -43,7 +55,21 @@ class Checkpoint:
             raise InvalidArgument(f"checkpoint every_s must be >= 0 seconds, got {self.every_s}")
 
     def due(self) -> bool:
-        return time.perf_counter() - self.last_s >= self.every_s
+        return self.stop or time.perf_counter() - self.last_s >= self.every_s
+
+    @contextlib.contextmanager
+    def stop_on_signals(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> Iterator["Checkpoint"]:
+        """While inside, these signals ask the run to save and stop instead of killing it (a second
+        one while it finishes its step is ignored); the previous handlers come back after."""
+        def ask(signum, _frame) -> None:
+            self.stop = True
+
+        previous = {signum: signal.signal(signum, ask) for signum in signals}
+        try:
+            yield self
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     def save(self, simulator: object, step: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

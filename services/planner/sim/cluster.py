@@ -58,7 +58,7 @@ from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.preflight import to_plan
 from libra.services.planner.search import Candidate, SearchConfig
 from libra.services.planner.sim.batching import Batch, Batching, feeder
-from libra.services.planner.sim.checkpoint import Checkpoint
+from libra.services.planner.sim.checkpoint import Checkpoint, Stopped
 from libra.services.planner.sim.checkpoint import resume as checkpoint_resume
 from libra.services.planner.sim.control import Controller
 from libra.services.planner.sim.engines import CostModelEngines, pool_size, split
@@ -225,6 +225,9 @@ class Simulator:
                     progress(self.records[-1])
                 if checkpoint is not None and checkpoint.due() and self.version < self.steps:
                     self._save(checkpoint, started, cpu)
+                    if checkpoint.stop:
+                        raise Stopped(f"stopped after step {self.version - 1} of {self.steps} and saved to "
+                                      f"{checkpoint.path}: run the same command again to go on from there")
         if self.version < self.steps:
             raise SimulationError(f"the simulation stalled at step {self.version}: nothing left to happen "
                                   f"({len(self.rollout.parked)} turns wait for an engine)")
