@@ -143,7 +143,7 @@ def _progress(row: dict, rows_file: pathlib.Path | None) -> dict:
         with rows_file.open("a") as out:
             out.write(json.dumps(row, default=str) + "\n")
         done = _checkpoint_of(row["command"])
-        if done is not None:  # the row is kept: nothing left to go on from
+        if done is not None and "error" not in row:  # the row is kept: nothing left to go on from
             done.unlink(missing_ok=True)
     if "error" in row:
         print(f"  {row['label']:44s} cannot run: {row['error'][:160]}", flush=True)

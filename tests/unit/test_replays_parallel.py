@@ -72,6 +72,39 @@ def test_the_pool_plays_elsewhere_returns_in_order_and_stops():
     assert all(not p.is_alive() for p in workers) and pooled.pool._executor is None
 
 
+def _ignores(pid: int, signum: int) -> bool:
+    """Does the process ignore the signal (Linux /proc: SigIgn, a mask in hex)?"""
+    with open(f"/proc/{pid}/status") as status:
+        mask = next(line for line in status if line.startswith("SigIgn:")).split()[1]
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+def test_workers_leave_sigint_and_sigterm_to_their_owner():
+    """A Ctrl-C or a batch system's SIGTERM reaches the whole process group; the workers ignore it so
+    that the owner can finish its step with them and save (sim/checkpoint.py). Before, the workers
+    died and the decision failed ("a replay worker process died")."""
+    trace, config, plans = _window_and_plans()
+    ranker = SimRanker(MODEL, GPU, config, SimConfig(), window_steps=3, warmup_steps=1, workers=2)
+    window = ranker.repeated(trace.steps[0])
+    replays = [Replay(plans[0], config.rollout, config.train), Replay(plans[-1], config.rollout, config.train)]
+    try:
+        expected = ranker.play_all(window, replays)
+        workers = list(ranker.pool._executor._processes.values())
+        deadline = time.monotonic() + 60  # (a worker may still be starting: its set-up not run yet)
+        while not all(_ignores(w.pid, signal.SIGTERM) and _ignores(w.pid, signal.SIGINT) for w in workers):
+            assert time.monotonic() < deadline, "the workers do not ignore SIGINT and SIGTERM"
+            time.sleep(0.05)
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGTERM)
+            os.kill(worker.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert all(worker.is_alive() for worker in workers)
+        assert ranker.play_all(window, replays) == expected
+        assert list(ranker.pool._executor._processes.values()) == workers  # the same processes
+    finally:
+        ranker.close()
+
+
 class _KillsTheWorker:
     """Unpickled in a worker, it ends that worker's process (what the OOM killer would do)."""
 

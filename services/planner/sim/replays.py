@@ -26,6 +26,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -141,7 +142,11 @@ _last: tuple[str, Context, Trace] | None = None  # in a worker: the window it la
 def _watch_owner(owner: int, every_s: float) -> None:
     """In a worker: end this process once the pool's owner is gone. A planner killed outright
     (SIGKILL, the OOM killer) cannot stop its pool, and its idle workers would wait for work forever
-    (their parent is the forkserver, which stays while they do)."""
+    (their parent is the forkserver, which stays while they do). SIGINT and SIGTERM are left to the
+    owner: a Ctrl-C or a batch system's notice reaches the whole process group, and the owner may
+    finish its step and save (sim/checkpoint.py) with the workers it has, then stop them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     born = _started(owner)
 
     def watch() -> None:
