@@ -368,7 +368,8 @@ class Simulator:
 
         Engines are matched by TP degree, not by how the simulator pools them: a plan with as many TP 8
         engines keeps every one of them even where its engine count pools them differently (a pool
-        kept whole while it fits; the engines still missing start in pools of the new plan's size)."""
+        kept whole while it fits; the engines still missing start in pools of the new plan's size, so
+        after a change of pool size the simulated workers may number up to about twice `max_workers`)."""
         wanted: dict[int, int] = {}
         for tp, n in candidate.rollout:
             wanted[tp] = wanted.get(tp, 0) + n
