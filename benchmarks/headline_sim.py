@@ -28,7 +28,7 @@ R2E-Gym-like trace (libra/traces/r2e.py: up to 30k new tokens and 12 turns, leng
 Runs are independent and deterministic; `--jobs` runs them in parallel processes. Every finished
 run is appended to OUT with the suffix .rows.jsonl at once, and a run whose command is there
 already is not run again (delete that file to start afresh). With --checkpoint-dir DIR each run
-also saves its whole state in DIR every 5 minutes (services/planner/sim/checkpoint.py), so a run
+also saves its whole state in DIR (every --checkpoint-every-s, 300 s; services/planner/sim/checkpoint.py), so a run
 stopped part way (an hour at 4,096 GPUs) goes on from there when the command is run again.
 
     .venv/bin/python benchmarks/headline_sim.py [--gpus 48 512 4096] [--steps 100] [--seed 0]
@@ -282,6 +282,8 @@ def main() -> None:
     args = parser.parse_args()
     REPLAY_WORKERS[0] = args.replay_workers
     CHECKPOINTS[0] = pathlib.Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if args.checkpoint_every_s < 0:
+        parser.error(f"--checkpoint-every-s must be >= 0 seconds, got {args.checkpoint_every_s}")
     CHECKPOINT_EVERY_S[0] = args.checkpoint_every_s
     started = time.perf_counter()
     for gpus in args.gpus:  # built once here; the worker processes inherit them

@@ -212,7 +212,8 @@ SIM_INPUTS = ("config", "set", "cluster", "model", "gpus", "steps", "trace", "po
 
 def _sim_checkpoint(args: argparse.Namespace):
     """`libra sim --checkpoint FILE`: the run's inputs as its key (a config's file by its content too, so
-    an edited config starts afresh instead of going on with the old one); None without the flag."""
+    a checkpoint saved before the config was edited is refused instead of going on as if it were this
+    run's); None without the flag."""
     import hashlib
     import json
 

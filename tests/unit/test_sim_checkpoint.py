@@ -129,6 +129,22 @@ def test_a_signal_saves_the_run_at_the_steps_end_and_stops_it(tmp_path, whole):
     assert figures(resumed) == whole
 
 
+def test_libra_sim_refuses_a_checkpoint_of_other_inputs_naming_the_flag(tmp_path, capsys):
+    """A checkpoint saved for 16 GPUs is not continued by a run asked for 24 (exit 2, both named), and
+    a bad --checkpoint-every-s is refused by name before anything runs."""
+    from libra.cli import main
+
+    args = ["sim", "--config", str(ROOT / "configs/headline/d-libra-full.yaml"), "--trace", "r2e", "--steps", "4",
+            "--prompts", "16", "--checkpoint", str(tmp_path / "run.pkl"), "--checkpoint-every-s", "0"]
+    checkpoint = Checkpoint(tmp_path / "run.pkl", key="not these inputs")
+    checkpoint.save({"not": "a simulator"}, 1)
+    assert main(args + ["--set", "planner.cluster.gpus=16"]) == 2
+    assert "holds another run's checkpoint (saved for 'not these inputs'" in capsys.readouterr().err
+    assert main(args[:-1] + ["-1", "--set", "planner.cluster.gpus=16"]) == 2
+    assert "--checkpoint-every-s must be 0..86400 seconds, got -1.0" in capsys.readouterr().err
+    assert (tmp_path / "run.pkl").exists()  # refused, not overwritten
+
+
 def test_checkpoints_are_written_no_more_often_than_asked(tmp_path):
     checkpoint = Checkpoint(tmp_path / "run.pkl", every_s=3600)
     sim_design.simulate_design(design(), trace(), STEPS, checkpoint=checkpoint)
