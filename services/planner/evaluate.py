@@ -130,13 +130,16 @@ def measured_per_step(observations: Sequence, intervals: int) -> float:
 def by_simulation(ranker: Ranker, observations: Sequence, current: Candidate, shortlist: Sequence[Candidate],
                   calibration: Calibration, settings: ReplanSettings, calibrate_from: int,
                   transition: Callable[[Candidate, Candidate], float], horizon: int | None = None,
-                  margin: float = 0.0) -> Verdict:
+                  margin: float = 0.0,
+                  retry_bar: Callable[[Candidate, Candidate], tuple[float, str]] | None = None) -> Verdict:
     """Rank `shortlist` against `current` on the replayed window (module docstring).
 
     `calibrate_from`: index into `observations` of the first step measured wholly under `current`
     (steps before it ran through a plan change and would skew the pipeline calibration).
     `horizon`: the steps a gain is counted over (default `horizon_steps`); `margin`: added to
-    `min_gain_ratio` (the replays' measured error, audit.py)."""
+    `min_gain_ratio` (the replays' measured error, audit.py); `retry_bar(current, candidate)`: the
+    extra gain ratio a move undone before must promise, and why (audit.py); a best candidate that
+    does not clear it is passed over for the next best."""
     window = ranker.window(observations)
     if window is None:
         return Verdict(False, "not evaluated: too few recent steps to replay")
@@ -175,16 +178,33 @@ def by_simulation(ranker: Ranker, observations: Sequence, current: Candidate, sh
     if not ranked:
         return Verdict(False, "not applied: the search found no other plan to simulate", current_s=a, q=q)
     horizon = horizon or settings.horizon_steps
-    best = max(ranked, key=lambda row: (a - row[1]) * horizon - row[2] if math.isfinite(row[1]) else -math.inf)
+
+    def net(row: tuple[Candidate, float, float]) -> float:
+        return (a - row[1]) * horizon - row[2] if math.isfinite(row[1]) else -math.inf
+
+    best = max(ranked, key=net)
     if not math.isfinite(best[1]):
         return Verdict(False, "not applied: no candidate can run the recent steps", current_s=a, q=q)
     if not math.isfinite(a):
         return Verdict(True, f"the plan in force cannot run the recent steps; moving to {best[0].describe()}",
                        best[0], a, best[1], best[2], math.inf, ranked, q)
+    passed, rest = [], list(ranked)  # moves undone before that do not promise enough to be tried again
+    while retry_bar is not None and best is not None:
+        extra, why = retry_bar(current, best[0])
+        if extra <= 0 or accept(a, best[1], best[2], settings, horizon, margin + extra)[0]:
+            break
+        predicted = net(best) / (a * horizon) if a > 0 else 0.0
+        passed.append(f"passed over {best[0].describe()}: {why}, and it is predicted {predicted:+.1%} net "
+                      f"against the {settings.min_gain_ratio + margin + extra:.1%} it must clear")
+        rest = [row for row in rest if row is not best]
+        best = max(rest, key=net) if rest else None
+    note = f"; {'; '.join(passed)}" if passed else ""
+    where = (f"; simulated on the last {steps} steps ({base.warm + 1} to warm up), {len(ranked)} "
+             f"candidates (pipeline slowdown {calibration.pipeline_slowdown():.3f})")
+    if best is None or not math.isfinite(best[1]):
+        return Verdict(False, f"not applied: no other candidate{note}{where}", current_s=a, ranked=ranked, q=q)
     applied, gain, reason = accept(a, best[1], best[2], settings, horizon, margin)
-    reason = (f"{reason}; simulated on the last {steps} steps ({base.warm + 1} to warm up), {len(ranked)} "
-              f"candidates (pipeline slowdown {calibration.pipeline_slowdown():.3f})")
-    return Verdict(applied, reason, best[0], a, best[1], best[2], gain, ranked, q)
+    return Verdict(applied, f"{reason}{note}{where}", best[0], a, best[1], best[2], gain, ranked, q)
 
 
 def by_closed_form(current_s: float, best: Candidate, cost_s: float, settings: ReplanSettings,

@@ -21,7 +21,8 @@ Gates, in order: warm-up (`warmup_steps` steps observed), minimum history (`min_
 lengths), cooldown (`cooldown_s` since the last applied plan), recheck (`recheck_s` since the
 last evaluation that searched) and, with a simulated judge, the last move's audit (audit.py: no
 evaluation until the replay's measured steps all ran on the plan it moved to; then the move is
-measured against its prediction, undone if it lost, and its error raises the gain later moves need). A gated decision is returned with its reason; `record` is False
+measured against its prediction, undone if it lost, and its error raises the gain later moves need;
+the same move again must promise more than it missed by). A gated decision is returned with its reason; `record` is False
 when it repeats the previous gated decision (same trigger, same gate), so a persistent signal does
 not flood the decision log.
 
@@ -363,7 +364,7 @@ class Replanner:
         verdict = by_simulation(self.ranker, observations, self._current, candidates, self.calibration,
                                 self.settings, calibrate_from,
                                 lambda old, new: transition_cost_s(old, new, self.model, self.settings),
-                                self.horizon(), self.audits.margin())
+                                self.horizon(), self.audits.margin(), self.audits.retry_bar)
         if math.isfinite(verdict.q) and verdict.q > 0:
             self._q = verdict.q
         return verdict
