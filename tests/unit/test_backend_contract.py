@@ -293,8 +293,9 @@ def test_packed_micro_batches_change_no_arithmetic(kind, model_dir):
         config = _config(kind, micro_batch_tokens=tokens, **options)
         logprobs = backend.compute_logprobs(batch)
         metrics = backend.train_step(batch, config)
-        results.append((logprobs, metrics, backend.flat_gradients().clone(), _parameters(backend)))
-    (padded_lp, padded, padded_grad, padded_params), (packed_lp, packed, packed_grad, packed_params) = results
+        grads = {n: p.grad.detach().clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+        results.append((logprobs, metrics, backend.flat_gradients().clone(), _parameters(backend), grads))
+    (padded_lp, padded, padded_grad, padded_params, grads), (packed_lp, packed, packed_grad, packed_params, _) = results
     for seq, a, b in zip(batch.sequences, padded_lp, packed_lp):
         assert a.shape == b.shape == (seq.response_length,)
         assert torch.allclose(a, b, atol=2e-6), (kind, (a - b).abs().max())
@@ -302,8 +303,14 @@ def test_packed_micro_batches_change_no_arithmetic(kind, model_dir):
         assert packed[name] == pytest.approx(padded[name], rel=1e-5, abs=1e-7), name
     assert torch.allclose(packed_grad, padded_grad, rtol=1e-4, atol=1e-7), (packed_grad - padded_grad).abs().max()
     # Adam's first step is about lr · sign(g): where |g| is near its eps, float rounding of the
-    # gradient shows in the step, so the parameters are compared to a thousandth of a step.
-    assert all(torch.allclose(padded_params[n], packed_params[n], atol=1e-5) for n in padded_params)
+    # gradient shows in the step, so the parameters are compared to a thousandth of a step, but for
+    # the near-zero gradients of NEAR_ZERO_EXEMPT (on an AVX2-only CPU: one MoE expert element with
+    # g = 1.6e-9 both ways, its updates 1.6e-5 apart; its gradient is compared above).
+    for n in padded_params:
+        close = torch.isclose(padded_params[n], packed_params[n], atol=1e-5)
+        if kind in NEAR_ZERO_EXEMPT and n in grads:
+            close |= grads[n].abs() < 1e-6
+        assert close.all(), (n, (padded_params[n] - packed_params[n]).abs().max())
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
