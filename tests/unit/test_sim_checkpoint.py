@@ -17,7 +17,7 @@ import pytest
 from libra.config import load_run_config
 from libra.errors import InvalidArgument
 from libra.services.planner.sim import design as sim_design
-from libra.services.planner.sim.checkpoint import Checkpoint, Stopped as SavedAndStopped
+from libra.services.planner.sim.checkpoint import Checkpoint, Stopped as SavedAndStopped, header
 from libra.services.planner.sim.cluster import Simulator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -72,7 +72,7 @@ def test_a_run_stopped_part_way_goes_on_from_its_checkpoint_exactly(tmp_path, st
     with pytest.raises(Stopped):
         sim_design.simulate_design(design(), trace(), STEPS, progress=stop_after(stop), checkpoint=checkpoint)
     assert checkpoint.path.exists() and checkpoint.saved == stop
-    assert pickle.loads(checkpoint.path.read_bytes())["step"] == stop  # saved at the end of step stop - 1
+    assert header(checkpoint.path)["step"] == stop  # saved at the end of step stop - 1
     again = Checkpoint(tmp_path / "run.pkl", key="test run", every_s=0)
     resumed = sim_design.simulate_design(design(), trace(), STEPS, checkpoint=again)
     assert figures(resumed) == whole
@@ -106,8 +106,34 @@ def test_checkpoints_not_of_this_run_are_refused_by_name(tmp_path):
         Simulator.resume(foreign)
     with pytest.raises(InvalidArgument, match="no checkpoint at"):
         Simulator.resume(tmp_path / "absent.pkl")
+    old_format = tmp_path / "old.pkl"
+    old_format.write_bytes(pickle.dumps({"format": "libra-sim-checkpoint/1", "key": "gpus 16", "simulator": None}))
+    with pytest.raises(InvalidArgument, match=r"not a simulation checkpoint of this version \(libra-sim-checkpoint/2\)"):
+        Simulator.resume(old_format, "gpus 16")
     with pytest.raises(InvalidArgument, match="every_s must be >= 0"):
         Checkpoint(tmp_path / "x.pkl", every_s=-1)
+
+
+def test_a_checkpoint_saved_by_other_code_is_refused_naming_the_module(tmp_path):
+    """The header fingerprints the source of every libra module loaded when it was saved; one that
+    differs now is named, and the refusal comes before the simulator is unpickled (here: cut short)."""
+    checkpoint = Checkpoint(tmp_path / "run.pkl", key="k", every_s=0)
+    with pytest.raises(Stopped):
+        sim_design.simulate_design(design(), trace(), STEPS, progress=stop_after(1), checkpoint=checkpoint)
+    code = header(checkpoint.path)["code"]
+    assert {"libra.services.planner.sim.cluster", "libra.services.planner.audit", "libra.traces.spec"} <= set(code)
+    assert Simulator.resume(checkpoint.path, "k") is not None  # this code saved it: accepted
+    with open(checkpoint.path, "rb") as source:
+        saved, rest = pickle.load(source), source.read()
+    edited = tmp_path / "edited.pkl"
+    edited.write_bytes(pickle.dumps({**saved, "code": {**code, "libra.services.planner.audit": "0" * 64}})
+                       + rest[:len(rest) // 2])
+    with pytest.raises(InvalidArgument, match=r"saved by other code: libra.services.planner.audit changed since"):
+        Simulator.resume(edited, "k")
+    gone = tmp_path / "gone.pkl"
+    gone.write_bytes(pickle.dumps({**saved, "code": {**code, "libra.services.planner.removed": "0" * 64}}) + rest)
+    with pytest.raises(InvalidArgument, match=r"libra.services.planner.removed changed since"):
+        Simulator.resume(gone, "k")
 
 
 def test_a_signal_saves_the_run_at_the_steps_end_and_stops_it(tmp_path, whole):
@@ -124,7 +150,7 @@ def test_a_signal_saves_the_run_at_the_steps_end_and_stops_it(tmp_path, whole):
         with checkpoint.stop_on_signals():
             sim_design.simulate_design(design(), trace(), STEPS, progress=terminate_at_step_3, checkpoint=checkpoint)
     assert signal.getsignal(signal.SIGTERM) is before
-    assert checkpoint.saved == 1 and pickle.loads(checkpoint.path.read_bytes())["step"] == 4
+    assert checkpoint.saved == 1 and header(checkpoint.path)["step"] == 4
     resumed = sim_design.simulate_design(design(), trace(), STEPS, checkpoint=Checkpoint(checkpoint.path, key="k"))
     assert figures(resumed) == whole
 

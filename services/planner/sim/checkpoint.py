@@ -14,24 +14,30 @@ Ctrl-C) do not kill the run: it saves at the next step's end and raises `Stopped
 says how to go on.
 
 `key` names the run's inputs (the command line, say): a checkpoint of other inputs is refused with
-both named, never continued as if it were this run's. A checkpoint is a pickle: load only files
-you wrote (it runs code it names, like any pickle).
+both named, never continued as if it were this run's. So is one saved by other code: the file's
+header holds the sha256 of the source of every `libra` module the saving process had loaded, and
+a module whose source differs now is named (a run half on one version and half on another is
+neither's). The header is read first, so a refusal never unpickles the simulator. A checkpoint is
+a pickle: load only files you wrote (it runs code it names, like any pickle).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.util
 import os
 import pathlib
 import pickle
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from libra.errors import InvalidArgument
 
-FORMAT = "libra-sim-checkpoint/1"
+FORMAT = "libra-sim-checkpoint/2"  # a header dict (format, key, step, code), then the simulator
 
 
 class Stopped(Exception):
@@ -75,8 +81,9 @@ class Checkpoint:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_name(self.path.name + ".partial")
         with open(partial, "wb") as out:
-            pickle.dump({"format": FORMAT, "key": self.key, "step": step, "simulator": simulator}, out,
+            pickle.dump({"format": FORMAT, "key": self.key, "step": step, "code": code_fingerprint()}, out,
                         protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(simulator, out, protocol=pickle.HIGHEST_PROTOCOL)
             out.flush()
             os.fsync(out.fileno())
         os.replace(partial, self.path)
@@ -84,21 +91,71 @@ class Checkpoint:
         self.last_s = time.perf_counter()
 
 
+def header(path: str | os.PathLike[str]) -> dict:
+    """A checkpoint's header (format, key, step, code) without its simulator."""
+    return _open(pathlib.Path(path), header_only=True)[0]
+
+
 def resume(path: str | os.PathLike[str], key: str = "") -> object:
-    """The simulator saved at `path` (`Simulator.run` continues it); a file of another format or run is refused."""
+    """The simulator saved at `path` (`Simulator.run` continues it); a file of another format, run or
+    code is refused."""
     path = pathlib.Path(path)
+    return _open(path, key=key)[1]
+
+
+def _open(path: pathlib.Path, key: str = "", header_only: bool = False) -> tuple[dict, object]:
     try:
         with open(path, "rb") as source:
             saved = pickle.load(source)
+            if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+                raise InvalidArgument(f"{path} is not a simulation checkpoint of this version ({FORMAT}); remove it "
+                                      f"to start the run afresh")
+            if header_only:
+                return saved, None
+            if saved["key"] != key:
+                raise InvalidArgument(f"{path} holds another run's checkpoint (saved for {saved['key']!r}, this run "
+                                      f"is {key!r}); name another file, or remove it to start afresh")
+            changed = code_changes(saved.get("code", {}))
+            if changed:
+                shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
+                raise InvalidArgument(f"{path} was saved by other code: {shown} changed since (going on would mix "
+                                      f"two versions in one run); finish it with the code that saved it, or remove "
+                                      f"it to start afresh")
+            return saved, pickle.load(source)
     except FileNotFoundError:
         raise InvalidArgument(f"no checkpoint at {path}") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as error:
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError, KeyError) as error:
         raise InvalidArgument(f"{path} is not a readable simulation checkpoint ({type(error).__name__}: {error}); "
                               f"remove it to start the run afresh") from None
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
-        raise InvalidArgument(f"{path} is not a simulation checkpoint of this version ({FORMAT}); remove it to "
-                              f"start the run afresh")
-    if saved["key"] != key:
-        raise InvalidArgument(f"{path} holds another run's checkpoint (saved for {saved['key']!r}, this run is "
-                              f"{key!r}); name another file, or remove it to start afresh")
-    return saved["simulator"]
+
+
+def code_fingerprint() -> dict[str, str]:
+    """{module: sha256 of its source} for every `libra` module loaded in this process."""
+    return {name: digest for name, module in list(sys.modules.items())
+            if (name == "libra" or name.startswith("libra.")) and (digest := _digest(getattr(module, "__file__", None)))}
+
+
+def code_changes(saved: dict[str, str]) -> list[str]:
+    """The modules of a fingerprint whose source differs here (or that are gone), sorted."""
+    changed = []
+    for name, digest in sorted(saved.items()):
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None) if module is not None else None
+        if path is None:
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):
+                spec = None
+            path = spec.origin if spec is not None else None
+        if _digest(path) != digest:
+            changed.append(name)
+    return changed
+
+
+def _digest(path: str | None) -> str | None:
+    if not path or not path.endswith(".py"):
+        return None
+    try:
+        return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
