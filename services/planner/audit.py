@@ -107,8 +107,8 @@ class Audits:
         if not misses:
             return 0.0, ""
         worst = max(misses, key=lambda u: u.miss)
-        return worst.miss, (f"the same move, made after step {worst.step}, was undone: it measured {worst.miss:.1%} "
-                            f"below its prediction")
+        return worst.miss, (f"the same move, made after step {worst.step}, was undone: it gained {worst.miss:.1%} less "
+                            f"than predicted")
 
     def wait(self, steps_observed: int, measured_steps: int) -> str:
         """Why an evaluation must wait for the pending audit ("" when it need not)."""

@@ -125,12 +125,12 @@ def test_an_undone_move_is_passed_over_unless_it_promises_more_than_it_missed_by
     ranker.per_step.update({g: 80.0 for g in range(1, 16) if g != 8})
     r, undone = _undone(ranker)
     assert r.audits.retry_bar(POOR, undone) == (pytest.approx(0.30), "the same move, made after step 5, was undone: "
-                                                                     "it measured 30.0% below its prediction")
+                                                                     "it gained 30.0% less than predicted")
     assert r.audits.retry_bar(undone, POOR) == (0.0, "")  # the move back is another move
     again = r.consider(200.0)  # the same +20% clears 3% + 0% margin, not 3% + its 30% miss
     assert not again.applied and r.current.layout == POOR.layout
     assert "passed over train tp1 pp1 dp4 mb1 (4 GPUs" in again.reason and (
-        "the same move, made after step 5, was undone: it measured 30.0% below its prediction, and it is predicted "
+        "the same move, made after step 5, was undone: it gained 30.0% less than predicted, and it is predicted "
         "+20.0% net against the 33.0% it must clear") in again.reason, again.reason
     assert again.reason.startswith("not applied: gain does not pay"), again.reason  # the next best: no gain
 
