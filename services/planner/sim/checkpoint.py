@@ -122,6 +122,8 @@ def _open(path: pathlib.Path, key: str = "", header_only: bool = False) -> tuple
                                       f"two versions in one run); finish it with the code that saved it, or remove "
                                       f"it to start afresh")
             return saved, pickle.load(source)
+    except InvalidArgument:  # (a ValueError: not to be taken for an unreadable file below)
+        raise
     except FileNotFoundError:
         raise InvalidArgument(f"no checkpoint at {path}") from None
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError, KeyError) as error:
