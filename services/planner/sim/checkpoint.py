@@ -131,10 +131,16 @@ def _open(path: pathlib.Path, key: str = "", header_only: bool = False) -> tuple
                               f"remove it to start the run afresh") from None
 
 
+_SEEN: dict[str, str | None] = {}  # module -> its source's sha256 when this process first fingerprinted it
+
+
 def code_fingerprint() -> dict[str, str]:
-    """{module: sha256 of its source} for every `libra` module loaded in this process."""
-    return {name: digest for name, module in list(sys.modules.items())
-            if (name == "libra" or name.startswith("libra.")) and (digest := _digest(getattr(module, "__file__", None)))}
+    """{module: sha256 of its source} for every `libra` module loaded in this process, each read
+    the first time it is seen here (a source edited while the run goes on does not pass for its code)."""
+    for name, module in list(sys.modules.items()):
+        if (name == "libra" or name.startswith("libra.")) and name not in _SEEN:
+            _SEEN[name] = _digest(getattr(module, "__file__", None))
+    return {name: digest for name, digest in _SEEN.items() if digest is not None}
 
 
 def code_changes(saved: dict[str, str]) -> list[str]:
