@@ -42,16 +42,10 @@ from typing import Callable, Sequence
 from libra.services.planner.calibration import Calibration
 from libra.services.planner.evaluate import Ranker, measured_per_step
 from libra.services.planner.search import Candidate
+from libra.services.planner.transition import PlanKey, plan_key
 
 AUDITS_KEPT = 3
 UNDONE_KEPT = 8
-
-PlanKey = tuple  # (tp, pp, dp, micro_batch, sorted rollout instances): what `transition.same_plan` compares
-
-
-def plan_key(plan: Candidate) -> PlanKey:
-    l = plan.layout
-    return (l.tp, l.pp, l.dp, l.micro_batch, tuple(sorted(tuple(pair) for pair in plan.rollout)))
 
 
 @dataclass(frozen=True)

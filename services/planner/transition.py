@@ -75,6 +75,15 @@ def accept(current_s: float, new_s: float, cost_s: float, settings: ReplanSettin
     return True, gain, f"applied: {numbers}"
 
 
+PlanKey = tuple  # (tp, pp, dp, micro_batch, the rollout instances sorted): what makes two plans the same
+
+
+def plan_key(plan: Candidate) -> PlanKey:
+    """A plan's identity, hashable and JSON-able as a list (the audit keeps undone moves by it)."""
+    l = plan.layout
+    return (l.tp, l.pp, l.dp, l.micro_batch, tuple(sorted(tuple(pair) for pair in plan.rollout)))
+
+
 def same_plan(a: Candidate, b: Candidate) -> bool:
     """True when moving from `a` to `b` changes nothing (same layout, same rollout instances)."""
-    return a.layout == b.layout and tuple(sorted(a.rollout)) == tuple(sorted(b.rollout))
+    return plan_key(a) == plan_key(b)
