@@ -43,8 +43,10 @@ import contextlib
 import hashlib
 import json
 import multiprocessing
+import os
 import pathlib
 import resource
+import signal
 import sys
 import time
 
@@ -64,6 +66,7 @@ TRACES: dict = {}  # (gpus, steps, seed, drift) -> Trace, built before the worke
 REPLAY_WORKERS = [1]  # planner.replan.sim_workers of every run (--replay-workers; the results do not depend on it)
 CHECKPOINTS: list[pathlib.Path | None] = [None]  # --checkpoint-dir: each run saves itself there as it goes
 CHECKPOINT_EVERY_S = [300.0]  # --checkpoint-every-s
+STOP: list = [None]  # with --jobs > 1: a multiprocessing Event set when the benchmark is asked to stop
 
 
 def overrides_for(key: str, gpus: int, extra: dict | None = None) -> dict:
@@ -118,7 +121,13 @@ def run_one(job: tuple) -> dict:
 
 def run_all(jobs: list[tuple], processes: int, rows_file: pathlib.Path) -> list[dict]:
     """Every job's row; rows already in `rows_file` (the same command) are not run again, and every
-    new row is appended to it as soon as it is done (a long run that is stopped loses nothing)."""
+    new row is appended to it as soon as it is done (a long run that is stopped loses nothing).
+
+    In parallel (`processes` > 1), SIGTERM or SIGINT to this process (a `timeout`, a batch system
+    or Ctrl-C) is passed on to the workers: each run in progress saves at its step's end and stops,
+    no queued run starts, the rows already done are kept, and then `Stopped` is raised here, as in
+    one process. Without --checkpoint-dir a run has nothing to save: the workers are killed and the
+    process exits at once (128 + the signal's number)."""
     done = {}
     if rows_file.exists():
         for line in rows_file.read_text().splitlines():
@@ -128,8 +137,61 @@ def run_all(jobs: list[tuple], processes: int, rows_file: pathlib.Path) -> list[
     rows = [_progress(done[job[4]], rows_file=None) for job in jobs if job[4] in done]
     if processes <= 1:
         return rows + [_progress(run_one(job), rows_file) for job in todo]
-    with multiprocessing.get_context("fork").Pool(processes) as pool:
-        return rows + [_progress(row, rows_file) for row in pool.imap_unordered(run_one, todo)]
+    context = multiprocessing.get_context("fork")
+    STOP[0] = context.Event()  # inherited by the workers (forked after this)
+
+    def stop(signum, _frame) -> None:
+        if CHECKPOINTS[0] is None:  # nothing a run could save: stop now (the workers are killed below)
+            raise SystemExit(128 + signum)
+        STOP[0].set()
+        for child in multiprocessing.active_children():  # the pool's workers (their replays' are theirs)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGTERM)
+
+    stopped: list[Stopped] = []
+    finished = False
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    pool = context.Pool(processes, initializer=_worker_start)
+    try:
+        results = pool.imap_unordered(_run_unless_stopped, todo)
+        while True:
+            try:
+                rows.append(_progress(next(results), rows_file))
+            except StopIteration:
+                break
+            except Stopped as error:  # a run saved and stopped: wait for the others to do the same
+                print(f"  stopped: {error}", flush=True)
+                stopped.append(error)
+        pool.close()  # the workers leave once the queue is empty (they ignore SIGTERM: no terminate())
+        pool.join()
+        finished = True
+    finally:
+        if not finished:  # interrupted without checkpoints, or failed: the workers go now
+            for child in multiprocessing.active_children():
+                child.kill()
+            pool.terminate()
+            pool.join()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        STOP[0] = None
+    if len(stopped) == 1:
+        raise stopped[0]
+    if stopped:
+        raise Stopped(f"{len(stopped)} runs stopped, each as said above; run the same command again to go on")
+    return rows
+
+
+def _worker_start() -> None:
+    """A pool worker between runs ignores SIGTERM and SIGINT (the main process passes them on; a run
+    in progress catches them itself, `Checkpoint.stop_on_signals`, and restores this after)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _run_unless_stopped(job: tuple) -> dict:
+    if STOP[0] is not None and STOP[0].is_set():
+        raise Stopped(f"{job[0]}: not started (the benchmark was asked to stop); run the command again to go on")
+    return run_one(job)
 
 
 def _checkpoint_of(cmd: str) -> pathlib.Path | None:

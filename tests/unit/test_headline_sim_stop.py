@@ -1,0 +1,108 @@
+"""benchmarks/headline_sim.py with --jobs > 1, stopped by a signal to its main process only (as
+`timeout` sends it): the runs in progress are told, save and stop; a queued run never starts; the
+process exits with `Stopped` and leaves no worker behind. Without checkpoints there is nothing to
+save: it exits at once (128 + the signal) and kills its workers. Unstopped, every row is kept.
+
+The runs are stand-ins (the signal path is the subject, not the simulator): each records that it
+started and its pid, then waits for its checkpoint's stop flag as a simulation would at a step's end."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DRIVER = r"""
+import json, os, pathlib, sys, time
+sys.path.insert(0, sys.argv[1])
+import headline_sim as hs
+from libra.services.planner.sim.checkpoint import Checkpoint, Stopped
+out, mode = pathlib.Path(sys.argv[2]), sys.argv[3]
+hs.CHECKPOINTS[0] = None if mode == "no-checkpoint" else out
+
+def stand_in(job):
+    label = job[0]
+    (out / f"pid-{label}").write_text(str(os.getpid()))
+    (out / f"started-{label}").touch()
+    if mode == "quick":
+        return {"label": label, "command": job[4], "trajectories_per_s": 1.0, "cpu_s": 0.0}
+    if mode == "no-checkpoint":
+        while True:  # a run with nothing to save: it is killed
+            time.sleep(0.05)
+    checkpoint = Checkpoint(out / f"{label}.ck", every_s=0)
+    with checkpoint.stop_on_signals():
+        while not checkpoint.stop:
+            time.sleep(0.02)
+    (out / f"saved-{label}").touch()
+    raise Stopped(f"{label} saved at its step's end")
+
+hs.run_one = stand_in
+jobs = [(f"r{i}", "d", 8, {}, f"cmd {i}", None, "design") for i in range(3)]
+try:
+    rows = hs.run_all(jobs, 2, out / "rows.jsonl")
+except Stopped as stopped:
+    print(f"stopped: {stopped}", flush=True)
+    sys.exit(75)
+print("rows", len(rows), flush=True)
+"""
+
+
+def _start(tmp_path: pathlib.Path, mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", DRIVER, str(ROOT / "benchmarks"), str(tmp_path), mode],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie (reaped by init soon) counts as gone
+        return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def _started(tmp_path: pathlib.Path) -> list[str]:
+    return sorted(p.name.removeprefix("started-") for p in tmp_path.glob("started-*"))
+
+
+def test_sigterm_to_the_main_process_saves_the_running_and_starts_no_more(tmp_path):
+    process = _start(tmp_path, "checkpoint")
+    _wait_for(lambda: len(_started(tmp_path)) == 2, "two runs to start")
+    running = _started(tmp_path)
+    pids = [int((tmp_path / f"pid-{label}").read_text()) for label in running]
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 75, out + err
+    assert "stopped: " in out and "saved at its step's end" in out
+    assert sorted(p.name.removeprefix("saved-") for p in tmp_path.glob("saved-*")) == running
+    assert _started(tmp_path) == running  # the third, queued, never started
+    _wait_for(lambda: all(_gone(pid) for pid in pids), "the workers to exit", 10)
+
+
+def test_without_checkpoints_a_signal_stops_at_once_and_kills_the_workers(tmp_path):
+    process = _start(tmp_path, "no-checkpoint")
+    _wait_for(lambda: len(_started(tmp_path)) == 2, "two runs to start")
+    pids = [int((tmp_path / f"pid-{label}").read_text()) for label in _started(tmp_path)]
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 128 + signal.SIGTERM, out + err
+    _wait_for(lambda: all(_gone(pid) for pid in pids), "the workers to be killed", 10)
+
+
+def test_unstopped_every_row_is_kept(tmp_path):
+    process = _start(tmp_path, "quick")
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, out + err
+    assert "rows 3" in out
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3
+
