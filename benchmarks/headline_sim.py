@@ -94,6 +94,8 @@ def run_one(job: tuple) -> dict:
         checkpoint = Checkpoint(_checkpoint_of(cmd), key=cmd, every_s=CHECKPOINT_EVERY_S[0])
     try:
         with checkpoint.stop_on_signals() if checkpoint is not None else contextlib.nullcontext():
+            if checkpoint is not None and STOP[0] is not None and STOP[0].is_set():
+                checkpoint.stop = True  # (asked to stop while this run was being set up: save at step 1)
             played = sim_design.simulate_design(design, TRACES[trace_key], trace_key[1], checkpoint=checkpoint)
     except Stopped:  # SIGTERM/SIGINT: saved; the benchmark stops (run it again to go on)
         raise
