@@ -29,7 +29,9 @@ Runs are independent and deterministic; `--jobs` runs them in parallel processes
 run is appended to OUT with the suffix .rows.jsonl at once, and a run whose command is there
 already is not run again (delete that file to start afresh). With --checkpoint-dir DIR each run
 also saves its whole state in DIR (every --checkpoint-every-s, 300 s; services/planner/sim/checkpoint.py), so a run
-stopped part way (an hour at 4,096 GPUs) goes on from there when the command is run again.
+stopped part way (an hour at 4,096 GPUs) goes on from there when the command is run again. SIGTERM
+or Ctrl-C, to this process alone or to all of them, stops every run in progress at its step's end,
+saved, and starts no other (exit 75), with --jobs 1 or more.
 
     .venv/bin/python benchmarks/headline_sim.py [--gpus 48 512 4096] [--steps 100] [--seed 0]
         [--drift 1.0] [--ablation-gpus 48] [--online-gpus 48 512 4096] [--jobs 1] [--only a b c d]
