@@ -89,6 +89,8 @@ def command(key: str, sets: dict, args: argparse.Namespace, gpus: int) -> str:
 def run_one(job: tuple) -> dict:
     """One simulated run (in a worker process): the row's numbers, or why it could not run."""
     label, key, gpus, sets, cmd, trace_key, role = job
+    if _stopping():  # (--jobs > 1: a queued run after the benchmark was asked to stop)
+        raise Stopped(f"{label}: not started (the benchmark was asked to stop); run the command again to go on")
     config = load_run_config(ROOT / CONFIGS[key], {**sets, "planner.replan.sim_workers": REPLAY_WORKERS[0]}, env={})
     design = sim_design.design_of(config)
     checkpoint = None
@@ -96,7 +98,7 @@ def run_one(job: tuple) -> dict:
         checkpoint = Checkpoint(_checkpoint_of(cmd), key=cmd, every_s=CHECKPOINT_EVERY_S[0])
     try:
         with checkpoint.stop_on_signals() if checkpoint is not None else contextlib.nullcontext():
-            if checkpoint is not None and STOP[0] is not None and STOP[0].is_set():
+            if checkpoint is not None and _stopping():
                 checkpoint.stop = True  # (asked to stop while this run was being set up: save at step 1)
             played = sim_design.simulate_design(design, TRACES[trace_key], trace_key[1], checkpoint=checkpoint)
     except Stopped:  # SIGTERM/SIGINT: saved; the benchmark stops (run it again to go on)
@@ -157,7 +159,7 @@ def run_all(jobs: list[tuple], processes: int, rows_file: pathlib.Path) -> list[
     previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
     pool = context.Pool(processes, initializer=_worker_start)
     try:
-        results = pool.imap_unordered(_run_unless_stopped, todo)
+        results = pool.imap_unordered(run_one, todo)
         while True:
             try:
                 rows.append(_progress(next(results), rows_file))
@@ -192,10 +194,10 @@ def _worker_start() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _run_unless_stopped(job: tuple) -> dict:
-    if STOP[0] is not None and STOP[0].is_set():
-        raise Stopped(f"{job[0]}: not started (the benchmark was asked to stop); run the command again to go on")
-    return run_one(job)
+def _stopping() -> bool:
+    """Whether the main process of a --jobs > 1 run was asked to stop (never, in one process: there the
+    signal reaches the run itself)."""
+    return STOP[0] is not None and STOP[0].is_set()
 
 
 def _checkpoint_of(cmd: str) -> pathlib.Path | None:

@@ -3,7 +3,8 @@
 process exits with `Stopped` and leaves no worker behind. Without checkpoints there is nothing to
 save: it exits at once (128 + the signal) and kills its workers. Unstopped, every row is kept.
 
-The runs are stand-ins (the signal path is the subject, not the simulator): each records that it
+Each run is the script's own `run_one` (its config, checkpoint and signal handling) around a
+stand-in for the simulation (the signal path is the subject, not the simulator): it records that it
 started and its pid, then waits for its checkpoint's stop flag as a simulation would at a step's end."""
 
 import os
@@ -13,33 +14,35 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DRIVER = r"""
-import json, os, pathlib, sys, time
+import os, pathlib, sys, time, types
 sys.path.insert(0, sys.argv[1])
 import headline_sim as hs
-from libra.services.planner.sim.checkpoint import Checkpoint, Stopped
+from libra.services.planner.sim.checkpoint import Stopped
 out, mode = pathlib.Path(sys.argv[2]), sys.argv[3]
 hs.CHECKPOINTS[0] = None if mode == "no-checkpoint" else out
 
-def stand_in(job):
-    label = job[0]
+def stand_in(design, trace, steps, checkpoint=None):
+    label = design.label
     (out / f"pid-{label}").write_text(str(os.getpid()))
     (out / f"started-{label}").touch()
     if mode == "quick":
-        return {"label": label, "command": job[4], "trajectories_per_s": 1.0, "cpu_s": 0.0}
+        raise ValueError("a design this trace cannot run")  # run_one's row that says why
     if mode == "no-checkpoint":
         while True:  # a run with nothing to save: it is killed
             time.sleep(0.05)
-    checkpoint = Checkpoint(out / f"{label}.ck", every_s=0)
-    with checkpoint.stop_on_signals():
-        while not checkpoint.stop:
-            time.sleep(0.02)
+    while not checkpoint.stop:
+        time.sleep(0.02)
     (out / f"saved-{label}").touch()
     raise Stopped(f"{label} saved at its step's end")
 
-hs.run_one = stand_in
-jobs = [(f"r{i}", "d", 8, {}, f"cmd {i}", None, "design") for i in range(3)]
+hs.sim_design.simulate_design = stand_in
+hs.sim_design.design_of = lambda config: types.SimpleNamespace(label=config.run_id)
+hs.TRACES[("stand-in", 1)] = None
+jobs = [(f"r{i}", "d", 8, {"run_id": f"r{i}"}, f"cmd {i}", ("stand-in", 1), "design") for i in range(3)]
 try:
     rows = hs.run_all(jobs, 2, out / "rows.jsonl")
 except Stopped as stopped:
@@ -106,3 +109,29 @@ def test_unstopped_every_row_is_kept(tmp_path):
     assert "rows 3" in out
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3
 
+
+
+def test_a_run_asked_to_stop_while_it_was_set_up_saves_at_its_first_step(tmp_path, monkeypatch):
+    """The signal came after the worker took the run (its first check passed) and before the run
+    caught signals itself: the run is told at once, so it saves at its first step's end instead of
+    playing to its last. Unasked, it plays on."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import headline_sim
+
+    told = []
+
+    def stand_in(design, trace, steps, checkpoint=None):
+        told.append(checkpoint.stop)
+        raise headline_sim.Stopped("saved")
+
+    monkeypatch.setattr(headline_sim.sim_design, "simulate_design", stand_in)
+    monkeypatch.setattr(headline_sim.sim_design, "design_of", lambda config: None)
+    monkeypatch.setitem(headline_sim.TRACES, ("stand-in", 1), None)
+    monkeypatch.setattr(headline_sim, "CHECKPOINTS", [tmp_path])
+    job = ("r0", "d", 8, {}, "cmd 0", ("stand-in", 1), "design")
+    for answers in ([False, False], [False, True]):  # _stopping() before the set-up, then inside the run's scope
+        asked = iter(answers)
+        monkeypatch.setattr(headline_sim, "_stopping", lambda: next(asked))
+        with pytest.raises(headline_sim.Stopped, match="saved"):
+            headline_sim.run_one(job)
+    assert told == [False, True]
