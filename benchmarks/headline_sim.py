@@ -35,7 +35,8 @@ saved, and starts no other (exit 75), with --jobs 1 or more.
 
     .venv/bin/python benchmarks/headline_sim.py [--gpus 48 512 4096] [--steps 100] [--seed 0]
         [--drift 1.0] [--ablation-gpus 48] [--online-gpus 48 512 4096] [--jobs 1] [--only a b c d]
-        [--replay-workers N] [--checkpoint-dir DIR] [--out FILE]
+        [--ablation-rows scheduler buckets replanning elastic] [--replay-workers N] [--checkpoint-dir DIR]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ TRACES: dict = {}  # (gpus, steps, seed, drift) -> Trace, built before the worke
 REPLAY_WORKERS = [1]  # planner.replan.sim_workers of every run (--replay-workers; the results do not depend on it)
 CHECKPOINTS: list[pathlib.Path | None] = [None]  # --checkpoint-dir: each run saves itself there as it goes
 CHECKPOINT_EVERY_S = [300.0]  # --checkpoint-every-s
+ABLATION_ROWS = ("scheduler", "buckets", "replanning", "elastic")  # --ablation-rows: the mechanism each turns off
 STOP: list = [None]  # with --jobs > 1: a multiprocessing Event set when the benchmark is asked to stop
 
 
@@ -104,6 +106,9 @@ def run_one(job: tuple) -> dict:
     except Stopped:  # SIGTERM/SIGINT: saved; the benchmark stops (run it again to go on)
         raise
     except Exception as error:  # noqa: BLE001 - a setting the design cannot run is a row that says why
+        if checkpoint is not None and checkpoint.stop:  # failed while stopping (a signal to the whole group):
+            raise Stopped(f"{label}: stopped ({str(error)[:200]}); its last checkpoint is kept: run the command "
+                          f"again to go on") from error  # no row, which would keep it from running again
         return {"label": label, "key": key, "role": role, "gpus": gpus, "sets": sets, "command": cmd,
                 "error": str(error)[:400]}
     result, usage = played.result, played.usage
@@ -231,11 +236,12 @@ def scale(gpus: int, args: argparse.Namespace) -> dict:
     jobs = [job(TITLES[key], key) for key in keys if key not in SWEEP]
     if gpus in args.ablation_gpus and "d" in keys:
         homogeneous = load_run_config(ROOT / CONFIGS["b"], env={}).planner.cluster.tp_choices  # (b)'s, the best swept
-        jobs += [job(f"(d) minus {what}", "d", sets, "ablation") for what, sets in (
-            ("C-MLFQ -> load balance", {"scheduler.policy": "load_balance"}),
-            (f"heterogeneous -> homogeneous tp_choices {list(homogeneous)}",
+        jobs += [job(f"(d) minus {what}", "d", sets, "ablation") for name, what, sets in (
+            ("scheduler", "C-MLFQ -> load balance", {"scheduler.policy": "load_balance"}),
+            ("buckets", f"heterogeneous -> homogeneous tp_choices {list(homogeneous)}",
              {"planner.cluster.tp_choices": list(homogeneous)}),
-            ("replanning off (planner.mode static)", {"planner.mode": "static"}))]
+            ("replanning", "replanning off (planner.mode static)", {"planner.mode": "static"}))
+            if name in args.ablation_rows]
     jobs.sort(key=lambda j: j[1] != "d" or "planner.mode" in j[3])  # the online runs (the long ones) first
     jobs += [job(f"{TITLES[key][:3]} tp_choices {choice}", key, {"planner.cluster.tp_choices": choice})
              for key in keys for choice in SWEEP.get(key, ())]
@@ -243,7 +249,7 @@ def scale(gpus: int, args: argparse.Namespace) -> dict:
           f"{', ablation of (d)' if gpus in args.ablation_gpus else ''}", flush=True)
     rows_file = pathlib.Path(args.out).with_suffix(".rows.jsonl")
     rows = run_all(jobs, args.jobs, rows_file)
-    if gpus in args.ablation_gpus and "d" in keys:
+    if gpus in args.ablation_gpus and "d" in keys and "elastic" in args.ablation_rows:
         rows.append(elastic_off(job("(d) minus elastic pool off (core_replicas 65536)", "d",
                                     {"elastic.core_replicas": 65536}, "ablation"), rows, rows_file))
     design_rows = {key: [r for r in rows if r["key"] == key and r.get("role") != "ablation" and "error" not in r]
@@ -336,6 +342,9 @@ def main() -> None:
                         help="GPU counts at which (d) is simulated (its replanner replays the recent steps "
                              "after every step: the costliest run by far)")
     parser.add_argument("--only", nargs="+", default=list("abcd"), choices=list("abcd"))
+    parser.add_argument("--ablation-rows", nargs="+", default=list(ABLATION_ROWS), choices=list(ABLATION_ROWS),
+                        help="which of the ablation's rows to run (each is an hour or more at 4,096 GPUs: split "
+                             "them over machines, each with its own --out, and merge the rows files)")
     parser.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes")
     parser.add_argument("--replay-workers", type=int, default=1,
                         help="planner.replan.sim_workers of every run: the online runs' replays side by side in "

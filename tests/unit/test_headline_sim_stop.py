@@ -7,6 +7,8 @@ Each run is the script's own `run_one` (its config, checkpoint and signal handli
 stand-in for the simulation (the signal path is the subject, not the simulator): it records that it
 started and its pid, then waits for its checkpoint's stop flag as a simulation would at a step's end."""
 
+import argparse
+import json
 import os
 import pathlib
 import signal
@@ -135,3 +137,56 @@ def test_a_run_asked_to_stop_while_it_was_set_up_saves_at_its_first_step(tmp_pat
         with pytest.raises(headline_sim.Stopped, match="saved"):
             headline_sim.run_one(job)
     assert told == [False, True]
+
+
+def test_a_run_that_fails_while_stopping_leaves_no_row_and_one_that_fails_unasked_says_why(tmp_path, monkeypatch):
+    """A row is kept in the rows file and never run again. A run that breaks once it was asked to stop
+    (its replay workers signalled with it, say) is a stop, not a row: run again, it goes on from its
+    last checkpoint. Unasked, a setting the design cannot run is a row that says why."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import headline_sim
+
+    def stand_in(design, trace, steps, checkpoint=None):
+        checkpoint.stop = stopping
+        raise RuntimeError("a replay worker process died")
+
+    monkeypatch.setattr(headline_sim.sim_design, "simulate_design", stand_in)
+    monkeypatch.setattr(headline_sim.sim_design, "design_of", lambda config: None)
+    monkeypatch.setitem(headline_sim.TRACES, ("stand-in", 1), None)
+    monkeypatch.setattr(headline_sim, "CHECKPOINTS", [tmp_path])
+    monkeypatch.setattr(headline_sim, "_stopping", lambda: False)
+    job = ("r0", "d", 8, {}, "cmd 0", ("stand-in", 1), "design")
+    stopping = True
+    with pytest.raises(headline_sim.Stopped, match="r0: stopped .*replay worker process died.*checkpoint is kept"):
+        headline_sim.run_all([job], 1, tmp_path / "rows.jsonl")
+    assert not (tmp_path / "rows.jsonl").exists()
+    stopping = False
+    row = headline_sim.run_all([job], 1, tmp_path / "rows.jsonl")[0]
+    assert row["error"] == "a replay worker process died"
+    assert json.loads((tmp_path / "rows.jsonl").read_text())["error"] == row["error"]
+
+
+def test_ablation_rows_runs_the_rows_asked_for(tmp_path, monkeypatch):
+    """--ablation-rows splits the ablation over machines: only the rows named are run (the elastic
+    pool's row only when named), (d) itself always."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import headline_sim
+
+    ran = []
+
+    def run_all(jobs, processes, rows_file):
+        ran.extend(job[0] for job in jobs)
+        return []
+
+    monkeypatch.setattr(headline_sim, "run_all", run_all)
+    monkeypatch.setattr(headline_sim, "elastic_off", lambda job, rows, rows_file: ran.append(job[0]) or {
+        "label": job[0], "key": "d", "role": "ablation"})
+    monkeypatch.setattr(headline_sim, "print_scale", lambda report: None)
+    for rows, expected in ((["scheduler"], ["C-MLFQ"]), (["elastic", "replanning"], ["replanning", "elastic"]),
+                           (list(headline_sim.ABLATION_ROWS), ["C-MLFQ", "homogeneous", "replanning", "elastic"])):
+        ran.clear()
+        args = argparse.Namespace(only=["d"], online_gpus=[48], ablation_gpus=[48], ablation_rows=rows, steps=2, jobs=1,
+                                  seed=0, drift=1.0, out=str(tmp_path / "out.json"))
+        headline_sim.scale(48, args)
+        assert ran[0] == headline_sim.TITLES["d"]
+        assert len(ran) == 1 + len(expected) and all(word in label for word, label in zip(expected, ran[1:])), ran

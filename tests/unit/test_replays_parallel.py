@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from libra.services.planner.sim.cluster import SimConfig
 from libra.services.planner.sim.rank import SimRanker
 from libra.services.planner.sim.replays import MAX_AUTO_WORKERS, OWNER_POLL_S, ReplayPool, resolve_workers
 from libra.traces import synthetic
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 MODEL, GPU = model_named("qwen2.5-3b"), gpu_named("h200-141g")
 # decide after every step on a short window, so that a small drifting run moves
@@ -103,6 +106,46 @@ def test_workers_leave_sigint_and_sigterm_to_their_owner():
         assert list(ranker.pool._executor._processes.values()) == workers  # the same processes
     finally:
         ranker.close()
+
+
+GROUP_SIGNAL = r"""
+import os, signal, sys, time
+from libra.services.planner.evaluate import Replay
+from libra.services.planner.hardware import gpu_named, model_named
+from libra.services.planner.search import SearchConfig, search
+from libra.services.planner.sim.cluster import SimConfig
+from libra.services.planner.sim.rank import SimRanker
+from libra.traces import synthetic
+
+got = []
+signal.signal(signal.SIGTERM, lambda *_: got.append("TERM"))  # the owner's own handlers (a checkpointed run's)
+signal.signal(signal.SIGINT, lambda *_: got.append("INT"))
+model, gpu = model_named("qwen2.5-3b"), gpu_named("h200-141g")
+trace = synthetic.drifting(6, 4, 8, 0, 0.0, 1)
+config = SearchConfig(total_gpus=16, group_size=8)
+plans = search(model, gpu, trace.pairs(0), config.model_copy(update={"distinct_splits": True, "top_k": 3})).alternatives
+ranker = SimRanker(model, gpu, config, SimConfig(), window_steps=3, warmup_steps=1, workers=2)
+window = ranker.repeated(trace.steps[0])
+replays = [Replay(plans[0], config.rollout, config.train), Replay(plans[-1], config.rollout, config.train)]
+expected = ranker.play_all(window, replays)
+os.killpg(0, signal.SIGTERM)  # what `timeout`, a batch system or Ctrl-C does: every process of the group
+os.killpg(0, signal.SIGINT)
+time.sleep(1.0)
+again = ranker.play_all(window, replays * 3)  # more replays than workers: the pool may start more of them
+print("owner got", sorted(got), "same", again == expected * 3, flush=True)
+ranker.close()
+"""
+
+
+def test_a_signal_to_the_whole_process_group_leaves_the_pool_working():
+    """`timeout` and Ctrl-C signal the whole process group, the pool's forkserver too. The forkserver
+    is started with both signals blocked, so it lives, and the owner's next decision plays in the
+    same pool; before, its death closed every worker's sentinel and the pool counted all of them
+    dead ("a replay worker process died" just as a run was asked to save and stop)."""
+    done = subprocess.run([sys.executable, "-c", GROUP_SIGNAL], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, start_new_session=True)  # a group of its own to signal
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "owner got ['INT', 'TERM'] same True" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
 class _KillsTheWorker:

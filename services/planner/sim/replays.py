@@ -125,6 +125,7 @@ class ReplayPool:
             context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
             if "forkserver" in methods:
                 context.set_forkserver_preload(["libra.services.planner.sim.run"])
+                _start_forkserver_deaf()
             self._executor = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=context,
                                                                     initializer=_watch_owner,
                                                                     initargs=(os.getpid(), OWNER_POLL_S))
@@ -134,6 +135,25 @@ class ReplayPool:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
+
+
+def _start_forkserver_deaf() -> None:
+    """Start the forkserver with SIGINT and SIGTERM blocked, which it and every worker it forks keep.
+    A Ctrl-C or a `timeout` reaches the whole process group, the forkserver too; had it died, every
+    worker's sentinel (a pipe from the forkserver) would close and the pool would count its workers
+    dead mid-decision, though they live ("a replay worker process died" at the moment a run was
+    asked to save and stop). Blocked in this thread only for the start, so a signal meant for the
+    owner arrives here once it is done. A forkserver already running is left as it is. (The resource
+    tracker first: its own start unblocks both signals when it is done, which inside the block would
+    start the forkserver with them unblocked.)"""
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 _last: tuple[str, Context, Trace] | None = None  # in a worker: the window it last unpickled
