@@ -110,21 +110,14 @@ def test_workers_leave_sigint_and_sigterm_to_their_owner():
 
 GROUP_SIGNAL = r"""
 import os, signal, sys, time
-from libra.services.planner.evaluate import Replay
-from libra.services.planner.hardware import gpu_named, model_named
-from libra.services.planner.search import SearchConfig, search
-from libra.services.planner.sim.cluster import SimConfig
-from libra.services.planner.sim.rank import SimRanker
-from libra.traces import synthetic
+sys.path.insert(0, "tests/unit")
+from test_replays_parallel import GPU, MODEL, Replay, SimConfig, SimRanker, _window_and_plans
 
 got = []
 signal.signal(signal.SIGTERM, lambda *_: got.append("TERM"))  # the owner's own handlers (a checkpointed run's)
 signal.signal(signal.SIGINT, lambda *_: got.append("INT"))
-model, gpu = model_named("qwen2.5-3b"), gpu_named("h200-141g")
-trace = synthetic.drifting(6, 4, 8, 0, 0.0, 1)
-config = SearchConfig(total_gpus=16, group_size=8)
-plans = search(model, gpu, trace.pairs(0), config.model_copy(update={"distinct_splits": True, "top_k": 3})).alternatives
-ranker = SimRanker(model, gpu, config, SimConfig(), window_steps=3, warmup_steps=1, workers=2)
+trace, config, plans = _window_and_plans()
+ranker = SimRanker(MODEL, GPU, config, SimConfig(), window_steps=3, warmup_steps=1, workers=2)
 window = ranker.repeated(trace.steps[0])
 replays = [Replay(plans[0], config.rollout, config.train), Replay(plans[-1], config.rollout, config.train)]
 expected = ranker.play_all(window, replays)
