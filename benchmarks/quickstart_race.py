@@ -1,7 +1,7 @@
 """Time to first learning: the quickstart against two synchronous baselines, side by side.
 
     .venv/bin/python benchmarks/quickstart_race.py [--runs 3] [--quick] [--only NAME ...] [--set KEY=VALUE]
-                                                   [--json FILE]
+                                                   [--variant NAME KEY=VALUE ...] [--json FILE]
 
 Contenders, each run `--runs` times, one after the other (never two at once):
 
@@ -10,6 +10,8 @@ Contenders, each run `--runs` times, one after the other (never two at once):
                    whole batch, train, publish, reload in place; nothing overlaps)
   sync-loop        benchmarks/sync_grpo_loop.py: one process, transformers `generate` + the same
                    loss, no services
+  quickstart/NAME  with --variant NAME KEY=VALUE ...: the quickstart with those overrides, one more
+                   contender run beside the others (a setting measured against the shipped one)
 
 Run i of every contender uses seed i - 1 (the config's `seed:`, which also shapes the warm start),
 so the contenders meet on the same seeds and the runs of one contender are different samples. Runs
@@ -190,9 +192,11 @@ def _free_port() -> int:
 
 
 def command(contender: str, work: pathlib.Path, steps: int, seed: int,
-            overrides: tuple[str, ...] = ()) -> list[str]:
-    """The contender's command line; `overrides` (KEY=VALUE) go to the quickstart's `libra up` only."""
-    config = str(ROOT / CONFIGS[contender])
+            overrides: tuple[str, ...] = (), variants: dict[str, list[str]] | None = None) -> list[str]:
+    """The contender's command line; `overrides` (KEY=VALUE) go to the quickstart's `libra up` only,
+    and a variant's own (`quickstart/NAME`, from `variants`) after them."""
+    variant = (variants or {}).get(contender)
+    config = str(ROOT / CONFIGS["quickstart" if variant is not None else contender])
     if contender == "sync-loop":
         extra = ["--steps", str(steps)] if steps else []
         return [sys.executable, str(ROOT / "benchmarks" / "sync_grpo_loop.py"), "--config", config,
@@ -200,12 +204,12 @@ def command(contender: str, work: pathlib.Path, steps: int, seed: int,
     sets = [f"addresses.{s}=127.0.0.1:{_free_port()}" for s in ("planner", "elastic", "scheduler", "rollout",
                                                                  "trainer")]
     sets += ["metrics.base_port=0", "rollout.worker.base_port=0", f"seed={seed}"]
-    if contender == "quickstart":
-        sets += list(overrides)
+    if contender == "quickstart" or variant is not None:
+        sets += list(overrides) + list(variant or ())
     if steps:
         sets.append(f"trainer.steps={steps}")
     return [sys.executable, "-m", "libra.cli", "up", "--config", config, "--run-dir", str(work / "run"),
-            "--run-id", f"race-{contender}-{os.getpid()}", "--fresh",
+            "--run-id", f"race-{contender.replace('/', '-')}-{os.getpid()}", "--fresh",
             *[arg for item in sets for arg in ("--set", item)]]
 
 
@@ -227,11 +231,11 @@ def step_rows(contender: str, work: pathlib.Path) -> list[dict]:
 
 
 def run_once(contender: str, index: int, args: argparse.Namespace, env: dict[str, str]) -> Result:
-    with tempfile.TemporaryDirectory(prefix=f"race-{contender}-") as scratch:
+    with tempfile.TemporaryDirectory(prefix=f"race-{contender.replace('/', '-')}-") as scratch:
         work = pathlib.Path(scratch)
         log = open(work / "output.log", "w")
         started = time.time()
-        argv = command(contender, work, args.steps, seed_of(index), tuple(args.set))
+        argv = command(contender, work, args.steps, seed_of(index), tuple(args.set), args.variants)
         process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         monitor = TreeMonitor(process.pid)
@@ -247,7 +251,7 @@ def run_once(contender: str, index: int, args: argparse.Namespace, env: dict[str
         log.close()
         rows = step_rows(contender, work)
         if args.keep:  # logs and run records, not the weights
-            shutil.copytree(work, pathlib.Path(args.keep) / f"{contender}-{index}", dirs_exist_ok=True,
+            shutil.copytree(work, pathlib.Path(args.keep) / f"{contender.replace('/', '-')}-{index}", dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns("weights", "checkpoints", "model", "redis", "snapshots"))
         if returncode != 0:
             print(f"  {contender} run {index} exited {returncode}; last lines:\n"
@@ -281,7 +285,7 @@ def _median(values: list) -> str:
 
 
 def table(results: list[Result], target: float) -> str:
-    rows = [("", *[c for c in CONTENDERS if any(r.contender == c for r in results)])]
+    rows = [("", *dict.fromkeys(r.contender for r in results))]  # in the order they ran
     names = rows[0][1:]
     measures = [(f"step reaching {target} (10-step mean)", "reached_step"),
                 (f"s to {target} from start", "reached_s"), (f"s to {target} from first RL step", "reached_rl_s"),
@@ -329,8 +333,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="", help="write every run's figures here")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for the quickstart's libra up only (a setting against the baselines)")
+    parser.add_argument("--variant", action="append", nargs="+", default=[], metavar="NAME_THEN_KEY=VALUE",
+                        help="one more contender, quickstart/NAME: the quickstart with these overrides "
+                             "(--variant one-worker 'planner.buckets=[...]'); repeatable")
     parser.add_argument("--keep", default="", help="keep each run's logs and run record under this directory")
     args = parser.parse_args(argv)
+    args.variants = {}
+    for name, *sets in args.variant:
+        if not sets or "=" in name or "/" in name or any("=" not in item for item in sets):
+            parser.error(f"--variant takes a NAME (no '=' or '/') and one or more KEY=VALUE: got {[name, *sets]}")
+        args.variants[f"quickstart/{name}"] = sets
     if args.quick:
         args.runs, args.steps = 1, args.steps or 20
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
@@ -339,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     warm_cache(env, tuple(seed_of(index) for index in range(1, args.runs + 1)))
     results = []
     for index in range(1, args.runs + 1):
-        for contender in args.only:  # interleaved, so a drift in the machine touches every contender alike
+        for contender in [*args.only, *args.variants]:  # interleaved: a drift in the machine touches all alike
             result = run_once(contender, index, args, env)
             results.append(result)
             shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in asdict(result).items() if k != "rewards"}
