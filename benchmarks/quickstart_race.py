@@ -191,6 +191,11 @@ def _free_port() -> int:
     return free_port()
 
 
+def _slug(contender: str) -> str:
+    """The contender's name where a path or run id needs it (a variant's `quickstart/NAME` has a slash)."""
+    return contender.replace("/", "-")
+
+
 def command(contender: str, work: pathlib.Path, steps: int, seed: int,
             overrides: tuple[str, ...] = (), variants: dict[str, list[str]] | None = None) -> list[str]:
     """The contender's command line; `overrides` (KEY=VALUE) go to the quickstart's `libra up` only,
@@ -209,7 +214,7 @@ def command(contender: str, work: pathlib.Path, steps: int, seed: int,
     if steps:
         sets.append(f"trainer.steps={steps}")
     return [sys.executable, "-m", "libra.cli", "up", "--config", config, "--run-dir", str(work / "run"),
-            "--run-id", f"race-{contender.replace('/', '-')}-{os.getpid()}", "--fresh",
+            "--run-id", f"race-{_slug(contender)}-{os.getpid()}", "--fresh",
             *[arg for item in sets for arg in ("--set", item)]]
 
 
@@ -231,7 +236,7 @@ def step_rows(contender: str, work: pathlib.Path) -> list[dict]:
 
 
 def run_once(contender: str, index: int, args: argparse.Namespace, env: dict[str, str]) -> Result:
-    with tempfile.TemporaryDirectory(prefix=f"race-{contender.replace('/', '-')}-") as scratch:
+    with tempfile.TemporaryDirectory(prefix=f"race-{_slug(contender)}-") as scratch:
         work = pathlib.Path(scratch)
         log = open(work / "output.log", "w")
         started = time.time()
@@ -251,7 +256,7 @@ def run_once(contender: str, index: int, args: argparse.Namespace, env: dict[str
         log.close()
         rows = step_rows(contender, work)
         if args.keep:  # logs and run records, not the weights
-            shutil.copytree(work, pathlib.Path(args.keep) / f"{contender.replace('/', '-')}-{index}", dirs_exist_ok=True,
+            shutil.copytree(work, pathlib.Path(args.keep) / f"{_slug(contender)}-{index}", dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns("weights", "checkpoints", "model", "redis", "snapshots"))
         if returncode != 0:
             print(f"  {contender} run {index} exited {returncode}; last lines:\n"
