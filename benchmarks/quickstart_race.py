@@ -1,7 +1,8 @@
 """Time to first learning: the quickstart against two synchronous baselines, side by side.
 
     .venv/bin/python benchmarks/quickstart_race.py [--runs 3] [--quick] [--only NAME ...] [--set KEY=VALUE]
-                                                   [--variant NAME KEY=VALUE ...] [--json FILE]
+                                                   [--variant NAME KEY=VALUE ...] [--cores N]
+                                                   [--loop-threads T] [--json FILE]
 
 Contenders, each run `--runs` times, one after the other (never two at once):
 
@@ -25,6 +26,11 @@ of the whole process tree (the sum of PSS over every process of the tree, sample
 sum of RSS beside it over-counts shared pages), mean busy cores (CPU seconds of the tree / wall
 seconds, over the whole run and over its RL phase) and, for Libra, trajectories thrown away as stale.
 An idle machine is assumed: the figures mean nothing on a machine shared with other work.
+
+`--cores N` runs every contender's whole process tree on N CPUs only (the first N this process may
+use; the race's own sampling stays unpinned): the same race as on a machine of N cores, on a
+larger idle one. `--loop-threads T` gives the plain loop T torch threads (its default 1 is the
+fastest on 2 cores; with cores to spare a careful user might try more).
 """
 
 from __future__ import annotations
@@ -197,7 +203,8 @@ def _slug(contender: str) -> str:
 
 
 def command(contender: str, work: pathlib.Path, steps: int, seed: int,
-            overrides: tuple[str, ...] = (), variants: dict[str, list[str]] | None = None) -> list[str]:
+            overrides: tuple[str, ...] = (), variants: dict[str, list[str]] | None = None,
+            loop_threads: int = 1) -> list[str]:
     """The contender's command line; `overrides` (KEY=VALUE) go to the quickstart's `libra up` only,
     and a variant's own (`quickstart/NAME`, from `variants`) after them."""
     variant = (variants or {}).get(contender)
@@ -205,7 +212,7 @@ def command(contender: str, work: pathlib.Path, steps: int, seed: int,
     if contender == "sync-loop":
         extra = ["--steps", str(steps)] if steps else []
         return [sys.executable, str(ROOT / "benchmarks" / "sync_grpo_loop.py"), "--config", config,
-                "--out", str(work / "steps.jsonl"), "--set", f"seed={seed}", *extra]
+                "--out", str(work / "steps.jsonl"), "--set", f"seed={seed}", "--threads", str(loop_threads), *extra]
     sets = [f"addresses.{s}=127.0.0.1:{_free_port()}" for s in ("planner", "elastic", "scheduler", "rollout",
                                                                  "trainer")]
     sets += ["metrics.base_port=0", "rollout.worker.base_port=0", f"seed={seed}"]
@@ -235,14 +242,21 @@ def step_rows(contender: str, work: pathlib.Path) -> list[dict]:
              "rejected": int(s["scalars"].get("staleness/rejected_trajectories", 0))} for s in steps]
 
 
+def start(argv: list[str], env: dict[str, str], log, cpus: set[int] | None) -> subprocess.Popen:
+    """A contender's process, in its own session, on `cpus` only when given: the affinity is set in
+    the child before it runs anything, so every process it starts inherits it."""
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+
+
 def run_once(contender: str, index: int, args: argparse.Namespace, env: dict[str, str]) -> Result:
     with tempfile.TemporaryDirectory(prefix=f"race-{_slug(contender)}-") as scratch:
         work = pathlib.Path(scratch)
         log = open(work / "output.log", "w")
         started = time.time()
-        argv = command(contender, work, args.steps, seed_of(index), tuple(args.set), args.variants)
-        process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        argv = command(contender, work, args.steps, seed_of(index), tuple(args.set), args.variants,
+                       args.loop_threads)
+        process = start(argv, env, log, args.cpus)
         monitor = TreeMonitor(process.pid)
         monitor.start()
         try:
@@ -327,6 +341,15 @@ def warm_cache(env: dict[str, str], seeds: tuple[int, ...] = (0,)) -> None:
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
 
 
+def pinned_cpus(cores: int, parser: argparse.ArgumentParser) -> set[int] | None:
+    """The first `cores` CPUs this process may run on (None: no pinning); an error names the limit."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if cores < 0 or cores > len(allowed):
+        parser.error(f"--cores must be between 1 and the {len(allowed)} CPUs this process may use "
+                     f"(0: no pinning), got {cores}")
+    return set(allowed[:cores]) if cores else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="The quickstart against two synchronous baselines.")
     parser.add_argument("--runs", type=int, default=3, help="runs of each contender")
@@ -342,7 +365,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="one more contender, quickstart/NAME: the quickstart with these overrides "
                              "(--variant one-worker 'planner.buckets=[...]'); repeatable")
     parser.add_argument("--keep", default="", help="keep each run's logs and run record under this directory")
+    parser.add_argument("--cores", type=int, default=0,
+                        help="run every contender on this many CPUs only (0: all this process may use)")
+    parser.add_argument("--loop-threads", type=int, default=1, help="torch threads of the plain loop")
     args = parser.parse_args(argv)
+    args.cpus = pinned_cpus(args.cores, parser)
+    if args.loop_threads < 1:
+        parser.error(f"--loop-threads must be >= 1, got {args.loop_threads}")
     args.variants = {}
     for name, *sets in args.variant:
         if not sets or "=" in name or "/" in name or any("=" not in item for item in sets):
@@ -352,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         args.runs, args.steps = 1, args.steps or 20
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
+    pinned = f", contenders pinned to CPUs {sorted(args.cpus)}" if args.cpus else ""
+    print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores{pinned}", flush=True)
     warm_cache(env, tuple(seed_of(index) for index in range(1, args.runs + 1)))
     results = []
     for index in range(1, args.runs + 1):

@@ -27,6 +27,11 @@ class HfEngine(Section):
                     "many times the running ones (or prefill_wait_steps have passed); 0: prefill every arrival at once")
     prefill_wait_steps: int = Field(8, ge=0, le=1024,
                                     description="decode steps a new request waits at most before it is prefilled")
+    forward: Literal["auto", "transformers"] = Field(
+        "auto",
+        description="auto: a plain Llama-architecture model in float32 on CPU runs the engine's own forward pass "
+                    "(engines/llama_forward.py: torch alone, transformers never imported: ~3 CPU-s less start-up per "
+                    "worker), any other model transformers' own; transformers: always transformers' model")
 
 
 EngineConfig = tagged_union("rollout.worker.engine", VllmEngine, HfEngine, default="vllm")

@@ -55,7 +55,8 @@ def _hf_worker_class() -> type:
                     "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
                     "--logprobs-mode", c.logprobs_mode, "--policy-version", str(self.policy_version),
                     "--threads", str(c.cpu_threads), "--prefill-ratio", str(c.engine.prefill_ratio),
-                    "--prefill-wait-steps", str(c.engine.prefill_wait_steps), *c.extra_args]
+                    "--prefill-wait-steps", str(c.engine.prefill_wait_steps), "--forward", c.engine.forward,
+                    *c.extra_args]
 
     return HfWorkerProcess
 

@@ -55,3 +55,40 @@ def test_the_table_lists_the_contenders_in_the_order_they_ran():
     header = text.splitlines()[0].split()
     assert header == ["quickstart", "quickstart/one-worker", "sync-loop"]
     assert text.splitlines()[2].split()[-3:] == ["13", "12", "14"]
+
+
+def test_the_plain_loop_gets_the_threads_asked_for(tmp_path):
+    loop = race.command("sync-loop", tmp_path, 20, 1, loop_threads=4)
+    assert loop[loop.index("--threads") + 1] == "4"
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sync_grpo_loop
+
+    assert sync_grpo_loop.parse_args(loop[2:]).threads == 4  # the loop reads what the race passes
+
+
+def test_cores_pin_a_contender_and_every_process_it_starts(tmp_path):
+    allowed = sorted(race.os.sched_getaffinity(0))
+    cpus = {allowed[-1]}
+    code = ("import os, subprocess, sys; print(sorted(os.sched_getaffinity(0)), flush=True); "
+            "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])")
+    with open(tmp_path / "log", "w") as log:
+        assert race.start([sys.executable, "-c", code], dict(race.os.environ), log, cpus).wait(timeout=60) == 0
+    assert (tmp_path / "log").read_text().split("\n")[:2] == [str([allowed[-1]])] * 2
+    with open(tmp_path / "log", "w") as log:
+        assert race.start([sys.executable, "-c", code], dict(race.os.environ), log, None).wait(timeout=60) == 0
+    assert (tmp_path / "log").read_text().split("\n")[:2] == [str(allowed)] * 2
+
+
+@pytest.mark.parametrize("argv, message", [(["--cores", "-1"], "--cores must be between"),
+                                            (["--cores", "100000"], "--cores must be between"),
+                                            (["--loop-threads", "0"], "--loop-threads must be >= 1")])
+def test_bad_cores_or_threads_stop_before_anything_runs(argv, message, capsys, monkeypatch):
+    def ran(*_args, **_kwargs):
+        raise AssertionError("the race started")
+
+    monkeypatch.setattr(race, "warm_cache", ran)
+    monkeypatch.setattr(race, "run_once", ran)
+    with pytest.raises(SystemExit) as stopped:
+        race.main(argv)
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err

@@ -32,6 +32,10 @@ of the distribution sampled from, as vLLM's default), stop on token ids or EOS (
 last id returned), `seed`, `/pause` `/resume` `/update_weight_version`, and `/collective_rpc` with
 the same method names as `LibraWorkerExtension` (plus the weights-group ones), so the gateway
 cannot tell the engines apart. Tensor parallelism is not supported (TP 1 only).
+The model is transformers' own, except a plain Llama-architecture model in float32 on CPU (the
+quickstart's tiny model), which runs the engine's own forward pass (engines/llama_forward.py, the
+same logits on torch alone: a worker then never imports transformers), unless
+`rollout.worker.engine.forward: transformers`.
 
 Runs in: the hf engine process (`python -m libra.services.rollout.engines.hf_server`, whose `main`
 builds this engine and serves it over HTTP); this module never imports the HTTP layer.
@@ -76,9 +80,8 @@ class HFEngine(HFWeightLoads):
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32", max_model_len: int = 2048,
                  max_num_seqs: int = 64, logprobs_mode: str = "processed_logprobs", policy_version: int = 0,
                  tensor_parallel_size: int = 1, prefill_ratio: float = PREFILL_RATIO,
-                 prefill_wait_steps: int = PREFILL_WAIT_STEPS):
+                 prefill_wait_steps: int = PREFILL_WAIT_STEPS, forward: str = "auto"):
         import torch
-        from transformers import AutoModelForCausalLM
 
         if tensor_parallel_size != 1:
             raise ValueError(f"the hf engine runs tensor parallel size 1 only, got {tensor_parallel_size}; "
@@ -88,11 +91,22 @@ class HFEngine(HFWeightLoads):
         if prefill_ratio < 0 or prefill_wait_steps < 0:
             raise ValueError(f"prefill_ratio and prefill_wait_steps must be >= 0, got {prefill_ratio}, "
                              f"{prefill_wait_steps}")
+        if forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device)
-        self.model.eval()
-        self.eos_id = self.model.config.eos_token_id
-        self.vocab_size = self.model.config.vocab_size
+        self.forward, self.forward_why = _forward_of(model_dir, device, dtype, forward)
+        if self.forward == "own":
+            from libra.services.rollout.engines.llama_forward import LlamaForward
+
+            self.model = LlamaForward.load(model_dir)
+            self.eos_id, self.vocab_size = self.model.eos_token_id, self.model.vocab_size
+        else:
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device)
+            self.model.eval()
+            self.eos_id = self.model.config.eos_token_id
+            self.vocab_size = self.model.config.vocab_size
         self.max_model_len, self.max_num_seqs, self.logprobs_mode = max_model_len, max_num_seqs, logprobs_mode
         self.prefill_ratio, self.prefill_wait_steps = prefill_ratio, prefill_wait_steps
         self._waiting: list[Request] = []  # taken off the queue, not yet prefilled (admission batching)
@@ -233,6 +247,9 @@ class HFEngine(HFWeightLoads):
             mask[row, width - len(context):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
+        if self.forward == "own":
+            logits, kv = self.model(ids, mask, positions)
+            return logits, kv, mask
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          past_key_values=_new_cache(), use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :], _cache_tensors(out.past_key_values), mask
@@ -271,6 +288,11 @@ class HFEngine(HFWeightLoads):
         last = torch.tensor([[r.generated[-1]] for r in self._rows], device=self.device)
         positions = self._mask.sum(1, keepdim=True)
         mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
+        if self.forward == "own":
+            logits, self._kv = self.model(last, mask, positions, self._kv)
+            self._mask = mask
+            self._sample(logits, offset=0)
+            return
         out = self.model(input_ids=last, attention_mask=mask, position_ids=positions,
                          past_key_values=_new_cache(self._kv), use_cache=True)
         self._kv, self._mask = _cache_tensors(out.past_key_values), mask
@@ -371,6 +393,27 @@ def _uniform(generators: list[Any], device: Any) -> Any:
         if generator is not None:
             draws[index] = torch.rand((), generator=generator, device=device)
     return draws
+
+
+FORWARDS = ("auto", "transformers")
+
+
+def _forward_of(model_dir: str, device: str, dtype: str, forward: str) -> tuple[str, str]:
+    """Which forward pass runs the model, and why: "own" (llama_forward.py: a plain Llama in float32
+    on CPU, transformers never imported) under "auto" where it can, else "transformers"."""
+    if forward == "transformers":
+        return "transformers", "asked for (rollout.worker.engine.forward)"
+    import json
+    import pathlib
+
+    from libra.services.rollout.engines.llama_forward import unsupported
+
+    try:
+        config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        return "transformers", f"config.json unreadable here ({type(error).__name__})"
+    why = unsupported(config, str(device), dtype)
+    return ("transformers", why) if why else ("own", "a plain Llama in float32 on CPU")
 
 
 def _new_cache(kv: list[tuple[Any, Any]] | None = None) -> Any:

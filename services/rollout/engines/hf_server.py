@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import time
 from typing import Any, Callable
 
 from libra.security.http import bearer_middleware
 from libra.services.rollout.engines.engine_auth import OPEN_PATHS, key_from_environment
-from libra.services.rollout.engines.hf_engine import (LOGPROBS_MODES, PREFILL_RATIO, PREFILL_WAIT_STEPS, HFEngine,
-                                                      Request, version_spans)
+from libra.services.rollout.engines.hf_engine import (FORWARDS, LOGPROBS_MODES, PREFILL_RATIO, PREFILL_WAIT_STEPS,
+                                                      HFEngine, Request, version_spans)
 from libra.services.rollout.engines.vllm_ext import INITIAL_VERSION_ENV
 from libra.services.rollout.engines.vllm_worker import SERVED_MODEL_NAME  # what the launcher's readiness check asks for
 
@@ -107,6 +108,8 @@ def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -
         body = await http.json()
         if tokenizer is None:
             return _error(400, "this engine has no tokenizer; chat needs one")
+        if not hasattr(tokenizer, "apply_chat_template"):
+            return _error(400, "this engine's tokenizer has no chat template; send the prompt as token ids or text")
         try:
             prompt = tokenizer.apply_chat_template(body.get("messages") or [], add_generation_prompt=True,
                                                    tokenize=True, return_dict=False)
@@ -248,6 +251,26 @@ class StartPhases:
         self._wall, self._cpu = wall, cpu
 
 
+def load_tokenizer(model_dir: str) -> Any:
+    """The directory's tokenizer: on `tokenizers` alone where that is exact (libra.tiny_model's
+    LightTokenizer: a generic fast tokenizer, no chat template), so that a worker running the engine's
+    own forward pass never imports transformers; else transformers' AutoTokenizer; None without one
+    (token ids in and out still work; text and chat do not)."""
+    import pathlib
+
+    from libra.tiny_model import LightTokenizer
+
+    light = LightTokenizer.load(pathlib.Path(model_dir))
+    if light is not None:
+        return light
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Serve a transformers-based rollout engine behind vLLM's HTTP "
                                                  "surface.")
@@ -267,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(0: at once)")
     parser.add_argument("--prefill-wait-steps", type=int, default=PREFILL_WAIT_STEPS,
                         help="decode steps a new request waits at most before it is prefilled")
+    parser.add_argument("--forward", default="auto", choices=FORWARDS,
+                        help="auto: a plain Llama in float32 on CPU runs the engine's own forward pass "
+                             "(engines/llama_forward.py), anything else transformers' model; transformers: always")
     args = parser.parse_args(argv)
     key = key_from_environment()
     phases = StartPhases()  # start-up, phase by phase, in the "hf engine serving" line
@@ -280,20 +306,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    tokenizer = None
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    except (OSError, ValueError):
-        pass  # token ids in and out work without one; text and chat do not
+    tokenizer = load_tokenizer(args.model)
     phases.done("tokenizer")
     engine = HFEngine(args.model, args.device, args.dtype, args.max_model_len, args.max_num_seqs,
                       args.logprobs_mode, args.policy_version, args.tensor_parallel_size, args.prefill_ratio,
-                      args.prefill_wait_steps)
+                      args.prefill_wait_steps, args.forward)
     phases.done("model")
     liblog.get("libra.rollout.hf_engine").info("hf engine serving", model=args.model, device=args.device,
-                                               port=args.port, version=args.policy_version, **phases.seconds)
+                                               port=args.port, version=args.policy_version, forward=engine.forward,
+                                               forward_why=engine.forward_why,
+                                               transformers="transformers" in sys.modules, **phases.seconds)
     try:
         web.run_app(build_app(engine, tokenizer, key), host=args.host, port=args.port, print=None,
                     access_log=None, handle_signals=True)
