@@ -158,3 +158,27 @@ def test_a_worker_on_it_never_imports_transformers(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["own", "LightTokenizer", False, "1 + 2"]
+
+
+def test_rows_finishing_in_one_step_wake_the_event_loop_once():
+    import asyncio
+
+    from libra.services.rollout.engines.hf_server import Settler
+
+    async def main() -> tuple[int, list]:
+        loop = asyncio.get_running_loop()
+        wakes, original = [], loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args: (wakes.append(args), original(*args))[1]
+        settler, futures = Settler(), [loop.create_future() for _ in range(50)]
+        step = threading.Thread(target=lambda: [settler.settle(loop, f, i) for i, f in enumerate(futures)])
+        step.start()
+        step.join()  # the whole step's rows finish while the loop is busy here
+        results = await asyncio.wait_for(asyncio.gather(*futures), 10)
+        later = loop.create_future()  # the next step's row wakes it again
+        threading.Thread(target=settler.settle, args=(loop, later, "next")).start()
+        results.append(await asyncio.wait_for(later, 10))
+        return len(wakes), results
+
+    wakes, results = asyncio.run(main())
+    assert results == [*range(50), "next"]
+    assert wakes == 2

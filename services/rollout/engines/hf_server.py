@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -30,6 +31,8 @@ def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -
     `key`: the engine key every path but /health requires (engines/engine_auth.py)."""
     import torch
     from aiohttp import web
+
+    settler = Settler()
 
     async def run_in_engine(job: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
@@ -55,7 +58,7 @@ def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -
             generator.manual_seed(int(seed))
         request = Request(list(prompt), max_tokens, temperature, top_p,
                           frozenset(int(t) for t in body.get("stop_token_ids") or []), generator,
-                          lambda r: loop.call_soon_threadsafe(_settle, future, r, None))
+                          lambda r: settler.settle(loop, future, r))
         engine.submit(request)
         return await future
 
@@ -207,6 +210,29 @@ def _leave_group(engine: HFEngine) -> dict[str, Any]:
     if group is not None:
         group.close()
     return {"left": group is not None}
+
+
+class Settler:
+    """Hands finished requests from the decode thread to the event loop, one wake-up per batch: the
+    rows that finish in one step are settled together (each `call_soon_threadsafe` writes to the
+    loop's self-pipe, which cost the engine ~10% of its samples when made once per request)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Future, Any]] = []
+
+    def settle(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any) -> None:
+        with self._lock:
+            self._pending.append((future, result))
+            if len(self._pending) > 1:
+                return  # a drain is already scheduled and has not run yet: it takes this one too
+        loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for future, result in pending:
+            _settle(future, result, None)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -78,7 +78,7 @@ class _Norm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one kernel for transformers' five ops
 
 
 class _Layer(nn.Module):
@@ -155,8 +155,9 @@ class LlamaForward(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos()[:, None], angles.sin()[:, None]
         past = cache[0][0].shape[2] if cache else 0
-        causal = torch.ones(new, past + new, dtype=torch.bool, device=x.device).tril(past)
-        allowed = attention_mask[:, None, None, :].bool() & causal
+        allowed = attention_mask[:, None, None, :].bool()
+        if new > 1:  # (one new position, a decode step, sees every column the mask lets it)
+            allowed = allowed & torch.ones(new, past + new, dtype=torch.bool, device=x.device).tril(past)
         extended = []
         for index, layer in enumerate(self.model.layers):
             attention = layer.self_attn
