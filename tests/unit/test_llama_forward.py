@@ -159,6 +159,12 @@ def test_a_worker_on_it_never_imports_transformers(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["own", "LightTokenizer", False, "1 + 2"]
 
+    from libra.services.rollout.engines.hf_server import load_tokenizer
+
+    (directory / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    chat = load_tokenizer(str(directory))  # chat needs transformers' tokenizer, which reads the template
+    assert type(chat).__name__ != "LightTokenizer" and "m['content']" in chat.chat_template
+
 
 def test_rows_finishing_in_one_step_wake_the_event_loop_once():
     import asyncio

@@ -215,7 +215,7 @@ def _leave_group(engine: HFEngine) -> dict[str, Any]:
 class Settler:
     """Hands finished requests from the decode thread to the event loop, one wake-up per batch: the
     rows that finish in one step are settled together (each `call_soon_threadsafe` writes to the
-    loop's self-pipe, which cost the engine ~10% of its samples when made once per request)."""
+    loop's self-pipe: 12% of an engine's samples in one profile when made once per request)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -286,7 +286,9 @@ def load_tokenizer(model_dir: str) -> Any:
 
     from libra.tiny_model import LightTokenizer
 
-    light = LightTokenizer.load(pathlib.Path(model_dir))
+    directory = pathlib.Path(model_dir)
+    chat = any(directory.glob("chat_template*"))  # transformers 5 keeps a chat template beside the config
+    light = None if chat else LightTokenizer.load(directory)
     if light is not None:
         return light
     try:
