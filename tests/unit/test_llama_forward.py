@@ -188,3 +188,12 @@ def test_rows_finishing_in_one_step_wake_the_event_loop_once():
     wakes, results = asyncio.run(main())
     assert results == [*range(50), "next"]
     assert wakes == 2
+
+
+def test_a_config_silent_on_tying_is_read_as_transformers_reads_it():
+    from transformers import LlamaConfig
+
+    config = {"vocab_size": 11, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "rms_norm_eps": 1e-6}
+    own = LlamaForward(config)
+    assert (own.lm_head.weight is own.model.embed_tokens.weight) == LlamaConfig(**config).tie_word_embeddings

@@ -117,7 +117,7 @@ class LlamaForward(nn.Module):
         self.vocab_size = config["vocab_size"]
         self.model = _Body(config, self.head_dim)
         self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
-        if config.get("tie_word_embeddings", True):
+        if config.get("tie_word_embeddings", False):  # (transformers' LlamaConfig default)
             self.lm_head.weight = self.model.embed_tokens.weight
         steps = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
         self.register_buffer("inv_freq", 1.0 / (_rope_theta(config) ** steps), persistent=False)
