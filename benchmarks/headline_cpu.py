@@ -54,7 +54,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from quickstart_race import WINDOW, TreeMonitor, _free_port, reached, step_rows, warm_cache  # noqa: E402
+from process_tree import TreeMonitor  # noqa: E402
+from quickstart_race import WINDOW, _free_port, reached, step_rows, warm_cache  # noqa: E402
 
 DESIGNS = {"a": ("sync-colocated", "configs/headline/a-sync-colocated.yaml"),
            "b": ("async-even", "configs/headline/b-async-even.yaml"),

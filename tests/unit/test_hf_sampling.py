@@ -1,4 +1,4 @@
-"""The transformers engine's batched sampler (`hf_engine.sample_rows`): one batch of tensor operations
+"""The transformers engine's batched sampler (`hf_sampling.sample_rows`): one batch of tensor operations
 for every running row, each row with its own temperature, top-p and seed."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from libra.services.rollout.engines.hf_engine import Request, sample_rows
+from libra.services.rollout.engines.hf_engine import Request
+from libra.services.rollout.engines.hf_sampling import sample_rows
 
 LOGITS = [2.0, 1.0, 0.0, -1.0, -3.0]
 
