@@ -43,6 +43,7 @@ builds this engine and serves it over HTTP); this module never imports the HTTP 
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ class HFEngine(HFWeightLoads):
 
             self.model = LlamaForward.load(model_dir)
             self.eos_id, self.vocab_size = self.model.eos_token_id, self.model.vocab_size
+            self._pass: Callable[..., tuple[Any, list[tuple[Any, Any]]]] = self.model
         else:
             from transformers import AutoModelForCausalLM
 
@@ -108,6 +110,7 @@ class HFEngine(HFWeightLoads):
             self.model.eval()
             self.eos_id = self.model.config.eos_token_id
             self.vocab_size = self.model.config.vocab_size
+            self._pass = functools.partial(_transformers_pass, self.model)
         self.max_model_len, self.max_num_seqs, self.logprobs_mode = max_model_len, max_num_seqs, logprobs_mode
         self.prefill_ratio, self.prefill_wait_steps = prefill_ratio, prefill_wait_steps
         self._waiting: list[Request] = []  # taken off the queue, not yet prefilled (admission batching)
@@ -248,12 +251,8 @@ class HFEngine(HFWeightLoads):
             mask[row, width - len(context):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        if self.forward == "own":
-            logits, kv = self.model(ids, mask, positions)
-            return logits, kv, mask
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=_new_cache(), use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :], _cache_tensors(out.past_key_values), mask
+        logits, kv = self._pass(ids, mask, positions)
+        return logits, kv, mask
 
     def refresh_kv(self) -> None:
         """Recompute the running rows' KV cache under the weights now loaded (a weight load calls it, in
@@ -289,15 +288,9 @@ class HFEngine(HFWeightLoads):
         last = torch.tensor([[r.generated[-1]] for r in self._rows], device=self.device)
         positions = self._mask.sum(1, keepdim=True)
         mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)
-        if self.forward == "own":
-            logits, self._kv = self.model(last, mask, positions, self._kv)
-            self._mask = mask
-            self._sample(logits, offset=0)
-            return
-        out = self.model(input_ids=last, attention_mask=mask, position_ids=positions,
-                         past_key_values=_new_cache(self._kv), use_cache=True)
-        self._kv, self._mask = _cache_tensors(out.past_key_values), mask
-        self._sample(out.logits[:, -1, :], offset=0)
+        logits, self._kv = self._pass(last, mask, positions, self._kv)
+        self._mask = mask
+        self._sample(logits, offset=0)
 
     def _sample(self, logits: Any, offset: int) -> None:
         """Sample one token for rows offset.. (the rows these logits belong to); retire finished rows."""
@@ -365,6 +358,15 @@ def _forward_of(model_dir: str, device: str, dtype: str, forward: str) -> tuple[
         return "transformers", f"config.json unreadable here ({type(error).__name__})"
     why = unsupported(config, str(device), dtype)
     return ("transformers", why) if why else ("own", "a plain Llama in float32 on CPU")
+
+
+def _transformers_pass(model: Any, ids: Any, mask: Any, positions: Any,
+                       kv: list[tuple[Any, Any]] | None = None) -> tuple[Any, list[tuple[Any, Any]]]:
+    """A transformers model called as `LlamaForward` is: (the last position's logits, the cache
+    extended by the new positions), the cache as one (keys, values) pair per layer."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=_new_cache(kv),
+                use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1, :], _cache_tensors(out.past_key_values)
 
 
 def _new_cache(kv: list[tuple[Any, Any]] | None = None) -> Any:
