@@ -56,6 +56,13 @@ def fresh_positions(traj: common_pb2.Trajectory, version: int) -> list[int]:
     return [i for i, (v, m) in enumerate(zip(traj.versions, traj.loss_mask)) if m and v == version]
 
 
+def spread(items: list, limit: int) -> list:
+    """At most `limit` of `items`, evenly spaced over them, in order (all of them when they fit)."""
+    if len(items) <= limit:
+        return list(items)
+    return [items[i * len(items) // limit] for i in range(limit)]
+
+
 def logprob_gap(trajectories: list[common_pb2.Trajectory], trainer_logprobs: list[list[float]],
                 version: int) -> tuple[float, int]:
     """(mean |trainer − behaviour| log-prob over the tokens `version` sampled, how many tokens):

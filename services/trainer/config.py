@@ -131,6 +131,9 @@ class TrainerConfig(Section):
     kl_coef: float = Field(0.0, ge=0, le=100.0, description="KL penalty against the behaviour policy (0: off)")
     tis_cap: float = Field(2.0, ge=1.0, le=1000.0, description="cap of the truncated importance weight behaviour vs old policy")
     recompute_logprobs: bool = Field(False, description="recompute old log-probs with the current weights before the update")
+    logprob_check_sequences: int = Field(8, ge=0, le=1_000_000, description=(
+        "fresh sequences per step whose log-probs the trainer recomputes to check the weight sync "
+        "(behaviour_logprob_gap), spread over the batch: a forward pass of that many sequences (0: no check)"))
     max_staleness: int = Field(1, ge=0, le=1000, description="largest policy-version lag of a trajectory admitted to a batch")
     micro_batch_size: int = Field(16, ge=1, le=65536, description="sequences per forward/backward (when "
                                                                   "micro_batch_tokens is 0; each right-padded)")

@@ -24,7 +24,7 @@ from libra import log as liblog
 from libra.config import RunConfig
 from libra.services.trainer.backend import TrainBatch
 from libra.services.trainer.batches import (BatchAssembler, PendingGroup, build_batch, fresh_positions,
-                                          logprob_gap, to_sequence)
+                                          logprob_gap, spread, to_sequence)
 from libra.services.trainer.model_state import ModelState, Position
 from libra.services.trainer.peers import patient
 from libra.services.trainer.publisher import WeightPublisher
@@ -167,13 +167,16 @@ class GrpoLoop:
 
     async def behaviour_gap(self, groups: list[PendingGroup]) -> tuple[float, int]:
         """Mean |trainer − rollout| log-prob over the tokens the current weights sampled ("fresh"
-        tokens, batches.fresh_positions), and how many sequences hold any.
+        tokens, batches.fresh_positions) in up to `logprob_check_sequences` sequences holding any,
+        spread over the batch; and how many sequences it checked.
 
         Per-token versions are exact and no KV crosses versions, so this is float rounding (~1e-7 in
-        fp32); a broken weight sync or KV reused across versions shows as orders more.
+        fp32); a broken weight sync or KV reused across versions shows as orders more, in any fresh
+        sequence: a few checked find it as surely as all, for a forward pass of a few sequences
+        instead of most of the batch.
         """
-        version = self.position.version
-        fresh = [t for g in groups for t in g.trajectories() if fresh_positions(t, version)]
+        version, limit = self.position.version, self.cfg.logprob_check_sequences
+        fresh = spread([t for g in groups for t in g.trajectories() if fresh_positions(t, version)], limit)
         if not fresh:
             return 0.0, 0
         batch = TrainBatch([to_sequence(t, 0.0) for t in fresh])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from libra.services.trainer.batches import (BatchAssembler, build_batch, fresh_positions, generated_versions,
-                                          logprob_gap)
+                                          logprob_gap, spread)
 from libra.v1 import common_pb2 as pb
 
 
@@ -66,3 +66,11 @@ def _group_of(trajectory):
     group = PendingGroup(trajectory.group_id, 1)
     group.members[trajectory.trajectory_id] = ("e", trajectory)
     return group
+
+
+def test_the_logprob_check_spreads_its_sequences_over_the_batch():
+    batch = list(range(64))
+    assert spread(batch, 8) == [0, 8, 16, 24, 32, 40, 48, 56]  # one per group of 8, in order
+    assert spread(batch, 64) == batch and spread(batch, 100) == batch
+    assert spread(batch[:5], 3) == [0, 1, 3]
+    assert spread(batch, 0) == [] and spread([], 8) == []
