@@ -67,12 +67,40 @@ def best_schedule(layout: list[Group], trace: list[TrajectorySpec], params: Simp
     return best
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(24))
 def test_the_bound_never_exceeds_the_best_schedule_of_a_small_instance(seed):
     layout, trace, params = random_case(random.Random(seed))
     bound = lower_bound(layout, trace, params).makespan_s
     best = best_schedule(layout, trace, params)
     assert 0 < bound <= best * (1 + TOLERANCE)
+
+
+def test_the_relaxation_binds_on_some_small_instances_and_never_exceeds_their_best_schedule():
+    binding = 0
+    for seed in range(100, 180):
+        layout, trace, params = random_case(random.Random(seed))
+        bound = lower_bound(layout, trace, params)
+        closed_form = lower_bound(layout, trace, params, relaxation=False)
+        assert bound.capacity_s == closed_form.capacity_s and bound.critical_path_s == closed_form.critical_path_s
+        assert bound.relaxation_s >= max(bound.critical_path_s, bound.capacity_s) * 0.97  # tangents' spacing
+        if bound.relaxation_s > closed_form.makespan_s * (1 + 1e-6):
+            binding += 1
+            assert bound.makespan_s == bound.relaxation_s and bound.binding.startswith("relaxation")
+            assert bound.makespan_s <= best_schedule(layout, trace, params) * (1 + TOLERANCE)
+    assert binding >= 5  # 10 of these 80 when written
+
+
+def test_the_relaxation_sees_the_longest_trajectories_crowd_one_fast_instance():
+    """One long trajectory and three shorter ones, a wide instance beside a narrow one: the critical
+    path lets the long one run alone on the wide instance, the capacity term lets all four share
+    it; the long one cannot have it alone while the others also finish in time."""
+    params = SimpleParams(batch_slowdown=0.3, max_batch=4, prefill_tokens_per_step=64)
+    layout = [Group("short", 1, 1), Group("long", 4, 1)]
+    trace = [TrajectorySpec(f"t{i}", "p", 0, 8, (TurnSpec(output),)) for i, output in enumerate((150, 50, 50, 50))]
+    bound = lower_bound(layout, trace, params)
+    best = best_schedule(layout, trace, params)
+    assert bound.binding.startswith("relaxation")
+    assert max(bound.critical_path_s, bound.capacity_s) * 1.05 < bound.makespan_s <= best * (1 + TOLERANCE)
 
 
 def test_one_trajectory_alone_on_the_widest_instance_meets_the_bound_exactly():

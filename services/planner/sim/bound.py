@@ -24,6 +24,19 @@ instances, any order, moves and preemption allowed):
   optimal); the k trajectories of most work need makespan >= W_k / C(k) (k = all: total work over
   total capacity).
 
+- relaxation (a linear programme, `relaxation_bound`): the two facts above each let the longest
+  trajectories run fast together, which they cannot all do at once: a sequence that advances at
+  rate r on an instance of alone-rate R shares it with at most n(r) = 1 + (R / r - 1) / b
+  sequences, so it holds at least g(r) = 1 / n(r) of that instance while it runs (at least
+  1 / max_batch in any case), and the shares of one instance's sequences sum to at most 1 at any
+  moment. For every trajectory j and instance group k, let t(j,k) be the seconds j runs there, w(j,k)
+  the steps it makes there, s(j,k) the instance-seconds it holds; then in every schedule
+      sum_k w(j,k) = work(j);  w(j,k) <= R_k t(j,k);  sum_k t(j,k) + latencies(j) <= makespan;
+      s(j,k) >= a t(j,k) + c w(j,k) for every tangent a + c r of the convex g_k (Jensen);
+      s(j,k) >= w(j,k) / (R_k max_batch);  sum_j s(j,k) <= count_k makespan.
+  The least makespan of this programme (HiGHS, through scipy) bounds every schedule, and is at
+  least the two terms above up to the tangents' spacing.
+
 The bound is the largest of these. It holds for batch_slowdown >= 0 (a model in which batching
 speeds every sequence up is refused). Pure arithmetic: no events, no policies.
 """
@@ -40,19 +53,26 @@ from libra.services.planner.sim.simple import SimpleParams
 from libra.traces.spec import TrajectorySpec, check_spec
 
 
+TANGENTS = 24  # lines under each group's share curve g (more: a tighter relaxation, a larger programme)
+RELAXATION_SLACK = 1e-6  # the solver's optimum is exact to its tolerances (1e-7); this keeps it under the truth
+
+
 @dataclass(frozen=True)
 class Bound:
     """The lower bound on a window's makespan and the term that sets it."""
 
-    makespan_s: float  # max(critical_path_s, capacity_s)
+    makespan_s: float  # max(critical_path_s, capacity_s, relaxation_s)
     critical_path_s: float  # the slowest trajectory alone on the widest instance, tool latencies included
     critical_trajectory: str
     capacity_s: float  # max over k of (work of the k longest) / (best rate of k sequences)
     capacity_k: int  # the k that sets capacity_s (k = all trajectories: total work over total capacity)
+    relaxation_s: float = 0.0  # the linear programme's least makespan (0: not computed)
 
     @property
     def binding(self) -> str:
         """Which term sets the bound, in words."""
+        if self.relaxation_s > max(self.critical_path_s, self.capacity_s):
+            return "relaxation: the longest trajectories share the fast instances"
         if self.critical_path_s >= self.capacity_s:
             return f"critical path of {self.critical_trajectory}"
         return f"capacity over the {self.capacity_k} longest trajectories"
@@ -69,16 +89,90 @@ def sequence_rate(tp: int, running: int, params: SimpleParams) -> float:
 
 
 def lower_bound(layout: Sequence[Group], trace: Sequence[TrajectorySpec],
-                params: SimpleParams = SimpleParams()) -> Bound:
-    """The lower bound on the makespan of `trace` released at once on `layout` (module docstring)."""
+                params: SimpleParams = SimpleParams(), relaxation: bool = True) -> Bound:
+    """The lower bound on the makespan of `trace` released at once on `layout` (module docstring);
+    `relaxation=False` leaves out the linear programme (two closed-form terms only)."""
     tps = _check(layout, trace, params)
     work = {spec.trajectory_id: trajectory_work(spec, params) for spec in trace}
     fastest = params.base_token_s / max(tps) ** params.tp_exponent  # seconds per step, alone, widest
-    paths = {spec.trajectory_id: work[spec.trajectory_id] * fastest + sum(t.latency_s for t in spec.turns[:-1])
-             for spec in trace}
+    paths = {spec.trajectory_id: work[spec.trajectory_id] * fastest + latencies(spec) for spec in trace}
     critical = max(paths, key=lambda tid: (paths[tid], tid))
     capacity_s, capacity_k = _capacity_bound(sorted(work.values(), reverse=True), tps, params)
-    return Bound(max(paths[critical], capacity_s), paths[critical], critical, capacity_s, capacity_k)
+    relaxation_s = relaxation_bound(layout, trace, params) if relaxation else 0.0
+    return Bound(max(paths[critical], capacity_s, relaxation_s), paths[critical], critical, capacity_s, capacity_k,
+                 relaxation_s)
+
+
+def latencies(spec: TrajectorySpec) -> float:
+    """Seconds a trajectory spends in its tool calls (every turn but the last ends in one)."""
+    return sum(t.latency_s for t in spec.turns[:-1])
+
+
+def relaxation_bound(layout: Sequence[Group], trace: Sequence[TrajectorySpec], params: SimpleParams = SimpleParams(),
+                     tangents: int = TANGENTS) -> float:
+    """The linear programme's least makespan (module docstring): instances of one group pooled,
+    every trajectory free to split its work over the groups at any rates."""
+    import numpy as np
+    from scipy.optimize import linprog
+    from scipy.sparse import csr_matrix
+
+    _check(layout, trace, params)
+    groups = [(group.tp, group.count) for group in layout if group.count > 0]
+    n_groups, b = len(groups), params.batch_slowdown
+    alone = [tp ** params.tp_exponent / params.base_token_s for tp, _ in groups]  # steps per second, alone
+    lines = [_share_tangents(rate, b, tangents) for rate in alone]
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    upper: list[float] = []
+
+    def row(entries: list[tuple[int, float]], bound: float) -> None:
+        for col, value in entries:
+            rows.append(len(upper))
+            cols.append(col)
+            vals.append(value)
+        upper.append(bound)
+
+    def var(j: int, k: int, what: int) -> int:  # column 0 is the makespan; then (t, w, s) per (j, k)
+        return 1 + 3 * (j * n_groups + k) + what
+
+    for j, spec in enumerate(trace):
+        row([(var(j, k, 0), 1.0) for k in range(n_groups)] + [(0, -1.0)], -latencies(spec))
+        for k, rate in enumerate(alone):
+            t, w, s = var(j, k, 0), var(j, k, 1), var(j, k, 2)
+            row([(w, 1.0), (t, -rate)], 0.0)
+            row([(w, 1.0 / (rate * params.max_batch)), (s, -1.0)], 0.0)
+            for a, c in lines[k]:
+                row([(t, a), (w, c), (s, -1.0)], 0.0)
+    for k, (_, count) in enumerate(groups):
+        row([(var(j, k, 2), 1.0) for j in range(len(trace))] + [(0, -float(count))], 0.0)
+    columns = 1 + 3 * len(trace) * n_groups
+    equal = csr_matrix(([1.0] * (len(trace) * n_groups),
+                        ([j for j in range(len(trace)) for _ in range(n_groups)],
+                         [var(j, k, 1) for j in range(len(trace)) for k in range(n_groups)])),
+                       shape=(len(trace), columns))
+    cost = np.zeros(columns)
+    cost[0] = 1.0
+    solved = linprog(cost, A_ub=csr_matrix((vals, (rows, cols)), shape=(len(upper), columns)), b_ub=upper,
+                     A_eq=equal, b_eq=[trajectory_work(spec, params) for spec in trace], bounds=(0, None),
+                     method="highs")
+    if solved.status != 0:
+        raise RuntimeError(f"the makespan relaxation did not solve: {solved.message}")
+    return float(solved.x[0]) * (1 - RELAXATION_SLACK)
+
+
+def _share_tangents(alone: float, b: float, count: int) -> list[tuple[float, float]]:
+    """Lines a + c r under the share g(r) = b r / (R - (1 - b) r) that a sequence advancing at rate r
+    holds of an instance of alone-rate R (convex in r, so each tangent lies under it), touching it
+    at `count` rates that crowd towards R, where it bends."""
+    lines = []
+    for k in range(1, count + 1):
+        r = alone * (k / count) ** 0.5
+        room = alone - (1 - b) * r  # 0 at r = R when b = 0: no slowdown, no share to bound
+        if room > 0:
+            slope = b * alone / room ** 2
+            lines.append((b * r / room - slope * r, slope))
+    return lines
 
 
 def _capacity_bound(works: list[float], tps: list[int], params: SimpleParams) -> tuple[float, int]:
