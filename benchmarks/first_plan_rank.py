@@ -5,8 +5,8 @@ A run's first plan is the fastest of its candidates replayed on step 0's batch
 of each other, the choice between them is a near tie the replay cannot settle, and the lengths'
 growth over the run (which step 0's batch does not show) may favour another. This runs `libra
 sim` with the arguments given, exactly as the CLI would, except that the ranking's K-th plan is
-held instead of the first; it prints the top of the ranking first. With --rank 1 it is the plain
-run.
+held instead of the first; it prints the CPU time of that choice and the top of the ranking first.
+With --rank 1 it is the plain run.
 
     .venv/bin/python benchmarks/first_plan_rank.py --rank 2 -- --config configs/headline/c-libra-static.yaml \\
         --set planner.cluster.gpus=4096 --trace r2e --steps 100 --prompts 4096 --seed 0 --drift 1.0
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 
 from libra.services.planner.sim import rank
 
@@ -32,7 +33,10 @@ def main() -> None:
     ranked_first = rank.first_plan
 
     def kth(*positional, **keywords):
+        started = time.process_time()
         first = ranked_first(*positional, **keywords)
+        print(f"the first plan's choice: {time.process_time() - started:.1f} CPU-s (the search and "
+              f"{len(first.ranked)} replays, in this process)", flush=True)
         if args.rank > len(first.ranked):
             raise SystemExit(f"the replay ranked {len(first.ranked)} plans; --rank {args.rank} is not among them")
         for place, (candidate, per_step) in enumerate(first.ranked[:max(args.show, args.rank)], start=1):
