@@ -32,7 +32,7 @@ instances, any order, moves and preemption allowed):
   moment. For every trajectory j and instance group k, let t(j,k) be the seconds j runs there, w(j,k)
   the steps it makes there, s(j,k) the instance-seconds it holds; then in every schedule
       sum_k w(j,k) = work(j);  w(j,k) <= R_k t(j,k);  sum_k t(j,k) + latencies(j) <= makespan;
-      s(j,k) >= a t(j,k) + c w(j,k) for every tangent a + c r of the convex g_k (Jensen);
+      s(j,k) >= a t(j,k) + c w(j,k) for every tangent a + c r of the convex g_k (under g_k at every moment);
       s(j,k) >= w(j,k) / (R_k max_batch);  sum_j s(j,k) <= count_k makespan.
   The least makespan of this programme (HiGHS, through scipy) bounds every schedule, and is at
   least the two terms above up to the tangents' spacing.
@@ -111,7 +111,9 @@ def latencies(spec: TrajectorySpec) -> float:
 def relaxation_bound(layout: Sequence[Group], trace: Sequence[TrajectorySpec], params: SimpleParams = SimpleParams(),
                      tangents: int = TANGENTS) -> float:
     """The linear programme's least makespan (module docstring): instances of one group pooled,
-    every trajectory free to split its work over the groups at any rates."""
+    every trajectory free to split its work over the groups at any rates. It has (3 + tangents)
+    rows per trajectory and group: a second or two for a window of 400 trajectories on three
+    groups, more for much larger windows."""
     import numpy as np
     from scipy.optimize import linprog
     from scipy.sparse import csr_matrix
