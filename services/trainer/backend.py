@@ -92,13 +92,15 @@ class TrainBatch:
         return sum(sum(s.loss_mask) for s in self.sequences)
 
     def micro_batches(self, size: int) -> list[list[TrainSequence]]:
-        """Consecutive chunks of at most `size` sequences, in order (deterministic)."""
+        """Chunks of at most `size` sequences of like length (`plan`; deterministic)."""
         return [[self.sequences[i] for i in indices] for indices in self.plan(size)]
 
     def plan(self, size: int, tokens: int = 0) -> list[list[int]]:
         """The micro-batches of this batch as lists of sequence indices (deterministic).
 
-        `tokens` 0: consecutive chunks of at most `size` sequences, in order (each is right-padded).
+        `tokens` 0: chunks of at most `size` sequences taken shortest first (each chunk is right-padded
+        to its longest, so sequences of like length share one: one long sequence pads a chunk of its
+        peers, not of the shortest; the loss is a sum over tokens, so the gradient is the same).
         `tokens` > 0: the token budget of a packed micro-batch: sequences, longest first, each into
         the first micro-batch with room for it (first-fit decreasing), a new one when none has; a
         sequence longer than the budget is a micro-batch of its own.
@@ -107,9 +109,10 @@ class TrainBatch:
             raise ValueError(f"micro batch size must be >= 1, got {size}")
         if tokens < 0:
             raise ValueError(f"micro batch token budget must be >= 0, got {tokens}")
-        if not tokens:
-            return [list(range(i, min(i + size, len(self.sequences)))) for i in range(0, len(self.sequences), size)]
         lengths = [len(s.token_ids) for s in self.sequences]
+        if not tokens:
+            order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+            return [order[i:i + size] for i in range(0, len(order), size)]
         bins: list[list[int]] = []
         room: list[int] = []
         for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):

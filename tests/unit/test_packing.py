@@ -48,7 +48,7 @@ def test_token_budget_plan_is_first_fit_decreasing_and_covers_every_sequence_onc
     assert plan[0] == [3]  # 90 > 64: its own micro-batch, placed first (longest first)
     assert plan == batch.plan(4, tokens=64)  # deterministic: every rank computes the same plan
     assert plan == [[3], [7, 6], [5, 8], [0, 2, 9, 4, 1]]  # 90 | 61+3 | 40+22 | 30+12+9+7+5 = 63
-    assert batch.plan(4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # no budget: consecutive chunks
+    assert batch.plan(4) == [[6, 1, 4, 9], [2, 8, 0, 5], [7, 3]]  # no budget: chunks of like length, shortest first
     with pytest.raises(ValueError, match="budget"):
         batch.plan(4, tokens=-1)
 
