@@ -100,7 +100,9 @@ class TrainBatch:
 
         `tokens` 0: chunks of at most `size` sequences taken shortest first (each chunk is right-padded
         to its longest, so sequences of like length share one: one long sequence pads a chunk of its
-        peers, not of the shortest; the loss is a sum over tokens, so the gradient is the same).
+        peers, not of the shortest). The policy loss is a sum over tokens, so its gradient does not
+        depend on the chunks; an MoE's load-balancing loss, a statistic of each micro-batch, does, as
+        it did on chunks in arrival order.
         `tokens` > 0: the token budget of a packed micro-batch: sequences, longest first, each into
         the first micro-batch with room for it (first-fit decreasing), a new one when none has; a
         sequence longer than the budget is a micro-batch of its own.
