@@ -113,6 +113,8 @@ async def _check_state(redis_url: str, run_id: str, steps: int) -> None:
         # workers sample from exactly the weights the trainer holds (tiny numeric differences only)
         fresh = [r for r in records if r.fresh_sequences]
         assert fresh and all(r.behaviour_logprob_gap < 0.02 for r in fresh), [r.behaviour_logprob_gap for r in fresh]
+        # the check recomputes at most trainer.logprob_check_sequences (8) of a batch's fresh sequences
+        assert all(r.fresh_sequences <= 8 for r in records), [r.fresh_sequences for r in records]
         version = await store.current_version()
         assert version >= steps + 1
         # every step's version reached at least one worker (the step record counts those holding it)

@@ -98,7 +98,8 @@ def lower_bound(layout: Sequence[Group], trace: Sequence[TrajectorySpec],
     paths = {spec.trajectory_id: work[spec.trajectory_id] * fastest + latencies(spec) for spec in trace}
     critical = max(paths, key=lambda tid: (paths[tid], tid))
     capacity_s, capacity_k = _capacity_bound(sorted(work.values(), reverse=True), tps, params)
-    relaxation_s = relaxation_bound(layout, trace, params) if relaxation else 0.0
+    relaxation_s = _relaxation(layout, trace, params, [work[spec.trajectory_id] for spec in trace],
+                               TANGENTS) if relaxation else 0.0
     return Bound(max(paths[critical], capacity_s, relaxation_s), paths[critical], critical, capacity_s, capacity_k,
                  relaxation_s)
 
@@ -114,11 +115,17 @@ def relaxation_bound(layout: Sequence[Group], trace: Sequence[TrajectorySpec], p
     every trajectory free to split its work over the groups at any rates. It has (3 + tangents)
     rows per trajectory and group: a second or two for a window of 400 trajectories on three
     groups, more for much larger windows."""
+    _check(layout, trace, params)
+    return _relaxation(layout, trace, params, [trajectory_work(spec, params) for spec in trace], tangents)
+
+
+def _relaxation(layout: Sequence[Group], trace: Sequence[TrajectorySpec], params: SimpleParams,
+                works: list[float], tangents: int) -> float:
+    """`relaxation_bound` on checked input, each trajectory's work given."""
     import numpy as np
     from scipy.optimize import linprog
     from scipy.sparse import csr_matrix
 
-    _check(layout, trace, params)
     groups = [(group.tp, group.count) for group in layout if group.count > 0]
     n_groups, b = len(groups), params.batch_slowdown
     alone = [tp ** params.tp_exponent / params.base_token_s for tp, _ in groups]  # steps per second, alone
@@ -156,7 +163,7 @@ def relaxation_bound(layout: Sequence[Group], trace: Sequence[TrajectorySpec], p
     cost = np.zeros(columns)
     cost[0] = 1.0
     solved = linprog(cost, A_ub=csr_matrix((vals, (rows, cols)), shape=(len(upper), columns)), b_ub=upper,
-                     A_eq=equal, b_eq=[trajectory_work(spec, params) for spec in trace], bounds=(0, None),
+                     A_eq=equal, b_eq=works, bounds=(0, None),
                      method="highs")
     if solved.status != 0:
         raise RuntimeError(f"the makespan relaxation did not solve: {solved.message}")
