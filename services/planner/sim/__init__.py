@@ -16,6 +16,8 @@ GRPO loop) that `libra sim`, the scheduler evaluation and the GRP evaluation all
     colocated.py the colocated plan (every GPU trains and rolls out)
     design.py    a run config's design at cluster scale (`libra sim --config`, the headline)
     result.py    what runs report (StepRecord, PlanChangeRecord, SimResult, RolloutResult)
+    bound.py     a true lower bound on one window's makespan on a layout (the scheduler evaluation)
+    ceiling.py   the most trajectories/s any design could train a trace's batches at (the headline)
     run.py       one run from command-line choices (`simulate`), one plan over a window
                  (`run_plan`), summary lines, JSON and plot
 
