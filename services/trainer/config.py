@@ -27,6 +27,13 @@ class TorchBackendConfig(Section):
     """The plain PyTorch backend: one process, CPU or one GPU."""
 
     type: Literal["torch"] = Field("torch", description="backend type")
+    forward: Literal["auto", "transformers"] = Field(
+        "auto",
+        description="auto: a plain Llama-architecture model trained in float32 on a machine without CUDA, with "
+                    "no LoRA and no packed micro-batches, runs the rollout engine's own forward pass "
+                    "(services/rollout/engines/llama_forward.py: torch alone, transformers never imported: "
+                    "~3 CPU-s less start-up); any other model or setting transformers' own; transformers: "
+                    "always transformers' model")
 
 
 class MegatronBackendConfig(Section):

@@ -122,6 +122,9 @@ class ModelState:
             await self._create(on_warmup)
         await self.store.set_base_model(str(self.base_dir))  # rollout workers may start on it meanwhile
         await asyncio.to_thread(self.backend.load, str(self.base_dir))
+        if hasattr(self.backend, "own_forward"):  # the torch backend: which model it trains
+            _log.info("model loaded", forward="the engine's own pass" if self.backend.own_forward else
+                      f"transformers ({self.backend.transformers_because})")
         position = Position()
         checkpoint = self.latest_checkpoint()
         if checkpoint is not None:

@@ -14,6 +14,13 @@ default group and the write-back.
 The model stays in eval mode (no dropout): the policy ratio compares two forward passes of the
 same function, and rollout workers sample without dropout too.
 
+The model is transformers' `AutoModelForCausalLM`, or (`trainer.backend.forward: auto`, the
+default) for a plain float32 Llama on a machine without CUDA, with no LoRA and no packed
+micro-batches, the rollout engine's own pass (services/rollout/engines/llama_forward.py, the same
+parameters under the same names, held to transformers' logits by its tests): the trainer then never
+imports transformers, ~3 CPU-seconds of start-up on a small machine, and it computes exactly what
+the CPU engines sample with. Published weights are the same safetensors either way.
+
 LoRA (`trainer.lora`, services/trainer/lora.py): peft adapters on the targeted linears, every other
 weight frozen — so gradients, the optimizer, the elastic hook's flat gradient and the checkpoint hold
 only the adapters; published weights are the merged ones under the HF model's names
@@ -55,26 +62,28 @@ class TorchBackend(TrainBackend):
         self.config = config
         self.seed = seed
         self.model_dir: str | None = None
+        self.own_forward = False  # the engine's own pass instead of transformers' model (load)
+        self.transformers_because = ""  # why not, when not
         self._model: Any = None
         self._optimizer: Any = None
 
     # ---- loading -------------------------------------------------------------------------
     def load(self, model_dir: str) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         if not os.path.isdir(model_dir):
             raise ValueError(f"TorchBackend.load: {model_dir!r} is not a model directory")
         torch.set_num_threads(self.config.torch_threads)
         torch.manual_seed(self.seed)
         random.seed(self.seed)
-        extra = {}
-        if self.config.micro_batch_tokens:  # packed micro-batches: attention kept inside each sequence
-            from libra.services.trainer.packed_attention import register_hf
+        self.transformers_because = self._own_forward_reason(model_dir) or ""
+        self.own_forward = not self.transformers_because
+        if self.own_forward:
+            from libra.services.rollout.engines.llama_forward import LlamaForward
 
-            extra["attn_implementation"] = register_hf(self.config.packed_attention)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra)
-        model.config.use_cache = False
+            model = LlamaForward.load(model_dir)
+        else:
+            model = self._transformers_model(model_dir)
         if self.config.lora is not None:
             from libra.services.trainer import lora
 
@@ -85,6 +94,45 @@ class TorchBackend(TrainBackend):
             [p for p in model.parameters() if p.requires_grad],
             lr=self.config.lr, weight_decay=self.config.weight_decay,
         )
+
+    def _transformers_model(self, model_dir: str) -> Any:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        extra = {}
+        if self.config.micro_batch_tokens:  # packed micro-batches: attention kept inside each sequence
+            from libra.services.trainer.packed_attention import register_hf
+
+            extra["attn_implementation"] = register_hf(self.config.packed_attention)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra)
+        model.config.use_cache = False
+        return model
+
+    def _own_forward_reason(self, model_dir: str) -> str | None:
+        """Why this model must load as transformers' (None: it runs the engine's own pass)."""
+        import json
+
+        import torch
+
+        from libra.services.rollout.engines.llama_forward import unsupported
+
+        settings = self.config.backend
+        if getattr(settings, "forward", "transformers") != "auto":
+            return "trainer.backend.forward is transformers"
+        if self.config.lora is not None:
+            return "LoRA adapters (peft wraps transformers' model)"
+        if self.config.micro_batch_tokens:
+            return "packed micro-batches (transformers' attention interface)"
+        if torch.cuda.is_available():
+            return "CUDA is available (a GPU trainer runs transformers' kernels)"
+        try:
+            with open(os.path.join(model_dir, "config.json")) as file:
+                config = json.load(file)
+        except (OSError, ValueError) as error:
+            return f"no readable config.json ({error})"
+        if not any(name.endswith(".safetensors") for name in os.listdir(model_dir)):
+            return "no safetensors weights"
+        return unsupported(config, "cpu", "float32")
 
     @property
     def model(self) -> Any:
@@ -128,6 +176,9 @@ class TorchBackend(TrainBackend):
             from libra.services.trainer.packed_attention import hf_packed_inputs
 
             logits = self.model(**hf_packed_inputs(packed, device)).logits
+        elif self.own_forward:  # right-padded rows: positions count from each row's first token
+            positions = torch.arange(packed.input_ids.shape[1], device=device).expand_as(packed.input_ids)
+            logits = self.model(packed.input_ids, packed.attention_mask, positions, None, last_only=False)[0]
         else:
             logits = self.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
         return packed, token_logprobs(logits, packed.input_ids)
@@ -247,7 +298,9 @@ class TorchBackend(TrainBackend):
     # ---- files -----------------------------------------------------------------------------
     def save_weights(self, out_dir: str) -> None:
         if _rank() == 0:  # safetensors: the default (4.x) and only (5.x) format of save_pretrained
-            if self.config.lora is None:
+            if self.own_forward:  # the engine's own pass: its parameters under transformers' names
+                write_weights_dir(out_dir, self.model_dir, self._save_safetensors)
+            elif self.config.lora is None:
                 write_weights_dir(out_dir, self.model_dir, self.model.save_pretrained)
             else:  # the merged weights, saved by the underlying HF model (config and all)
                 merged = dict(self.hf_named_tensors())
@@ -255,6 +308,17 @@ class TorchBackend(TrainBackend):
                 write_weights_dir(out_dir, self.model_dir, lambda staging: base.save_pretrained(
                     staging, state_dict=merged))
         _barrier()
+
+    def _save_safetensors(self, staging: str) -> None:
+        """The weights as transformers saves them: one model.safetensors, a tied lm_head left out
+        (config.json and the rest are the model directory's, copied beside it)."""
+        from safetensors.torch import save_file
+
+        model = self.model
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()
+                 if not (tied and name == "lm_head.weight")}
+        save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
         import torch

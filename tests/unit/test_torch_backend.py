@@ -56,6 +56,15 @@ def _mixed_batch() -> TrainBatch:
     ])
 
 
+def _logits(backend: TorchBackend, ids: torch.Tensor) -> torch.Tensor:
+    """Every position's logits of one unpadded row batch, on whichever model the backend loaded."""
+    with torch.no_grad():
+        if backend.own_forward:
+            positions = torch.arange(ids.shape[1]).expand_as(ids)
+            return backend.model(ids, torch.ones_like(ids), positions, None, last_only=False)[0]
+        return backend.model(input_ids=ids).logits
+
+
 def _parameters(backend: TorchBackend) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in backend.model.named_parameters()}
 
@@ -84,8 +93,7 @@ def test_compute_logprobs_matches_manual_log_softmax(model_dir):
     got = backend.compute_logprobs(batch)
     for seq, logprobs in zip(batch.sequences, got):
         ids = torch.tensor([seq.token_ids])
-        with torch.no_grad():
-            logits = backend.model(input_ids=ids).logits[0]
+        logits = _logits(backend, ids)[0]
         expected = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0][seq.prompt_length - 1 :]
         assert logprobs.shape == (seq.response_length,)
         assert torch.allclose(logprobs, expected, atol=1e-5)
@@ -142,7 +150,7 @@ def test_save_weights_reloads_with_equal_logits(model_dir, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ids = torch.tensor([_mixed_batch().sequences[0].token_ids])
     with torch.no_grad():
-        assert torch.allclose(reloaded(input_ids=ids).logits, backend.model(input_ids=ids).logits, atol=1e-6)
+        assert torch.allclose(reloaded(input_ids=ids).logits, _logits(backend, ids), atol=1e-6)
     _backend(model_dir).save_weights(str(tmp_path / "no-tokenizer"))  # absent tokenizer files are fine
 
 
@@ -165,6 +173,65 @@ def test_checkpoint_restores_model_optimizer_and_extra(model_dir, tmp_path):
     for (name, p), q in zip(first.model.named_parameters(), second.model.parameters()):
         assert torch.equal(p, q), name
     assert os.listdir(tmp_path / "ckpt") == ["step-1.pt"]
+
+
+TRANSFORMERS = {"backend": {"type": "torch", "forward": "transformers"}}
+
+
+def test_a_plain_llama_on_cpu_trains_on_the_engines_own_pass(model_dir):
+    from libra.services.rollout.engines.llama_forward import LlamaForward
+
+    own = _backend(model_dir)
+    assert own.own_forward and isinstance(own.model, LlamaForward) and not own.transformers_because
+    asked = _backend(model_dir, **TRANSFORMERS)
+    assert not asked.own_forward and "trainer.backend.forward" in asked.transformers_because
+    packed = _backend(model_dir, micro_batch_tokens=64)
+    assert not packed.own_forward and "packed" in packed.transformers_because
+
+
+def test_both_models_take_the_same_step(model_dir):
+    own, theirs = _backend(model_dir), _backend(model_dir, **TRANSFORMERS)
+    batch = _with_behaviour(theirs, _mixed_batch(), shift=-0.05)
+    for a, b in zip(own.compute_logprobs(batch), theirs.compute_logprobs(batch)):
+        assert torch.allclose(a, b, atol=1e-5)
+    m_own = own.train_step(batch, _config(micro_batch_size=2))
+    m_theirs = theirs.train_step(batch, _config(micro_batch_size=2))
+    assert m_own["loss"] == pytest.approx(m_theirs["loss"], rel=1e-4, abs=1e-6)
+    assert m_own["grad_norm"] == pytest.approx(m_theirs["grad_norm"], rel=1e-4)
+    for (name, p), q in zip(own.model.named_parameters(), theirs.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-5), name
+
+
+def test_checkpoints_and_weights_move_between_the_two_models(model_dir, tmp_path):
+    batch, config = _mixed_batch(), _config()
+    theirs = _backend(model_dir, **TRANSFORMERS)
+    theirs.train_step(batch, config)
+    path = str(tmp_path / "step-1.pt")
+    theirs.save_checkpoint(path, {"step": 1})
+    own = _backend(model_dir)
+    assert own.load_checkpoint(path) == {"step": 1}
+    theirs.train_step(batch, config)
+    own.train_step(batch, config)  # Adam's moments came across too: the same second step
+    for (name, p), q in zip(own.model.named_parameters(), theirs.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-5), name
+    out = str(tmp_path / "published")
+    own.save_weights(out)  # what the engine's own pass publishes, transformers loads
+    again = _backend(out, **TRANSFORMERS)
+    ids = torch.tensor([batch.sequences[0].token_ids])
+    assert torch.allclose(_logits(again, ids), _logits(own, ids), atol=1e-6)
+
+
+def test_the_trainer_never_imports_transformers_on_the_own_pass(model_dir):
+    import subprocess
+    import sys
+
+    script = ("import sys; from libra.services.trainer.config import TrainerConfig; "
+              "from libra.services.trainer.torch_backend import TorchBackend; "
+              "b = TorchBackend(TrainerConfig(torch_threads=1)); b.load(sys.argv[1]); "
+              "print(b.own_forward, 'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script, model_dir], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]
 
 
 def _data_parallel_rank(rank: int, world: int, model_dir: str, port: int, out: str) -> None:
