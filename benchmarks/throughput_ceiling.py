@@ -6,7 +6,7 @@ Training a trace's batches costs at least their decode (each token reads its KV 
 share of the weights at the largest batch), their prefill (each prompt and tool payload once) and
 their training compute, in GPU-seconds, whatever the design; over the GPUs that is a floor on the
 makespan and a ceiling on the throughput. A design at fraction f of the ceiling can be beaten by
-at most 1 / f (exactly for designs that reject no stale groups; ceiling.py says why).
+at most 1 / f (strictly for designs that reject no stale groups; ceiling.py says why).
 
     .venv/bin/python benchmarks/throughput_ceiling.py [--gpus 48] [--steps 100] [--seed 0] [--drift 1.0]
         [--rows benchmarks/results/headline_sim_48.json ...]

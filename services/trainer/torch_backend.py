@@ -18,8 +18,8 @@ The model is transformers' `AutoModelForCausalLM`, or (`trainer.backend.forward:
 default) for a plain float32 Llama on a machine without CUDA, with no LoRA and no packed
 micro-batches, the rollout engine's own pass (services/rollout/engines/llama_forward.py, the same
 parameters under the same names, held to transformers' logits by its tests): the trainer then never
-imports transformers, ~3 CPU-seconds of start-up on a small machine, and it computes exactly what
-the CPU engines sample with. Published weights are the same safetensors either way.
+imports transformers (~2.7 CPU-seconds of start-up on a small machine), and it trains the same
+network code the CPU engines sample with. Published weights are the same safetensors either way.
 
 LoRA (`trainer.lora`, services/trainer/lora.py): peft adapters on the targeted linears, every other
 weight frozen — so gradients, the optimizer, the elastic hook's flat gradient and the checkpoint hold
