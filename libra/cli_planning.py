@@ -195,7 +195,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
         raise ConfigError(str(error)) from None
     print("\n".join(sim_run.summary(result) + extra))
     if args.json:
-        about = ({"config": args.config, "run": design.name, "planner": design.planner, "policy": design.sim.policy}
+        about = ({"config": args.config, "run": design.name, "planner": design.planner, "policy": design.sim.policy,
+                  "ceiling_trajectories_per_s": played.ceiling.trajectories_per_s if played.ceiling else None,
+                  "rejected": played.usage.rejected}
                  if design is not None else {"planner": args.planner or "static", "policy": args.policy or "cmlfq"})
         sim_run.write_json(args.json, sim_run.to_json(result, {**about, "gpus": gpus, "trace": trace.source}))
     if args.plot:

@@ -5,6 +5,7 @@ stopping the trainer; `libra sim --config` runs each; the R2E-Gym-like trace kee
 
 from __future__ import annotations
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -78,7 +79,10 @@ def test_libra_sim_runs_each_config(key, tmp_path):
                            "--prompts", "4", "--json", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "trajectories/s" in done.stdout and "busy GPU fraction per pool" in done.stdout
-    assert f'"run": "headline-{key}"' in out.read_text()
+    assert "throughput ceiling of these batches" in done.stdout
+    written = json.loads(out.read_text())
+    assert written["run"] == f"headline-{key}"
+    assert 0 < written["trajectories_per_s"] <= written["ceiling_trajectories_per_s"] or written["rejected"]
 
 
 def test_libra_sim_refuses_flags_the_config_sets():

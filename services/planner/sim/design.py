@@ -45,6 +45,7 @@ from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.hardware import GpuSpec, ModelSpec, gpu_named, model_named
 from libra.services.planner.search import SearchConfig
 from libra.services.planner.sim import control
+from libra.services.planner.sim.ceiling import Ceiling, ceiling
 from libra.services.planner.sim.checkpoint import Checkpoint
 from libra.services.planner.sim.cluster import SimConfig, Simulator
 from libra.services.planner.sim.colocated import Colocated
@@ -83,14 +84,23 @@ class DesignRun:
     result: SimResult
     usage: Usage
     hybrid_moves: int = 0  # plan changes the elastic pool made without stopping the trainer
+    ceiling: Ceiling | None = None  # of the trace's first batches, as many as the run trained (ceiling.py)
 
     def lines(self) -> list[str]:
         busy = ", ".join(f"{pool} {share:.1%}" for pool, share in self.usage.fractions().items())
         stale = ", ".join(f"{lag}: {share:.1%}" for lag, share in self.usage.staleness_shares().items())
-        return [f"busy GPU fraction per pool: {busy}",
-                f"staleness (versions behind: share of trajectories trained): {stale}; rejected as stale: "
-                f"{self.usage.rejected:,} trajectories",
-                f"hybrid moves (elastic pool, trainer kept stepping): {self.hybrid_moves}"]
+        lines = [f"busy GPU fraction per pool: {busy}",
+                 f"staleness (versions behind: share of trajectories trained): {stale}; rejected as stale: "
+                 f"{self.usage.rejected:,} trajectories",
+                 f"hybrid moves (elastic pool, trainer kept stepping): {self.hybrid_moves}"]
+        if self.ceiling is not None:
+            share = self.result.trajectories_per_s / self.ceiling.trajectories_per_s
+            caveat = ("" if not self.usage.rejected else
+                      " (not a strict bound here: groups of later batches were trained in place of rejected ones)")
+            lines.append(f"throughput ceiling of these batches (any design, this cost model: ceiling.py): "
+                         f"{self.ceiling.trajectories_per_s:.3f} trajectories/s; this run {share:.1%} of it, "
+                         f"so no design trains them more than {1 / share:.2f}x faster{caveat}")
+        return lines
 
 
 def design_of(config: "RunConfig", max_workers: int = 256) -> Design:
@@ -165,4 +175,6 @@ def simulate_design(design: Design, trace: Trace, steps: int = 0,
     except Infeasible as error:
         raise InvalidArgument(f"{design.name}: {design.search.total_gpus} GPUs cannot run {design.model.name} on "
                               f"{design.gpu.name} for this trace: {error}") from None
-    return DesignRun(design, result, simulator.usage, simulator.trainer.joins)
+    trained = trace.steps[:len(result.steps)]
+    bound = ceiling(design.model, design.gpu, design.search, trained) if trained else None
+    return DesignRun(design, result, simulator.usage, simulator.trainer.joins, bound)
