@@ -69,6 +69,20 @@ def test_each_part_grows_with_what_it_counts():
     assert base.trajectories_per_s == pytest.approx(8 / base.gpu_s)
 
 
+def test_a_mixture_of_experts_is_never_beaten_either():
+    moe = model_named("qwen3-30b-a3b")
+    trace = r2e.r2e_like(3, 32, 8, seed=1, drift=0.5)
+    config = SearchConfig(total_gpus=16, group_size=8)
+    for colocated in (True, False):
+        sim = SimConfig(staleness=0, colocated=True, policy="load_balance") if colocated else SimConfig(staleness=1)
+        controller = Colocated(moe, GPU, config) if colocated else control.static(moe, GPU, config)
+        simulator = Simulator(moe, GPU, trace, controller, config, sim)
+        simulator.run()
+        assert simulator.feeder.rejected == 0
+        steps = len(simulator.records)
+        assert trace.batch * steps / simulator.events.now <= ceiling(moe, GPU, config, trace.steps[:steps]).trajectories_per_s
+
+
 def test_bad_input_is_refused():
     config = SearchConfig(total_gpus=8, group_size=8)
     with pytest.raises(InvalidArgument, match="at least one batch"):

@@ -5,8 +5,9 @@ Every GPU-second of a run is rollout or training. Whatever the design (colocated
 any split, any TP degrees, any routing, any staleness), training the trace's batches costs at least
 
     decode    each generated token reads its sequence's KV cache once and a share of the weights,
-              (weights / max_seqs + kv bytes per token x the tokens before it) / (HBM bandwidth x
-              decode_bw) GPU-seconds: the cost model's decode step per sequence
+              (weights read per step / max_seqs + kv bytes per token x the tokens before it) / (HBM
+              bandwidth x decode_bw) GPU-seconds (a mixture of experts' step reads the experts its
+              tokens hit, at max_seqs tokens): the cost model's decode step per sequence
               (`cost_rollout.Instance.decode_step_seconds`) at the largest batch an engine runs,
               without all-reduces or calibrated overheads. Its GPU-seconds are the same at every TP
               degree (a TP-t engine reads 1/t of the weights and KV on each of its t GPUs; above the
@@ -74,7 +75,10 @@ def ceiling(model: ModelSpec, gpu: GpuSpec, search: SearchConfig,
     roll, train = search.rollout, search.train
     engine = cost_rollout.instance(model, gpu, 1, roll)  # (OverMemory when the weights leave no room for KV)
     bandwidth = gpu.hbm_gbps * 1e9 * roll.decode_bw
-    weights_per_token = model.weight_bytes / roll.max_seqs / bandwidth
+    # a step reads the dense weights and the experts any of its tokens hit: per token the least at the
+    # largest batch (the share read, 1 - (1 - active/experts)^batch, grows slower than the batch)
+    weights_per_token = (model.weight_bytes * cost_rollout._expert_read_fraction(model, roll.max_seqs)
+                         / roll.max_seqs / bandwidth)
     per_context_token = engine.kv_bytes_per_token_per_gpu / bandwidth  # TP 1: the whole KV on one GPU
     prefill_per_token = 2.0 * model.active_params / (gpu.bf16_tflops * 1e12 * roll.prefill_mfu)
     passes = 6.0 + (2.0 if train.logprob_recompute else 0.0)
