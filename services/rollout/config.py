@@ -30,7 +30,7 @@ class HfEngine(Section):
     forward: Literal["auto", "transformers"] = Field(
         "auto",
         description="auto: a plain Llama-architecture model in float32 on CPU runs the engine's own forward pass "
-                    "(engines/llama_forward.py: torch alone, transformers never imported: ~3 CPU-s less start-up per "
+                    "(libra/llama_forward.py: torch alone, transformers never imported: ~3 CPU-s less start-up per "
                     "worker), any other model transformers' own; transformers: always transformers' model")
 
 

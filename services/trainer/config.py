@@ -31,7 +31,7 @@ class TorchBackendConfig(Section):
         "auto",
         description="auto: a plain Llama-architecture model trained in float32 on a machine without CUDA, with "
                     "no LoRA and no packed micro-batches, runs the rollout engine's own forward pass "
-                    "(services/rollout/engines/llama_forward.py: torch alone, transformers never imported: "
+                    "(libra/llama_forward.py: torch alone, transformers never imported: "
                     "~3 CPU-s less start-up); any other model or setting transformers' own; transformers: "
                     "always transformers' model")
 

@@ -16,7 +16,7 @@ same function, and rollout workers sample without dropout too.
 
 The model is transformers' `AutoModelForCausalLM`, or (`trainer.backend.forward: auto`, the
 default) for a plain float32 Llama on a machine without CUDA, with no LoRA and no packed
-micro-batches, the rollout engine's own pass (services/rollout/engines/llama_forward.py, the same
+micro-batches, the rollout engine's own pass (libra/llama_forward.py, the same
 parameters under the same names, held to transformers' logits by its tests): the trainer then never
 imports transformers (~2.7 CPU-seconds of start-up on a small machine), and it trains the same
 network code the CPU engines sample with. Published weights are the same safetensors either way.
@@ -79,7 +79,7 @@ class TorchBackend(TrainBackend):
         self.transformers_because = self._own_forward_reason(model_dir) or ""
         self.own_forward = not self.transformers_because
         if self.own_forward:
-            from libra.services.rollout.engines.llama_forward import LlamaForward
+            from libra.llama_forward import LlamaForward
 
             model = LlamaForward.load(model_dir)
         else:
@@ -114,7 +114,7 @@ class TorchBackend(TrainBackend):
 
         import torch
 
-        from libra.services.rollout.engines.llama_forward import unsupported
+        from libra.llama_forward import unsupported
 
         settings = self.config.backend
         if getattr(settings, "forward", "transformers") != "auto":

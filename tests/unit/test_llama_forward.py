@@ -1,4 +1,4 @@
-"""The hf engine's own forward pass (engines/llama_forward.py) is transformers' Llama: the same logits
+"""The hf engine's own forward pass (libra/llama_forward.py) is transformers' Llama: the same logits
 and KV cache on ragged, left-padded batches through prefill and decode steps (tied or untied output
 head, grouped-query attention); it runs only where it is that model (`unsupported` names why not);
 an engine on it samples what an engine on transformers samples; and a worker that uses it never
@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from libra.services.rollout.engines.hf_engine import HFEngine, Request  # noqa: E402
-from libra.services.rollout.engines.llama_forward import LlamaForward, unsupported  # noqa: E402
+from libra.llama_forward import LlamaForward, unsupported  # noqa: E402
 
 from tests.fixtures_model import make_random_llama  # noqa: E402
 

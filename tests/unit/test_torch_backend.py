@@ -179,7 +179,7 @@ TRANSFORMERS = {"backend": {"type": "torch", "forward": "transformers"}}
 
 
 def test_a_plain_llama_on_cpu_trains_on_the_engines_own_pass(model_dir):
-    from libra.services.rollout.engines.llama_forward import LlamaForward
+    from libra.llama_forward import LlamaForward
 
     own = _backend(model_dir)
     assert own.own_forward and isinstance(own.model, LlamaForward) and not own.transformers_because

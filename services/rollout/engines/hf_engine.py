@@ -33,7 +33,7 @@ last id returned), `seed`, `/pause` `/resume` `/update_weight_version`, and `/co
 the same method names as `LibraWorkerExtension` (plus the weights-group ones), so the gateway
 cannot tell the engines apart. Tensor parallelism is not supported (TP 1 only).
 The model is transformers' own, except a plain Llama-architecture model in float32 on CPU (the
-quickstart's tiny model), which runs the engine's own forward pass (engines/llama_forward.py, the
+quickstart's tiny model), which runs the engine's own forward pass (libra/llama_forward.py, the
 same logits on torch alone: a worker then never imports transformers), unless
 `rollout.worker.engine.forward: transformers`.
 
@@ -98,7 +98,7 @@ class HFEngine(HFWeightLoads):
         self.device = torch.device(device)
         self.forward, self.forward_why = _forward_of(model_dir, device, dtype, forward)
         if self.forward == "own":
-            from libra.services.rollout.engines.llama_forward import LlamaForward
+            from libra.llama_forward import LlamaForward
 
             self.model = LlamaForward.load(model_dir)
             self.eos_id, self.vocab_size = self.model.eos_token_id, self.model.vocab_size
@@ -350,7 +350,7 @@ def _forward_of(model_dir: str, device: str, dtype: str, forward: str) -> tuple[
     import json
     import pathlib
 
-    from libra.services.rollout.engines.llama_forward import unsupported
+    from libra.llama_forward import unsupported
 
     try:
         config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())

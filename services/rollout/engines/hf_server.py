@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode steps a new request waits at most before it is prefilled")
     parser.add_argument("--forward", default="auto", choices=FORWARDS,
                         help="auto: a plain Llama in float32 on CPU runs the engine's own forward pass "
-                             "(engines/llama_forward.py), anything else transformers' model; transformers: always")
+                             "(libra/llama_forward.py), anything else transformers' model; transformers: always")
     args = parser.parse_args(argv)
     key = key_from_environment()
     phases = StartPhases()  # start-up, phase by phase, in the "hf engine serving" line

@@ -1,4 +1,7 @@
-"""The hf engine's own forward pass for plain Llama-architecture models in float32 on CPU.
+"""The own forward pass for plain Llama-architecture models in float32 on CPU, shared by the hf
+engine (services/rollout/engines/hf_engine.py), which samples with it, and the torch training
+backend (services/trainer/torch_backend.py, `trainer.backend.forward: auto`), which trains it: here
+in libra/ because no service imports another.
 
 The transformers engine (`hf_engine.py`) calls a model with left-padded rows, a 2-D attention mask,
 explicit positions and the KV cache as one (keys, values) pair per layer. For a small model on CPU
@@ -16,8 +19,10 @@ handful of tensor operations the engine needs, on torch alone:
 
 `unsupported(config, device, dtype)` says why a model must go through transformers instead (another
 architecture, rotary scaling, biases, another activation, a GPU or a half dtype, where transformers'
-kernels and its mixed-precision casts are what the trainer reproduces); the engine then does so.
-tests/unit/test_llama_forward.py holds it to transformers' logits and cache.
+kernels and its mixed-precision casts are what the trainer reproduces); the engine and the trainer
+then do so. For training, `last_only=False` gives every position's logits of right-padded rows.
+tests/unit/test_llama_forward.py holds it to transformers' logits and cache,
+tests/unit/test_torch_backend.py its training step to transformers' model's.
 """
 
 from __future__ import annotations
