@@ -83,6 +83,12 @@ def test_a_mixture_of_experts_is_never_beaten_either():
         assert trace.batch * steps / simulator.events.now <= ceiling(moe, GPU, config, trace.steps[:steps]).trajectories_per_s
 
 
+def test_a_model_too_large_for_one_gpu_has_a_ceiling_too():
+    big = model_named("qwen3-14b").model_copy(update={"bytes_per_param": 8.0})  # 110 GiB: no one GPU holds it
+    trace = r2e.r2e_like(1, 2, 8, seed=1, drift=0.5)
+    assert ceiling(big, gpu_named("a800-80g"), SearchConfig(total_gpus=64, group_size=8), trace.steps).gpu_s > 0
+
+
 def test_bad_input_is_refused():
     config = SearchConfig(total_gpus=8, group_size=8)
     with pytest.raises(InvalidArgument, match="at least one batch"):

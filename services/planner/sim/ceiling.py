@@ -73,13 +73,13 @@ def ceiling(model: ModelSpec, gpu: GpuSpec, search: SearchConfig,
     if not batches or not all(batches):
         raise InvalidArgument("the throughput ceiling needs at least one batch, and no empty one")
     roll, train = search.rollout, search.train
-    engine = cost_rollout.instance(model, gpu, 1, roll)  # (OverMemory when the weights leave no room for KV)
     bandwidth = gpu.hbm_gbps * 1e9 * roll.decode_bw
     # a step reads the dense weights and the experts any of its tokens hit: per token the least at the
     # largest batch (the share read, 1 - (1 - active/experts)^batch, grows slower than the batch)
     weights_per_token = (model.weight_bytes * cost_rollout._expert_read_fraction(model, roll.max_seqs)
                          / roll.max_seqs / bandwidth)
-    per_context_token = engine.kv_bytes_per_token_per_gpu / bandwidth  # TP 1: the whole KV on one GPU
+    # the whole KV cache of a token (what a TP-1 engine holds; TP-t engines split it, or replicate heads)
+    per_context_token = 2.0 * model.layers * model.kv_heads * model.head_dim * model.kv_bytes_per_value / bandwidth
     prefill_per_token = 2.0 * model.active_params / (gpu.bf16_tflops * 1e12 * roll.prefill_mfu)
     passes = 6.0 + (2.0 if train.logprob_recompute else 0.0)
     train_per_token = passes * model.active_params / (gpu.bf16_tflops * 1e12 * train.mfu)
