@@ -54,6 +54,20 @@ def unsupported(config: dict[str, Any], device: str, dtype: str) -> str | None:
     return "; ".join(failed) or None
 
 
+def unsupported_dir(model_dir: str | pathlib.Path, device: str, dtype: str) -> str | None:
+    """Why the model directory `model_dir` cannot run on this pass (its config.json unreadable, no
+    safetensors weights, or `unsupported`), or None when it can: what the engine and the trainer
+    both ask before loading it."""
+    directory = pathlib.Path(model_dir)
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        return f"config.json unreadable here ({type(error).__name__})"
+    if not any(directory.glob("*.safetensors")):
+        return "no safetensors weights (the own pass loads safetensors only)"
+    return unsupported(config, device, dtype)
+
+
 def _rope_theta(config: dict[str, Any]) -> float:
     rope = config.get("rope_parameters") or {}
     return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))

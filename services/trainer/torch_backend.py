@@ -110,11 +110,9 @@ class TorchBackend(TrainBackend):
 
     def _own_forward_reason(self, model_dir: str) -> str | None:
         """Why this model must load as transformers' (None: it runs the engine's own pass)."""
-        import json
-
         import torch
 
-        from libra.llama_forward import unsupported
+        from libra.llama_forward import unsupported_dir
 
         settings = self.config.backend
         if getattr(settings, "forward", "transformers") != "auto":
@@ -125,14 +123,7 @@ class TorchBackend(TrainBackend):
             return "packed micro-batches (transformers' attention interface)"
         if torch.cuda.is_available():
             return "CUDA is available (a GPU trainer runs transformers' kernels)"
-        try:
-            with open(os.path.join(model_dir, "config.json")) as file:
-                config = json.load(file)
-        except (OSError, ValueError) as error:
-            return f"no readable config.json ({error})"
-        if not any(name.endswith(".safetensors") for name in os.listdir(model_dir)):
-            return "no safetensors weights"
-        return unsupported(config, "cpu", "float32")
+        return unsupported_dir(model_dir, "cpu", "float32")
 
     @property
     def model(self) -> Any:

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from libra.services.rollout.engines.hf_engine import HFEngine, Request  # noqa: E402
-from libra.llama_forward import LlamaForward, unsupported  # noqa: E402
+from libra.llama_forward import LlamaForward, unsupported, unsupported_dir  # noqa: E402
 
 from tests.fixtures_model import make_random_llama  # noqa: E402
 
@@ -111,6 +111,22 @@ def test_a_checkpoint_that_does_not_match_is_refused(tmp_path):
     save_file(state, str(directory / "model.safetensors"))
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
         LlamaForward.load(directory)
+
+
+def test_a_directory_runs_on_it_only_with_a_readable_config_and_safetensors(tmp_path):
+    """The one check the engine and the trainer both make before loading a model directory."""
+    from libra.services.trainer.config import TrainerConfig
+    from libra.services.trainer.torch_backend import TorchBackend
+
+    directory = make_random_llama(tmp_path / "model", seed=0)
+    assert unsupported_dir(directory, "cpu", "float32") is None
+    assert "float32" in unsupported_dir(directory, "cpu", "bfloat16")
+    (directory / "model.safetensors").rename(directory / "weights.bin")  # the own pass reads safetensors only
+    assert "no safetensors" in unsupported_dir(directory, "cpu", "float32")
+    (directory / "config.json").unlink()
+    assert "config.json unreadable" in unsupported_dir(directory, "cpu", "float32")
+    backend = TorchBackend(TrainerConfig(torch_threads=1))
+    assert "config.json unreadable" in backend._own_forward_reason(str(directory))  # the trainer asks the same
 
 
 def _greedy(engine: HFEngine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:

@@ -347,16 +347,9 @@ def _forward_of(model_dir: str, device: str, dtype: str, forward: str) -> tuple[
     on CPU, transformers never imported) under "auto" where it can, else "transformers"."""
     if forward == "transformers":
         return "transformers", "asked for (rollout.worker.engine.forward)"
-    import json
-    import pathlib
+    from libra.llama_forward import unsupported_dir
 
-    from libra.llama_forward import unsupported
-
-    try:
-        config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError) as error:
-        return "transformers", f"config.json unreadable here ({type(error).__name__})"
-    why = unsupported(config, str(device), dtype)
+    why = unsupported_dir(model_dir, str(device), dtype)
     return ("transformers", why) if why else ("own", "a plain Llama in float32 on CPU")
 
 
