@@ -122,14 +122,22 @@ class TrajectoryStore(StoreBase):
         check_id(traj.group_id, "group id")
         return [traj.trajectory_id, traj.group_id, status, repr(self._clock()), *self._fields(traj, status)]
 
-    async def put_trajectory(self, traj: common_pb2.Trajectory) -> bool:
-        """Store a trajectory; False (and nothing written) if it is already in a final status."""
+    def _put_call(self, traj: common_pb2.Trajectory) -> tuple[list[str], list]:
         status = status_name(traj.status)
         if status in FINAL_STATUSES:
             raise InvalidArgument(f"put_trajectory cannot store status {status}; use complete_trajectory "
                                   "or mark_trajectories")
         keys = [self.keys.trajectory(traj.trajectory_id), self.keys.group_trajectories(traj.group_id)]
-        return bool(await self._eval(PUT_TRAJECTORY, keys, self._trajectory_args(traj, status)))
+        return keys, self._trajectory_args(traj, status)
+
+    async def put_trajectory(self, traj: common_pb2.Trajectory) -> bool:
+        """Store a trajectory; False (and nothing written) if it is already in a final status."""
+        return bool(await self._eval(PUT_TRAJECTORY, *self._put_call(traj)))
+
+    async def put_trajectories(self, trajs: list[common_pb2.Trajectory]) -> list[bool]:
+        """`put_trajectory` for each, in order, in one round trip; all are checked before any is written."""
+        calls = [self._put_call(traj) for traj in trajs]
+        return [bool(reply) for reply in await self._eval_each(PUT_TRAJECTORY, calls)]
 
     async def complete_trajectory(self, traj: common_pb2.Trajectory) -> str | None:
         """Store a finished trajectory and append it to the completed stream, atomically.
@@ -183,14 +191,22 @@ class TrajectoryStore(StoreBase):
         keys = [self.keys.trajectory(tid) for tid in trajectory_ids]
         return int(await self._eval(MARK_TRAJECTORIES, keys, [status_name(status), repr(self._clock())]))
 
-    async def register_group(self, group_id: str, prompt_id: str, samples: int, min_version: int) -> bool:
-        """Admit a group of `samples` trajectories; False if it was registered before (a replay)."""
+    def _register_call(self, group_id: str, prompt_id: str, samples: int, min_version: int) -> tuple[list[str], list]:
         if samples < 1 or min_version < 0:
             raise InvalidArgument(f"group {group_id!r}: samples must be >= 1 and min_version >= 0")
         fields = ["prompt_id", check_id(prompt_id, "prompt id"), "samples", samples,
                   "min_version", min_version, "completed", 0, "failed", 0, "created_at", repr(self._clock())]
-        keys = [self.keys.group(group_id), self.keys.inflight_groups]
-        return bool(await self._eval(REGISTER_GROUP, keys, [group_id, *fields]))
+        return [self.keys.group(group_id), self.keys.inflight_groups], [group_id, *fields]
+
+    async def register_group(self, group_id: str, prompt_id: str, samples: int, min_version: int) -> bool:
+        """Admit a group of `samples` trajectories; False if it was registered before (a replay)."""
+        return bool(await self._eval(REGISTER_GROUP, *self._register_call(group_id, prompt_id, samples, min_version)))
+
+    async def register_groups(self, groups: list[tuple[str, str, int, int]]) -> list[bool]:
+        """`register_group` for each (group id, prompt id, samples, min version), in order, in one round
+        trip; all are checked before any is written. A group id twice in the list: the second is a replay."""
+        calls = [self._register_call(*group) for group in groups]
+        return [bool(reply) for reply in await self._eval_each(REGISTER_GROUP, calls)]
 
     async def group_info(self, group_id: str) -> GroupInfo:
         """A registered group and the trajectory ids stored for it; NotFound if unknown."""

@@ -278,3 +278,26 @@ def test_schema_version_mismatch_is_refused(redis_url: str, run_id: str, new_sto
         arun(new_store())
     with pytest.raises(InvalidArgument):
         StateStore(aioredis.from_url(redis_url, decode_responses=True), run_id)
+
+
+def test_groups_and_trajectories_stored_many_at_a_time_behave_as_one_at_a_time(store: StateStore, arun) -> None:
+    """register_groups / put_trajectories (one round trip for the lot) answer exactly as the single calls
+    would, in order: a group id seen before (or earlier in the same list) is a replay, a final trajectory
+    is never reopened, and a bad entry anywhere writes nothing."""
+    assert arun(store.register_group("g1", "p0", samples=1, min_version=0)) is True
+    assert arun(store.register_groups([("g0", "p0", 2, 3), ("g1", "p0", 1, 0), ("g2", "p1", 1, 0),
+                                       ("g2", "p1", 1, 0)])) == [True, False, True, False]
+    assert sorted(arun(store.inflight_group_ids())) == ["g0", "g1", "g2"]
+    assert arun(store.group_info("g0")).samples == 2 and arun(store.group_info("g2")).prompt_id == "p1"
+    arun(store.complete_trajectory(trajectory("t0", reward=1.0)))
+    queued = [trajectory(tid, sample=i, status=S.TRAJECTORY_STATUS_QUEUED) for i, tid in enumerate(["t0", "t1"])]
+    assert arun(store.put_trajectories(queued)) == [False, True]
+    assert arun(store.get_trajectory("t0")).status == S.TRAJECTORY_STATUS_COMPLETED
+    assert arun(store.get_trajectory("t1")) == queued[1]
+    assert arun(store.put_trajectories([])) == [] and arun(store.register_groups([])) == []
+    with pytest.raises(InvalidArgument, match="samples must be >= 1"):
+        arun(store.register_groups([("g7", "p0", 1, 0), ("g8", "p0", 0, 0)]))
+    with pytest.raises(InvalidArgument, match="cannot store status COMPLETED"):
+        arun(store.put_trajectories([trajectory("t7"), trajectory("t8", status=S.TRAJECTORY_STATUS_COMPLETED)]))
+    assert arun(store.get_trajectories(["t7"], missing_ok=True)) == [None]
+    assert "g7" not in arun(store.inflight_group_ids())
