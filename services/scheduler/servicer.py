@@ -105,6 +105,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Session(self, request_iterator, context):
         """Apply each batch's messages in order; answer its Routes and failures in one batch.
 
+        Batches that arrived while the last ones were being saved are taken together: their messages
+        are applied in order, saved once and answered in one write (under load a Route would
+        otherwise wait for one Redis round trip per batch ahead of it; with ~3 messages a batch the
+        quickstart's scheduler spent 60% of its session saving, and a Route waited ~64 ms).
         A message that fails gets a StreamError with its seq and the status code the unary RPC
         would have returned; the stream stays open. Reports are acknowledged by `processed_seq` on
         the next answer batch, or after ACK_IDLE_S when no answer comes, so a reconnecting gateway
@@ -113,6 +117,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         lock = asyncio.Lock()
         processed = acked = 0
         acker: asyncio.Task | None = None
+        arrived: asyncio.Queue = asyncio.Queue()
+        ended = object()
 
         async def write(answers: list) -> None:
             nonlocal acked
@@ -125,21 +131,37 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if processed > acked:
                 await write([])
 
+        async def read() -> None:
+            try:
+                async for batch in request_iterator:
+                    arrived.put_nowait(batch)
+            finally:
+                arrived.put_nowait(ended)
+
+        reader = asyncio.get_running_loop().create_task(read())
         try:
-            async for batch in request_iterator:
+            done = False
+            while not done:
+                batches = [await arrived.get()]
+                while not arrived.empty():
+                    batches.append(arrived.get_nowait())
+                done = batches[-1] is ended
+                messages = [message for batch in batches if batch is not ended for message in batch.messages]
                 answers = []
-                for message in batch.messages:
+                for message in messages:
                     answer = await self._apply(message)
                     if answer is not None:
                         answers.append(answer)
-                await self.service.persist()  # saved before anything of this batch is answered or acked
-                if batch.messages:
-                    processed = batch.messages[-1].seq
+                await self.service.persist()  # saved before anything of these batches is answered or acked
+                if messages:
+                    processed = messages[-1].seq
                 if answers:
                     await write(answers)
                 elif processed > acked and (acker is None or acker.done()):
                     acker = asyncio.get_running_loop().create_task(acknowledge_later())
+            await reader  # a broken stream's error, if that is how it ended
         finally:
+            reader.cancel()
             if acker is not None:
                 acker.cancel()
 

@@ -171,3 +171,51 @@ def test_session_keeps_order_under_many_concurrent_trajectories(redis_url, run_i
     assert sum(b.outstanding_requests for b in stats.buckets) == 0  # every turn's load was released once
     arun(router.close())
     arun(running.stop())
+
+
+def test_batches_arriving_during_a_save_are_saved_together_and_answered_after_it(redis_url, run_id, tmp_path,
+                                                                                   arun):
+    """Under load the session takes every batch that arrived while it was saving as one: the Routes of
+    ten batches written back to back are answered after fewer than ten saves, and never before the save
+    that holds them (each answered trajectory's routing record is in Redis when its answer arrives)."""
+    import redis.asyncio as aioredis
+
+    from libra.state import Keys
+    config = run_config(redis_url, run_id, tmp_path)
+    service = SchedulerService(config)
+    running, chan = arun(start(service))
+    stub = scheduler_pb2_grpc.SchedulerStub(chan)
+    meta = lambda rid: common_pb2.RequestMeta(request_id=rid, run_id=run_id)
+    arun(stub.RegisterWorker(spb.RegisterWorkerRequest(meta=meta("reg"), worker=_worker("w-a"))))
+    saves = []
+    persist = service.persist
+
+    async def slow_persist():
+        await asyncio.sleep(0.05)  # a Redis round trip on a busy machine
+        await persist()
+        saves.append(1)
+    service.persist = slow_persist
+    client = aioredis.from_url(redis_url)
+    live = Keys(run_id).scheduler_live
+
+    async def talk():
+        call = stub.Session()
+        for seq in range(1, 11):
+            await call.write(spb.GatewayBatch(messages=[spb.GatewayMessage(seq=seq, route=spb.RouteRequest(
+                meta=meta(f"r{seq}"), trajectory_id=f"t{seq}", prompt_tokens=4, max_new_tokens=8))]))
+        answered, unsaved = [], []
+        while len(answered) < 10:
+            batch = await asyncio.wait_for(call.read(), 10)
+            stored = {key.decode() for key in await client.hkeys(live)}
+            for answer in batch.answers:
+                answered.append(answer.seq)
+                if f"t{answer.seq}" not in stored:
+                    unsaved.append(answer.seq)
+            assert batch.processed_seq == answered[-1]
+        await call.done_writing()
+        return answered, unsaved
+    answered, unsaved = arun(talk())
+    arun(client.aclose())
+    assert answered == list(range(1, 11)) and unsaved == []
+    assert 1 <= len(saves) < 10, saves  # the first batch alone, the rest together
+    arun(running.stop())
