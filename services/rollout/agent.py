@@ -65,6 +65,7 @@ class TurnOutcome:
     gap: float = 0.0  # the trajectory's seconds since its previous turn outside tool calls (0: not measured)
     trajectory_id: str = ""  # the trajectory it is a turn of
     number: int = 0  # its place in the trajectory, 1 for the first (0: unknown)
+    route_s: float = 0.0  # seconds waiting for the scheduler's decision (the last attempt's), in the gap
 
 
 @dataclass
@@ -185,6 +186,7 @@ class AgentRunner:
         harness's turns) both generate through it."""
         exclude: list[str] = []
         for attempt in range(self.config.turn_retries + 1):
+            asked = time.monotonic()
             decision = await self._route(trajectory, turn, len(state.ids), budget, exclude)
             started = time.monotonic()
             try:  # a worker this gateway does not know (any more) is Unavailable too: retried elsewhere
@@ -205,7 +207,8 @@ class AgentRunner:
                                         seconds, False)
             outcome = TurnOutcome(list(generation.token_ids), list(generation.logprobs), versions[-1],
                                   decision.worker_id, decision.bucket, generation.finish_reason, seconds, attempt,
-                                  versions, generation.batch, gap, trajectory.trajectory_id, turn + 1)
+                                  versions, generation.batch, gap, trajectory.trajectory_id, turn + 1,
+                                  started - asked)
             state.append(outcome.token_ids, True, outcome.logprobs, versions)
             state.turns += 1
             state.generated += len(outcome.token_ids)

@@ -241,7 +241,7 @@ class RolloutService(Service):
         TURNS.labels(outcome.bucket).inc()
         RETRIES.inc(outcome.retries)
         TOKENS.inc(len(outcome.token_ids))
-        rollout_probe(self.config).turn(outcome.bucket, outcome.seconds)
+        rollout_probe(self.config).turn(outcome.bucket, outcome.seconds, outcome.route_s)
         QUEUED.set(self.queue.qsize())
         PLAYING.set(self.playing)
         await self.store.append_history("turn", T.HistoryRecord(

@@ -23,6 +23,8 @@ from libra.v1 import common_pb2, rollout_pb2
 SERVICE = "rollout"
 TURN_SECONDS = Histogram("libra_rollout_turn_seconds", "time of one model turn, retries included", ["bucket"],
                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))
+ROUTE_SECONDS = Histogram("libra_rollout_route_seconds", "a turn's wait for the scheduler's routing decision",
+                          buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
 WORKER_VERSION = Gauge("libra_rollout_worker_policy_version", "policy version a rollout worker serves",
                        ["worker", "bucket"])
 RATES = {"trajectories_per_s": "completed", "failed_per_s": "failed", "turns_per_s": "turns",
@@ -42,12 +44,16 @@ class RolloutProbe:
     def __init__(self, recorder, config, clock=time.monotonic) -> None:
         self.recorder, self.every, self.clock = recorder, config.telemetry.sample_s, clock
         self.latencies: dict[str, list[float]] = defaultdict(list)
+        self.routes: list[float] = []  # each turn's wait for the scheduler's decision
         self.last: tuple[float, dict[str, int]] | None = None  # when, and the counters then
         self.labelled: set[tuple[str, str]] = set()
 
-    def turn(self, bucket: str, seconds: float) -> None:
+    def turn(self, bucket: str, seconds: float, route_s: float | None = None) -> None:
         TURN_SECONDS.labels(bucket).observe(seconds)
         self.latencies[bucket].append(seconds)
+        if route_s is not None:
+            ROUTE_SECONDS.observe(route_s)
+            self.routes.append(route_s)
 
     def sample(self, stats: rollout_pb2.RolloutStats, workers: Iterable[PoolWorker]) -> None:
         workers = list(workers)
@@ -58,6 +64,7 @@ class RolloutProbe:
         previous, self.last = self.last, (now, {field: getattr(stats, field) for field in RATES.values()})
         if previous is None:  # the baseline of the first interval
             self.latencies.clear()
+            self.routes.clear()
             return
         seconds = now - previous[0]
         scalars = {f"rollout/{name}": (getattr(stats, field) - previous[1][field]) / seconds
@@ -66,6 +73,7 @@ class RolloutProbe:
                         "rollout/recent_reward": stats.mean_reward})
         every_turn = [s for values in self.latencies.values() for s in values]
         scalars.update(_percentiles("turn_latency", every_turn))
+        scalars.update(_percentiles("route_wait", self.routes))
         for bucket, values in sorted(self.latencies.items()):
             scalars.update(_percentiles(f"turn_latency/{bucket}", values))
             scalars[f"turns/{bucket}_per_s"] = len(values) / seconds
@@ -78,6 +86,7 @@ class RolloutProbe:
         self.recorder.write("sample", scalars=scalars, histograms={"turn_latency_s": every_turn}, workers=rows,
                             interval_s=round(seconds, 3))
         self.latencies.clear()
+        self.routes.clear()
 
     def _export_versions(self, workers: list[PoolWorker]) -> None:
         current = {(w.worker_id, w.bucket) for w in workers}

@@ -127,9 +127,10 @@ def test_rollout_probe_samples_rates_latencies_and_worker_versions(tmp_path):
                PoolWorker("long-0", "long", 1, None, None, version=2)]
     stats = rollout_pb2.RolloutStats(completed=10, turns=20, generated_tokens=500)
     probe.sample(stats, workers)  # the baseline
+    routed = REGISTRY.get_sample_value("libra_rollout_route_seconds_count") or 0.0
     for seconds in (0.1, 0.2, 0.3, 0.4):
-        probe.turn("short", seconds)
-    probe.turn("long", 2.0)
+        probe.turn("short", seconds, route_s=seconds / 10)
+    probe.turn("long", 2.0)  # a turn whose wait for the scheduler was not measured
     clock.t += 2.0
     probe.sample(rollout_pb2.RolloutStats(completed=12, turns=25, generated_tokens=600), workers)  # not due yet
     clock.t += 3.0
@@ -139,6 +140,8 @@ def test_rollout_probe_samples_rates_latencies_and_worker_versions(tmp_path):
     s = row["scalars"]
     assert s["rollout/trajectories_per_s"] == 2.0 and s["rollout/turns_per_s"] == 2.0 and s["rollout/queued"] == 4
     assert s["turn_latency/short/p50_s"] == 0.3 and s["turn_latency/max_s"] == 2.0 and s["turns/long_per_s"] == 0.2
+    assert (s["route_wait/p50_s"], s["route_wait/max_s"]) == (0.03, 0.04)
+    assert REGISTRY.get_sample_value("libra_rollout_route_seconds_count") == routed + 4
     [worker] = row["workers"]
     assert worker.pop("busy_s") >= 0  # two requests in flight since it was made: seconds of this test
     assert worker == {"id": "short-0", "bucket": "short", "version": 3, "inflight": 2, "state": "starting"}
