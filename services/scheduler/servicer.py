@@ -25,6 +25,9 @@ from libra.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 _log = liblog.get("libra.scheduler")
 ACK_IDLE_S = 0.05
 """A session with reports but no Route to piggyback on gets a bare acknowledgement this often."""
+MAX_WAITING_BATCHES = 64
+"""Batches a session reads ahead of the one being applied and saved; beyond it the stream is not read
+(gRPC's flow control then holds the gateway back), as when the session read one batch at a time."""
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -118,6 +121,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         processed = acked = 0
         acker: asyncio.Task | None = None
         arrived: asyncio.Queue = asyncio.Queue()
+        room = asyncio.Event()
         ended = object()
 
         async def write(answers: list) -> None:
@@ -134,6 +138,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async def read() -> None:
             try:
                 async for batch in request_iterator:
+                    while arrived.qsize() >= MAX_WAITING_BATCHES:
+                        room.clear()
+                        await room.wait()
                     arrived.put_nowait(batch)
             finally:
                 arrived.put_nowait(ended)
@@ -145,6 +152,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 batches = [await arrived.get()]
                 while not arrived.empty():
                     batches.append(arrived.get_nowait())
+                room.set()
                 done = batches[-1] is ended
                 messages = [message for batch in batches if batch is not ended for message in batch.messages]
                 answers = []
