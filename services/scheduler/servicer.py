@@ -25,9 +25,10 @@ from libra.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 _log = liblog.get("libra.scheduler")
 ACK_IDLE_S = 0.05
 """A session with reports but no Route to piggyback on gets a bare acknowledgement this often."""
-MAX_WAITING_BATCHES = 64
-"""Batches a session reads ahead of the one being applied and saved; beyond it the stream is not read
-(gRPC's flow control then holds the gateway back), as when the session read one batch at a time."""
+MAX_WAITING_BYTES = 4 * 2**20
+"""What a session reads ahead of the batches being applied and saved (serialized bytes; one batch of any
+allowed size is always read when none waits): beyond it the stream is not read, and gRPC's flow
+control holds the gateway back, as when the session read one batch at a time."""
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -123,6 +124,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         arrived: asyncio.Queue = asyncio.Queue()
         room = asyncio.Event()
         ended = object()
+        waiting = 0  # bytes of the batches in `arrived`
 
         async def write(answers: list) -> None:
             nonlocal acked
@@ -136,11 +138,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 await write([])
 
         async def read() -> None:
+            nonlocal waiting
             try:
                 async for batch in request_iterator:
-                    while arrived.qsize() >= MAX_WAITING_BATCHES:
+                    while waiting and waiting >= MAX_WAITING_BYTES:
                         room.clear()
                         await room.wait()
+                    waiting += batch.ByteSize()
                     arrived.put_nowait(batch)
             finally:
                 arrived.put_nowait(ended)
@@ -152,6 +156,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 batches = [await arrived.get()]
                 while not arrived.empty():
                     batches.append(arrived.get_nowait())
+                waiting = 0
                 room.set()
                 done = batches[-1] is ended
                 messages = [message for batch in batches if batch is not ended for message in batch.messages]

@@ -173,19 +173,23 @@ def test_session_keeps_order_under_many_concurrent_trajectories(redis_url, run_i
     arun(running.stop())
 
 
-@pytest.mark.parametrize("read_ahead", [64, 3])
+@pytest.mark.parametrize("read_ahead", [None, 3])
 def test_batches_arriving_during_a_save_are_saved_together_and_answered_after_it(redis_url, run_id, tmp_path,
                                                                                    arun, monkeypatch, read_ahead):
     """Under load the session takes every batch that arrived while it was saving as one: the Routes of
     ten batches written back to back are answered after fewer than ten saves, and never before the save
     that holds them (each answered trajectory's routing record is in Redis when its answer arrives).
-    It reads at most MAX_WAITING_BATCHES ahead (then gRPC's flow control holds the gateway back): with
-    3, a save holds at most 3 batches, so ten take at least 1 + 3 saves."""
+    It reads at most MAX_WAITING_BYTES ahead (then gRPC's flow control holds the gateway back): with
+    room for 3 of these batches, a save holds at most 3, so ten take at least 1 + 3 saves."""
     import redis.asyncio as aioredis
 
     from libra.services.scheduler import servicer
     from libra.state import Keys
-    monkeypatch.setattr(servicer, "MAX_WAITING_BATCHES", read_ahead)
+    one = spb.GatewayBatch(messages=[spb.GatewayMessage(seq=10, route=spb.RouteRequest(
+        meta=common_pb2.RequestMeta(request_id="r10", run_id=run_id), trajectory_id="t10", prompt_tokens=4,
+        max_new_tokens=8))]).ByteSize()
+    if read_ahead:
+        monkeypatch.setattr(servicer, "MAX_WAITING_BYTES", read_ahead * one)
     config = run_config(redis_url, run_id, tmp_path)
     service = SchedulerService(config)
     running, chan = arun(start(service))
@@ -222,7 +226,7 @@ def test_batches_arriving_during_a_save_are_saved_together_and_answered_after_it
     answered, unsaved = arun(talk())
     arun(client.aclose())
     assert answered == list(range(1, 11)) and unsaved == []
-    if read_ahead >= 10:
+    if read_ahead is None:
         assert 1 <= len(saves) < 10, saves  # the first batch alone, the rest together
     else:
         assert 4 <= len(saves) < 10, saves
