@@ -55,16 +55,27 @@ class RecordStore(StoreBase):
     # -- runtime history -------------------------------------------------------------------
     async def append_history(self, kind: str, record: common_pb2.HistoryRecord) -> str:
         """Append a turn or step record to its capped stream (about `history_maxlen` kept)."""
+        return (await self.append_histories(kind, [record]))[0]
+
+    async def append_histories(self, kind: str, records: list[common_pb2.HistoryRecord]) -> list[str]:
+        """Append records of one kind in order, in one round trip (a pipeline); their entry ids."""
         check_history_kind(kind)
-        if record.kind and record.kind != kind:
-            raise InvalidArgument(f"history record of kind {record.kind!r} appended as {kind!r}")
-        stored = common_pb2.HistoryRecord()
-        stored.CopyFrom(record)
-        stored.kind = kind
+        payloads = []
+        for record in records:
+            if record.kind and record.kind != kind:
+                raise InvalidArgument(f"history record of kind {record.kind!r} appended as {kind!r}")
+            stored = common_pb2.HistoryRecord()
+            stored.CopyFrom(record)
+            stored.kind = kind
+            payloads.append(stored.SerializeToString())
+        if not payloads:
+            return []
         redis = await self._ready()
-        entry = await redis.xadd(self.keys.history(kind), {"data": stored.SerializeToString()},
-                                 maxlen=self.history_maxlen, approximate=True)
-        return text(entry)
+        async with redis.pipeline(transaction=False) as pipe:
+            for payload in payloads:
+                pipe.xadd(self.keys.history(kind), {"data": payload}, maxlen=self.history_maxlen, approximate=True)
+            entries = await pipe.execute()
+        return [text(entry) for entry in entries]
 
     async def read_history(self, kind: str, count: int = 100) -> list[common_pb2.HistoryRecord]:
         """The latest `count` records of a kind, oldest first."""

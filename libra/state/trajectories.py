@@ -46,6 +46,15 @@ if redis.call('EXISTS', KEYS[3]) == 1 then
 end
 return entry
 """
+# KEYS: trajectory   ARGV: now. A queued or running trajectory marked RUNNING: {data, status before}; a final
+# one: {false, status}; an unknown one: false.
+START_TRAJECTORY = """
+local found = redis.call('HMGET', KEYS[1], 'data', 'status')
+if not found[1] then return false end
+if found[2] ~= 'QUEUED' and found[2] ~= 'RUNNING' then return {false, found[2]} end
+redis.call('HSET', KEYS[1], 'status', 'RUNNING', 'updated_at', ARGV[1])
+return {found[1], found[2]}
+"""
 # KEYS: group, inflight set   ARGV: gid, then field/value pairs
 REGISTER_GROUP = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -155,6 +164,19 @@ class TrajectoryStore(StoreBase):
                 self.keys.group(gid), self.keys.inflight_groups, self.keys.completed]
         entry = await self._eval(COMPLETE_TRAJECTORY, keys, self._trajectory_args(traj, status))
         return text(entry) if entry else None
+
+    async def start_trajectory(self, trajectory_id: str) -> common_pb2.Trajectory | None:
+        """Mark a QUEUED (or RUNNING: replayed) trajectory RUNNING and return it, in one round trip; None,
+        and nothing written, if it is final. NotFound if unknown."""
+        found = await self._eval(START_TRAJECTORY, [self.keys.trajectory(trajectory_id)], [repr(self._clock())])
+        if not found:
+            raise NotFound(f"trajectory {trajectory_id!r} not found in run {self.run_id!r}")
+        data, _status = found
+        if not data:
+            return None
+        traj = common_pb2.Trajectory.FromString(data)
+        traj.status = Status.TRAJECTORY_STATUS_RUNNING
+        return traj
 
     async def get_trajectory(self, trajectory_id: str) -> common_pb2.Trajectory:
         """The stored trajectory (with its current status); NotFound if unknown."""

@@ -36,6 +36,7 @@ from libra.runtime import Service, serve as run_service
 from libra.service_base import connect_store
 from libra.services.rollout.agent import AgentRunner, TurnOutcome
 from libra.services.rollout.first_start import FirstStart
+from libra.services.rollout.history import HistoryWriter
 from libra.services.rollout.membership import Membership
 from libra.services.rollout.router import SchedulerRouter
 from libra.services.rollout.servicer import RolloutServicer
@@ -81,6 +82,7 @@ class RolloutService(Service):
     def __init__(self, config: RunConfig):
         self.config, self.cfg, self.run_id = config, config.rollout, config.run_id
         self.store = None
+        self.history: HistoryWriter | None = None  # turn records, written off the turn's path
         self.pool = WorkerPool(self.cfg.worker, config.run_path / "logs" / "workers")
         self.weights = WeightDelivery(self.pool, config.weights, config.run_path / "weights")
         self.queue: asyncio.Queue[str] = asyncio.Queue()
@@ -113,6 +115,7 @@ class RolloutService(Service):
         from libra.workloads.base import build_workload
 
         self.store = await connect_store(self.config.redis.url, self.run_id)
+        self.history = HistoryWriter(self.store)
         await wait_for_peers({s: self.config.address_of(s) for s in ("planner", "scheduler", "elastic")})
         plan = from_proto(await planner_pb2_grpc.PlannerStub(self._channel("planner")).GetPlan(
             planner_pb2.GetPlanRequest(run_id=self.run_id), timeout=10))
@@ -244,7 +247,7 @@ class RolloutService(Service):
         rollout_probe(self.config).turn(outcome.bucket, outcome.seconds, outcome.route_s)
         QUEUED.set(self.queue.qsize())
         PLAYING.set(self.playing)
-        await self.store.append_history("turn", T.HistoryRecord(
+        self.history.add(T.HistoryRecord(
             kind="turn", timestamp=time.time(), bucket=outcome.bucket, prompt_tokens=context_tokens,
             output_tokens=len(outcome.token_ids), seconds=outcome.seconds, queue_depth=self.queue.qsize(),
             active_rollouts=self.playing, tp=self._tp_of(outcome.worker_id),
@@ -277,6 +280,8 @@ class RolloutService(Service):
         self.accepting = False
         while self.playing:
             await asyncio.sleep(0.1)
+        if self.history is not None:
+            await self.history.flush()
 
     async def _run_trajectories(self) -> None:
         while self.accepting:
@@ -294,11 +299,9 @@ class RolloutService(Service):
                 self.playing -= 1
 
     async def _play(self, tid: str, taken_at: float | None = None) -> None:
-        traj = await self.store.get_trajectory(tid)
-        if traj.status not in (T.TRAJECTORY_STATUS_QUEUED, T.TRAJECTORY_STATUS_RUNNING):
+        traj = await self.store.start_trajectory(tid)  # RUNNING, in one round trip; None if already final
+        if traj is None:
             return
-        traj.status = T.TRAJECTORY_STATUS_RUNNING
-        await self.store.put_trajectory(traj)
         try:
             traj = await self.runner.play(traj, taken_at)
         except (LibraError, asyncio.TimeoutError) as error:  # the trajectory fails, the gateway goes on
@@ -376,6 +379,8 @@ class RolloutService(Service):
             self.trace.close()
         for chan in self._channels:
             await chan.close()
+        if self.history is not None:
+            await self.history.close(timeout_s=3.0)
         if self.store is not None:
             await self.store.close()
 

@@ -301,3 +301,26 @@ def test_groups_and_trajectories_stored_many_at_a_time_behave_as_one_at_a_time(s
         arun(store.put_trajectories([trajectory("t7"), trajectory("t8", status=S.TRAJECTORY_STATUS_COMPLETED)]))
     assert arun(store.get_trajectories(["t7"], missing_ok=True)) == [None]
     assert "g7" not in arun(store.inflight_group_ids())
+
+
+def test_starting_a_trajectory_marks_it_running_in_one_call_and_leaves_a_final_one_alone(store: StateStore,
+                                                                                         arun) -> None:
+    queued = trajectory("t0", status=S.TRAJECTORY_STATUS_QUEUED)
+    arun(store.put_trajectory(queued))
+    started = arun(store.start_trajectory("t0"))
+    assert started.status == S.TRAJECTORY_STATUS_RUNNING and started.token_ids == queued.token_ids
+    assert arun(store.get_trajectory("t0")).status == S.TRAJECTORY_STATUS_RUNNING
+    assert arun(store.start_trajectory("t0")).status == S.TRAJECTORY_STATUS_RUNNING  # a replay after a restart
+    arun(store.complete_trajectory(trajectory("t0", reward=1.0)))
+    assert arun(store.start_trajectory("t0")) is None  # final: not reopened
+    assert arun(store.get_trajectory("t0")).status == S.TRAJECTORY_STATUS_COMPLETED
+    with pytest.raises(NotFound):
+        arun(store.start_trajectory("missing"))
+
+
+def test_history_records_appended_many_at_a_time_keep_their_order(store: StateStore, arun) -> None:
+    records = [common_pb2.HistoryRecord(output_tokens=i) for i in range(5)]
+    assert len(arun(store.append_histories("turn", records))) == 5 and arun(store.append_histories("turn", [])) == []
+    assert [r.output_tokens for r in arun(store.read_history("turn", count=10))] == [0, 1, 2, 3, 4]
+    with pytest.raises(InvalidArgument, match="appended as"):
+        arun(store.append_histories("turn", [common_pb2.HistoryRecord(kind="step")]))
