@@ -17,6 +17,7 @@ import asyncio
 from prometheus_client import Counter
 
 from libra import log as liblog
+from libra.errors import LibraError
 from libra.v1 import common_pb2
 
 _log = liblog.get("libra.rollout.history")
@@ -54,6 +55,11 @@ class HistoryWriter:
                 batch, self._pending = self._pending, []
                 try:
                     await self.store.append_histories(self.kind, batch)
+                except LibraError as error:  # a record the store refuses: retrying cannot help
+                    self.dropped += len(batch)
+                    DROPPED.inc(len(batch))
+                    _log.error("turn records refused; dropped", records=len(batch), error=str(error))
+                    continue
                 except Exception as error:  # noqa: BLE001 - Redis away: keep them, in order, and retry
                     self._pending[:0] = batch
                     overflow = len(self._pending) - self.limit

@@ -60,3 +60,17 @@ def test_redis_away_delays_the_records_and_past_the_limit_drops_the_oldest(store
     writer, flaky = arun(main())
     assert flaky.calls >= 4 and writer.dropped == 3 and writer.written == 5
     assert [r.output_tokens for r in arun(store.read_history("turn", count=100))] == [3, 4, 5, 6, 7]
+
+
+def test_records_the_store_refuses_are_dropped_and_counted_not_retried_forever(store, arun):
+    async def main():
+        writer = HistoryWriter(store)
+        writer.add(common_pb2.HistoryRecord(kind="step", output_tokens=1))  # a turn writer given a step record
+        assert await writer.flush(2.0)
+        writer.add(record(2))
+        assert await writer.flush(2.0)
+        await writer.close()
+        return writer
+    writer = arun(main())
+    assert (writer.dropped, writer.written) == (1, 1)
+    assert [r.output_tokens for r in arun(store.read_history("turn", count=10))] == [2]
