@@ -197,10 +197,10 @@ async def peer_serving(address: str, timeout_s: float = 2.0) -> bool:
 class Backoff:
     """Growing waits, for the retry loops that gRPC's service config cannot express.
 
-    Three remain, and each uses this: waiting for Redis when a service starts (not gRPC at all),
-    waiting for a peer's health to say SERVING (the peer answers, but is not ready: nothing to
-    retry), and reopening the scheduler's Session stream after it broke (gRPC never retries a
-    stream once a response arrived). `wait()` sleeps the next delay, or raises TimeoutError once
+    Each of these uses it: waiting for Redis when a service starts (not gRPC at all), retrying the
+    gateway's turn records while Redis is away (services/rollout/history.py), waiting for a peer's
+    health to say SERVING (the peer answers, but is not ready: nothing to retry), and reopening the
+    scheduler's Session stream after it broke (gRPC never retries a stream once a response arrived). `wait()` sleeps the next delay, or raises TimeoutError once
     `give_up_s` have passed since the first failure after the last `reset()` (progress).
     """
 

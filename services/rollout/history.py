@@ -18,6 +18,7 @@ from prometheus_client import Counter
 
 from libra import log as liblog
 from libra.errors import LibraError
+from libra.rpc import Backoff
 from libra.v1 import common_pb2
 
 _log = liblog.get("libra.rollout.history")
@@ -47,7 +48,7 @@ class HistoryWriter:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"history-{self.kind}")
 
     async def _run(self) -> None:
-        backoff = 0.05
+        backoff = Backoff(first_s=0.05, max_s=self.max_backoff_s, factor=2.0)
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -68,11 +69,10 @@ class HistoryWriter:
                         self.dropped += overflow
                         DROPPED.inc(overflow)
                     _log.warning("turn records not written; retrying", waiting=len(self._pending),
-                                 retry_in_s=backoff, error=str(error))
-                    await asyncio.sleep(backoff)
-                    backoff = min(self.max_backoff_s, backoff * 2)
+                                 retry_in_s=backoff.delay_s, error=str(error))
+                    await backoff.wait("Redis to take the turn records")
                     continue
-                backoff = 0.05
+                backoff.reset()
                 self.written += len(batch)
             self._idle.set()
 

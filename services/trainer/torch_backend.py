@@ -62,8 +62,7 @@ class TorchBackend(TrainBackend):
         self.config = config
         self.seed = seed
         self.model_dir: str | None = None
-        self.own_forward = False  # the engine's own pass instead of transformers' model (load)
-        self.transformers_because = ""  # why not, when not
+        self.transformers_because = ""  # why the loaded model is transformers' ("": the engine's own pass)
         self._model: Any = None
         self._optimizer: Any = None
 
@@ -77,8 +76,7 @@ class TorchBackend(TrainBackend):
         torch.manual_seed(self.seed)
         random.seed(self.seed)
         self.transformers_because = self._own_forward_reason(model_dir) or ""
-        self.own_forward = not self.transformers_because
-        if self.own_forward:
+        if not self.transformers_because:
             from libra.llama_forward import LlamaForward
 
             model = LlamaForward.load(model_dir)
@@ -124,6 +122,11 @@ class TorchBackend(TrainBackend):
         if torch.cuda.is_available():
             return "CUDA is available (a GPU trainer runs transformers' kernels)"
         return unsupported_dir(model_dir, "cpu", "float32")
+
+    @property
+    def own_forward(self) -> bool:
+        """Whether the loaded model is the engine's own pass instead of transformers' (False before load)."""
+        return self._model is not None and not self.transformers_because
 
     @property
     def model(self) -> Any:
