@@ -269,6 +269,16 @@ def write_weights_dir(out_dir: str, model_dir: str | None, write: Callable[[str]
     os.rename(staging, out_dir)
 
 
+def write_safetensors_dir(out_dir: str, model_dir: str | None, state: dict[str, Any]) -> None:
+    """`write_weights_dir` of one model.safetensors holding `state` (name → tensor), as transformers
+    saves a model: what a backend that is not transformers' own model publishes."""
+    from safetensors.torch import save_file
+
+    write_weights_dir(out_dir, model_dir, lambda staging: save_file(
+        {name: tensor.contiguous() for name, tensor in state.items()}, os.path.join(staging, "model.safetensors"),
+        metadata={"format": "pt"}))
+
+
 def atomic_torch_save(state: dict[str, Any], path: str) -> None:
     """`torch.save(state)` to `path` so that a crash leaves the old file or the new one, never half of one."""
     import torch

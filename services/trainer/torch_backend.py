@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
 from libra.services.trainer.backend import (TrainBackend, TrainBatch, atomic_torch_save, pack, token_logprobs, unpack,
-                                            write_weights_dir)
+                                            write_safetensors_dir, write_weights_dir)
 from libra.services.trainer.gradient_hook import train_step as shared_train_step
 from libra.services.trainer.grpo import policy_loss
 
@@ -293,7 +293,7 @@ class TorchBackend(TrainBackend):
     def save_weights(self, out_dir: str) -> None:
         if _rank() == 0:  # safetensors: the default (4.x) and only (5.x) format of save_pretrained
             if self.own_forward:  # the engine's own pass: its parameters under transformers' names
-                write_weights_dir(out_dir, self.model_dir, self._save_safetensors)
+                write_safetensors_dir(out_dir, self.model_dir, self._published_state())
             elif self.config.lora is None:
                 write_weights_dir(out_dir, self.model_dir, self.model.save_pretrained)
             else:  # the merged weights, saved by the underlying HF model (config and all)
@@ -303,16 +303,13 @@ class TorchBackend(TrainBackend):
                     staging, state_dict=merged))
         _barrier()
 
-    def _save_safetensors(self, staging: str) -> None:
-        """The weights as transformers saves them: one model.safetensors, a tied lm_head left out
-        (config.json and the rest are the model directory's, copied beside it)."""
-        from safetensors.torch import save_file
-
+    def _published_state(self) -> dict[str, Any]:
+        """The own pass's weights as transformers saves them: a tied lm_head left out (config.json and
+        the rest are the model directory's, copied beside them)."""
         model = self.model
         tied = model.lm_head.weight is model.model.embed_tokens.weight
-        state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()
-                 if not (tied and name == "lm_head.weight")}
-        save_file(state, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        return {name: tensor.detach() for name, tensor in model.state_dict().items()
+                if not (tied and name == "lm_head.weight")}
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
         import torch

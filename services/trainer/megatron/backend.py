@@ -53,7 +53,7 @@ import random
 from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
-from libra.services.trainer.backend import TrainBackend, TrainBatch, write_weights_dir
+from libra.services.trainer.backend import TrainBackend, TrainBatch, write_safetensors_dir
 from libra.services.trainer.gradient_hook import train_step as shared_train_step
 from libra.services.trainer.megatron import build as build
 from libra.services.trainer.megatron import checkpoint as checkpoint
@@ -309,13 +309,9 @@ class MegatronBackend(TrainBackend):
         return pipeline.hf_state_dict(self.model, self.shape, to_cpu, self._device())
 
     def save_weights(self, out_dir: str) -> None:
-        from safetensors.torch import save_file
-
         hf = self.hf_state_dict()
         if hf is not None:
-            write_weights_dir(out_dir, self.model_dir, lambda staging: save_file(
-                {k: v.contiguous() for k, v in hf.items()}, os.path.join(staging, "model.safetensors"),
-                metadata={"format": "pt"}))
+            write_safetensors_dir(out_dir, self.model_dir, hf)
         rt.barrier()
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
