@@ -10,11 +10,12 @@
 # starts import the worktree's code (the editable install would otherwise map libra.services here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BASE=${1:?usage: headline_ab.sh BASE [ROUNDS] [OUT_DIR] [-- options]}
-ROUNDS=${2:-3}
-OUT=${3:-/tmp/libra-ab}
-shift $(( $# < 3 ? $# : 3 ))
-[ "${1:-}" = "--" ] && shift
+POSITIONAL=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do POSITIONAL+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift  # what is left goes to headline_cpu.py
+BASE=${POSITIONAL[0]:?usage: headline_ab.sh BASE [ROUNDS] [OUT_DIR] [-- options]}
+ROUNDS=${POSITIONAL[1]:-3}
+OUT=${POSITIONAL[2]:-/tmp/libra-ab}
 HERE=$(pwd)
 TREE=$(mktemp -d /tmp/libra-ab-base.XXXXXX)
 git worktree add --detach -q "$TREE" "$BASE"
