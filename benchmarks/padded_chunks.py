@@ -1,19 +1,26 @@
-"""Micro-batches of like length against micro-batches in arrival order (trainer.micro_batch_tokens 0).
+"""Micro-batches in arrival order, in fixed chunks of like length, and cut where padding costs more than a
+micro-batch (the trainer's plan; trainer.micro_batch_tokens 0).
 
 Without a token budget the trainer right-pads each micro-batch to its longest sequence
 (`TrainBatch.plan`). Taken in the order the trajectories finished, one long sequence pads a
-micro-batch of short ones; taken shortest first, sequences of like length share a micro-batch.
-The loss is a sum over tokens, so the gradient is the same either way.
+micro-batch of short ones; taken shortest first in chunks of `--micro`, sequences of like length
+share a micro-batch, but the chunk holding the longest still pads `--micro` rows to it; the
+trainer's plan (`padded_chunks`) cuts the sorted sequences where the padding saved is worth more
+than one more micro-batch (MICRO_BATCH_COST_TOKENS). The loss is a sum over tokens, so the
+gradient is the same in every case.
 
 For each recorded trace (the trajectories a real run finished, in the order they finished: the
 batches a trainer would have built), batches of `--batch` sequences, micro-batches of `--micro`:
 
 - padded token slots per batch (rows x width, summed over micro-batches): exact, no timing;
 - CPU seconds of a forward and backward pass of the quickstart's model (random weights,
-  transformers' LlamaForCausalLM, one torch thread) over those padded micro-batches, both orders
-  on the same batches, alternating.
+  transformers' LlamaForCausalLM, one torch thread) over those padded micro-batches, the three
+  plans on the same batches, alternating;
+- `--fit`: the CPU milliseconds of one micro-batch of R rows × W tokens for a few R and W, and the
+  least-squares fixed cost per micro-batch and cost per padded token (what MICRO_BATCH_COST_TOKENS
+  stands for), on transformers' model and on the trainer's own pass (libra/llama_forward.py).
 
-    .venv/bin/python benchmarks/padded_chunks.py [--batch 64] [--micro 16] [--timed 20]
+    .venv/bin/python benchmarks/padded_chunks.py [--batch 64] [--micro 16] [--timed 20] [--fit]
 """
 
 from __future__ import annotations
@@ -34,6 +41,12 @@ def in_order(lengths: list[int], micro: int) -> list[list[int]]:
 
 
 def like_length(lengths: list[int], micro: int) -> list[list[int]]:
+    """Shortest first, chunks of `micro` (the trainer's plan before padded_chunks)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    return [order[i:i + micro] for i in range(0, len(order), micro)]
+
+
+def trainers(lengths: list[int], micro: int) -> list[list[int]]:
     from libra.services.trainer.backend import TrainBatch, TrainSequence
 
     batch = TrainBatch([TrainSequence([1] * n, 1, [1] * (n - 1), [0.0] * (n - 1), 0.0) for n in lengths])
@@ -48,12 +61,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64, help="sequences per training batch")
     parser.add_argument("--micro", type=int, default=16, help="sequences per micro-batch")
-    parser.add_argument("--timed", type=int, default=20, help="batches of each trace timed (both orders)")
+    parser.add_argument("--timed", type=int, default=20, help="batches of each trace timed (every plan)")
+    parser.add_argument("--fit", action="store_true", help="also fit the fixed and per-token cost of a micro-batch")
     args = parser.parse_args()
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from libra.llama_forward import LlamaForward
     from libra.traces import files
 
     torch.set_num_threads(1)
@@ -70,23 +85,59 @@ def main() -> None:
             model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
         return time.process_time() - started
 
+    plans = {"in order": in_order, "like length": like_length, "trainer": trainers}
     print(f"batches of {args.batch} sequences, micro-batches of {args.micro}, in the order a run finished them")
-    print(f"{'trace':12} {'batches':>7} {'slots, in order':>16} {'like length':>12} {'ratio':>6}   "
-          f"{'CPU s, in order':>15} {'like length':>12} {'ratio':>6}")
+    print(f"{'trace':12} {'batches':>7} " + " ".join(f"{'slots, ' + name:>20}" for name in plans)
+          + "   " + " ".join(f"{'CPU s, ' + name:>20}" for name in plans) + "   trainer / like length (slots, CPU)")
     for name, path in TRACES.items():
         specs = files.read(path)  # in the order the run finished them
         lengths_all = [s.total_tokens for s in specs]
         batches = [lengths_all[i:i + args.batch] for i in range(0, len(lengths_all) - args.batch + 1, args.batch)]
-        old = sum(slots(b, in_order(b, args.micro)) for b in batches)
-        new = sum(slots(b, like_length(b, args.micro)) for b in batches)
-        cpu_old = cpu_new = 0.0
+        slot = {p: sum(slots(b, plan(b, args.micro)) for b in batches) for p, plan in plans.items()}
+        cpu = dict.fromkeys(plans, 0.0)
         for b in batches[:args.timed]:
-            cpu_old += step_cpu(b, in_order(b, args.micro))
-            cpu_new += step_cpu(b, like_length(b, args.micro))
-        print(f"{name:12} {len(batches):>7} {old:>16,} {new:>12,} {new / old:>6.2f}   "
-              f"{cpu_old:>15.2f} {cpu_new:>12.2f} {cpu_new / cpu_old:>6.2f}   ({min(len(batches), args.timed)} timed)",
-              flush=True)
+            for p, plan in plans.items():
+                cpu[p] += step_cpu(b, plan(b, args.micro))
+        print(f"{name:12} {len(batches):>7} " + " ".join(f"{slot[p]:>20,}" for p in plans) + "   "
+              + " ".join(f"{cpu[p]:>20.2f}" for p in plans)
+              + f"   {slot['trainer'] / slot['like length']:.2f}, {cpu['trainer'] / max(cpu['like length'], 1e-9):.2f}"
+              f"   ({min(len(batches), args.timed)} timed)", flush=True)
+    if args.fit:
+        print("transformers' LlamaForCausalLM:")
+        fit(step_cpu)
+        own = LlamaForward(model.config.to_dict())  # the trainer's own pass on the same config
 
+        def own_cpu(lengths: list[int], plan: list[list[int]]) -> float:
+            started = time.process_time()
+            for chunk in plan:
+                width = max(lengths[i] for i in chunk)
+                ids = torch.randint(1, 256, (len(chunk), width))
+                positions = torch.arange(width).expand_as(ids)
+                logits = own(ids, torch.ones_like(ids), positions, None, last_only=False)[0]
+                torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1)).backward()
+            return time.process_time() - started
+
+        print("the trainer's own pass (libra/llama_forward.py):")
+        fit(own_cpu)
+
+
+def fit(step_cpu) -> None:
+    """Least squares of ms = fixed + per_token x rows x width + per_pair x rows x width² (attention)
+    over a grid of uniform micro-batches."""
+    import torch
+
+    rows, ys = [], []
+    for r in (1, 4, 16):
+        for w in (32, 96, 192):
+            step_cpu([w] * r, [list(range(r))])  # warm
+            ms = 1000 * min(step_cpu([w] * r, [list(range(r))]) for _ in range(3))
+            rows.append([1.0, r * w, r * w * w])
+            ys.append([ms])
+            print(f"  {r:>2} rows x {w:>3} tokens: {ms:6.1f} ms CPU")
+    fixed, per_token, per_pair = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                                                    torch.tensor(ys, dtype=torch.float64)).solution.flatten().tolist()
+    print(f"fit: {fixed:.2f} ms a micro-batch + {per_token:.4f} ms a padded token + {per_pair * 1e6:.2f} ns a "
+          f"token pair (a micro-batch costs {fixed / per_token:.0f} padded tokens)")
 
 if __name__ == "__main__":
     main()

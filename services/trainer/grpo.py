@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # torch is imported where it computes: the trainer's service imports this module
+    from torch import Tensor  # before its backend, and names the base model before paying for torch
 
 EPS = 1e-6
 # exp() of a log-ratio beyond this is already saturated for any sane clip; bounding it keeps a
@@ -43,8 +43,10 @@ def group_advantages(
     Group ids may be any hashable values. The std is the population std (divide by n), the usual
     GRPO choice; a group of one sample has zero variance and so zero advantage.
     """
+    import torch
+
     r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
-    ids = group_ids.tolist() if isinstance(group_ids, Tensor) else list(group_ids)
+    ids = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
     if len(ids) != r.numel():
         raise ValueError(f"group_advantages: {r.numel()} rewards but {len(ids)} group ids")
     index: dict[object, int] = {}
@@ -84,6 +86,8 @@ def policy_loss(
     passes the token count of the whole batch so the accumulated gradient equals the batch's.
     Metrics are detached sums-over-tokens divided by the same count, so they add up the same way.
     """
+    import torch
+
     _check_shapes(new_logprobs, old_logprobs, behaviour_logprobs, advantages_per_token, mask)
     m = mask.to(new_logprobs.dtype)
     denom = m.sum() if token_count is None else torch.as_tensor(token_count, dtype=m.dtype)
@@ -116,6 +120,8 @@ def policy_loss(
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """Per-token k3 estimate of KL(π ‖ π_ref): exp(ref − π) − (ref − π) − 1, always ≥ 0."""
+    import torch
+
     log_ratio = (ref_logprobs - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(log_ratio) - log_ratio - 1.0
 

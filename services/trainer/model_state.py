@@ -105,7 +105,7 @@ class Position:
 
 
 class ModelState:
-    def __init__(self, config: RunConfig, backend: TrainBackend, store: Any):
+    def __init__(self, config: RunConfig, backend: TrainBackend | None, store: Any):
         self.config, self.backend, self.store = config, backend, store
         self.root = config.run_path
         self.base_dir = self.root / "model" / "base"
@@ -116,11 +116,18 @@ class ModelState:
         found = [(int(m.group(1)), p) for p in self.checkpoints.glob("step*.pt") if (m := CHECKPOINT_RE.match(p.name))]
         return max(found)[1] if found else None
 
-    async def prepare(self, on_warmup: Callable[[str], Any]) -> Position:
-        """Create and warm-start the model if needed, or resume from the latest checkpoint."""
+    async def prepare_base(self, on_warmup: Callable[[str], Any]) -> None:
+        """Create and warm-start the base model if needed (the model cache's copy when it holds it), and
+        name it in Redis: rollout workers may start on it while the backend is made and loads it."""
         if not (self.base_dir / "config.json").exists():
             await self._create(on_warmup)
-        await self.store.set_base_model(str(self.base_dir))  # rollout workers may start on it meanwhile
+        await self.store.set_base_model(str(self.base_dir))
+
+    async def load(self) -> Position:
+        """After `prepare_base`: the backend (`self.backend`, set by now) loads the base model, and
+        resumes from the latest checkpoint when there is one."""
+        if self.backend is None or not (self.base_dir / "config.json").exists():
+            raise RuntimeError("ModelState.load: set the backend and call prepare_base first")
         await asyncio.to_thread(self.backend.load, str(self.base_dir))
         if hasattr(self.backend, "own_forward"):  # the torch backend: which model it trains
             _log.info("model loaded", forward="the engine's own pass" if self.backend.own_forward else

@@ -82,11 +82,15 @@ class TrainerService(Service):
         await self.status.set(P.TRAINER_PHASE_WAITING_FOR_PEERS, "redis")
         self.store = await connect_store(self.config.redis.url, self.run_id)
         await self.status.set(P.TRAINER_PHASE_WARMUP, "")
-        backend = make_backend(self.config)
+        model = self.model = ModelState(self.config, None, self.store)
+        # The base model first (a copy from the model cache, no torch needed): rollout's workers start on
+        # it while this process imports torch and builds its backend (~1 CPU-second on a small machine).
+        await model.prepare_base(lambda detail: self.status.set(detail=detail))
+        backend = await asyncio.to_thread(make_backend, self.config)
         if self.world > 1:  # the other ranks follow every collective call (ranks.py)
             backend = ranks.LeaderBackend(backend, await asyncio.to_thread(ranks.join), self.world)
-        model = self.model = ModelState(self.config, backend, self.store)
-        position = await model.prepare(lambda detail: self.status.set(detail=detail))
+        model.backend = backend
+        position = await model.load()
         rollout = self._stub(rollout_pb2_grpc.RolloutStub, "rollout")
         workload = build_workload(self.config.workload)
         publisher = self.publisher = WeightPublisher(self.config, model.backend, self.store, rollout)

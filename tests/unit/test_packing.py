@@ -9,7 +9,8 @@ import torch
 
 from libra.config import build_run_config
 from libra.errors import ConfigError
-from libra.services.trainer.backend import TrainBatch, TrainSequence, pack, unpack
+from libra.services.trainer.backend import (MICRO_BATCH_COST_TOKENS, TrainBatch, TrainSequence, pack, padded_chunks,
+                                            unpack)
 from libra.services.trainer.config import TrainerConfig
 from libra.services.trainer.packed_attention import (LONG_SEQUENCE_TOKENS, packed_causal_attention, prefers_sdpa,
                                                      register_hf)
@@ -51,6 +52,45 @@ def test_token_budget_plan_is_first_fit_decreasing_and_covers_every_sequence_onc
     assert batch.plan(4) == [[6, 1, 4, 9], [2, 8, 0, 5], [7, 3]]  # no budget: chunks of like length, shortest first
     with pytest.raises(ValueError, match="budget"):
         batch.plan(4, tokens=-1)
+
+
+def _chunk_cost(lengths: list[int], chunks: list[tuple[int, int]]) -> int:
+    return sum(MICRO_BATCH_COST_TOKENS + (b - a) * lengths[b - 1] for a, b in chunks)
+
+
+def _compositions(n: int, size: int):
+    """Every cut of range(n) into consecutive chunks of at most `size` (brute force)."""
+    if n == 0:
+        yield []
+        return
+    for first in range(1, min(size, n) + 1):
+        for rest in _compositions(n - first, size):
+            yield [(0, first)] + [(a + first, b + first) for a, b in rest]
+
+
+def test_padded_chunks_is_the_cheapest_cut():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        n, size = rng.randint(1, 9), rng.randint(1, 5)
+        lengths = sorted(rng.choice((rng.randint(5, 40), rng.randint(100, 400))) for _ in range(n))
+        chunks = padded_chunks(lengths, size)
+        assert [a for a, _ in chunks] == [0] + [b for _, b in chunks[:-1]] and chunks[-1][1] == n  # contiguous, all
+        assert all(0 < b - a <= size for a, b in chunks)
+        assert _chunk_cost(lengths, chunks) == min(_chunk_cost(lengths, c) for c in _compositions(n, size))
+
+
+def test_padded_plan_puts_a_long_sequence_alone_and_keeps_like_lengths_together():
+    lengths = [36 + i % 5 for i in range(63)] + [384]  # one trajectory that ran to its token limit
+    batch = TrainBatch([_seq(n) for n in lengths])
+    plan = batch.plan(16)
+    assert plan[-1] == [63]  # alone: it no longer pads 15 short rows to 384 tokens
+    assert sorted(i for micro in plan for i in micro) == list(range(64)) and all(len(m) <= 16 for m in plan)
+    padded = sum(len(m) * max(lengths[i] for i in m) for m in plan)
+    assert padded < 0.4 * (48 * 40 + 16 * 384)  # the fixed chunks of 16: three of <= 40 tokens and one of 384
+    assert TrainBatch([_seq(40) for _ in range(64)]).plan(16) == [list(range(i, i + 16)) for i in range(0, 64, 16)]
+    assert plan == batch.plan(16)  # deterministic: every rank computes the same plan
 
 
 def _dense_reference(q, k, v, bounds, scale=None):
