@@ -49,6 +49,7 @@ class TrainerService(Service):
         self._resume.set()
         self._step_lock = asyncio.Lock()
         self.elastic = None  # ElasticControl: hybrid replicas (rank 0 of the core)
+        self._optimizer_task: asyncio.Task | None = None
 
     def service_names(self) -> list[str]:
         return [P.DESCRIPTOR.services_by_name["Trainer"].full_name]
@@ -105,12 +106,30 @@ class TrainerService(Service):
         await self.store.raise_version(version - 1)
         await publisher.record(version)
         position.version = version
+        self._prepare_optimizer(model.backend)
         await self.status.set(P.TRAINER_PHASE_WAITING_FOR_PEERS, "rollout workers, elastic coordinator")
         await wait_for_peers({"rollout": self.config.address_of("rollout"),
                               "elastic": self.config.address_of("elastic")})
         await self._register_member()
         await publisher.deliver(version)
         await self.set_health(True)
+
+    def _prepare_optimizer(self, backend) -> None:
+        """Make the backend's optimizer in a thread while rollout starts on the version just written:
+        torch.optim's first optimizer imports torch._dynamo (~1.4 CPU-seconds), which the first batch
+        need not wait for. The first step waits for it if it is not done (the backend's lock); a
+        failure here is made again, and raised, by that step."""
+        prepare = getattr(backend, "prepare_optimizer", None)
+        if prepare is None:
+            return
+
+        def failed(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                _log.warning("making the optimizer ahead of the first step failed; the step makes it",
+                             error=str(task.exception()))
+
+        self._optimizer_task = asyncio.get_running_loop().create_task(asyncio.to_thread(prepare))
+        self._optimizer_task.add_done_callback(failed)
 
     async def _elastic(self, backend):
         """The side-channel endpoint of this (single) core rank and the membership kept in Redis."""

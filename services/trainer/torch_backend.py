@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import threading
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,7 @@ class TorchBackend(TrainBackend):
         self.transformers_because = ""  # why the loaded model is transformers' ("": the engine's own pass)
         self._model: Any = None
         self._optimizer: Any = None
+        self._optimizer_lock = threading.Lock()
 
     # ---- loading -------------------------------------------------------------------------
     def load(self, model_dir: str) -> None:
@@ -87,11 +89,22 @@ class TorchBackend(TrainBackend):
 
             model = lora.wrap(model, self.config.lora)
         model.eval()
-        self._model, self.model_dir = model, model_dir
-        self._optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=self.config.lr, weight_decay=self.config.weight_decay,
-        )
+        with self._optimizer_lock:
+            self._model, self.model_dir = model, model_dir
+            self._optimizer = None  # made on first use (`optimizer`), or ahead of it by prepare_optimizer
+
+    def prepare_optimizer(self) -> None:
+        """Make the optimizer now, if not yet. torch.optim's first optimizer imports torch._dynamo
+        (~1.4 CPU-seconds): the trainer calls this in a thread while the first batch is rolled out,
+        so the weights can be published without waiting for it. Thread-safe; a no-op before `load`."""
+        import torch
+
+        with self._optimizer_lock:
+            if self._optimizer is None and self._model is not None:
+                self._optimizer = torch.optim.AdamW(
+                    [p for p in self._model.parameters() if p.requires_grad],
+                    lr=self.config.lr, weight_decay=self.config.weight_decay,
+                )
 
     def _transformers_model(self, model_dir: str) -> Any:
         import torch
@@ -205,7 +218,7 @@ class TorchBackend(TrainBackend):
         """
         old = self._logprobs(batch, config) if config.recompute_logprobs else None
         self._set_hyper_parameters(config)
-        self._optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         if self.config.lora is None or not self.config.lora.dropout:
             return self._accumulate(batch, config, old, token_count=token_count)
         from libra.services.trainer import lora
@@ -252,13 +265,15 @@ class TorchBackend(TrainBackend):
         self._set_hyper_parameters(config)
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-        self._optimizer.step()
+        self.optimizer.step()
         return grad_norm
 
     @property
     def optimizer(self) -> Any:
-        if self._optimizer is None:
+        if self._model is None:
             raise FailedPrecondition("TorchBackend: call load(model_dir) first")
+        if self._optimizer is None:
+            self.prepare_optimizer()
         return self._optimizer
 
     def _accumulate(
@@ -286,7 +301,7 @@ class TorchBackend(TrainBackend):
 
     def _set_hyper_parameters(self, config: TrainerConfig) -> None:
         # Per step, so a schedule (or a changed config on resume) takes effect without a rebuild.
-        for group in self._optimizer.param_groups:
+        for group in self.optimizer.param_groups:
             group["lr"], group["weight_decay"] = config.lr, config.weight_decay
 
     # ---- files -----------------------------------------------------------------------------
@@ -319,7 +334,7 @@ class TorchBackend(TrainBackend):
                 "format": CHECKPOINT_FORMAT,
                 "model": self._checkpointed_state(),
                 "adapters_only": self.config.lora is not None,
-                "optimizer": self._optimizer.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                 "extra": dict(extra),
             }
@@ -350,7 +365,7 @@ class TorchBackend(TrainBackend):
                                  f"changed?): missing {sorted(set(missing) - frozen)[:5]}, unexpected {unexpected[:5]}")
         else:
             self.model.load_state_dict(state["model"])
-        self._optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(_as_random_state(state["rng"]["python"]))
         return state["extra"]

@@ -123,6 +123,27 @@ def test_micro_batching_gives_the_whole_batch_update(model_dir):
         assert torch.allclose(p, q, atol=1e-6), name
 
 
+def test_the_optimizer_is_made_once_ahead_of_or_at_the_first_step(model_dir):
+    import threading
+
+    ahead, lazy = _backend(model_dir), _backend(model_dir)
+    assert ahead._optimizer is None and lazy._optimizer is None  # load makes none (torch._dynamo waits)
+    threads = [threading.Thread(target=ahead.prepare_optimizer) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    made = ahead._optimizer
+    assert made is not None and ahead.optimizer is made  # one, however many threads asked
+    for backend in (ahead, lazy):
+        backend.train_step(_mixed_batch(), _config())
+    assert ahead.optimizer is made and lazy.optimizer is not None
+    for a, b in zip(ahead.model.parameters(), lazy.model.parameters()):
+        assert torch.equal(a, b)  # the same step, whenever the optimizer was made
+    ahead.load(model_dir)
+    assert ahead._optimizer is None  # a new model gets a new optimizer
+
+
 def test_recompute_sets_old_to_current_weights(model_dir):
     backend = _backend(model_dir)
     batch = _with_behaviour(backend, _mixed_batch(), shift=-0.1)  # the sampler was a bit less sure
