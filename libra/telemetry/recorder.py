@@ -102,11 +102,21 @@ class Recorder:
 
 _recorders: dict[tuple[str, str], Recorder] = {}
 _probes: dict[tuple[str, str], Any] = {}
+_resolved: dict[tuple[str, str], str] = {}
+
+
+def _run_key(config: "RunConfig") -> str:
+    """`config`'s run directory, resolved once per (as written, working directory): probes are looked
+    up on every turn and every route, and resolving walks the path with a system call per part."""
+    written = (str(config.run_dir), os.getcwd())
+    if written not in _resolved:
+        _resolved[written] = str(config.run_path)
+    return _resolved[written]
 
 
 def recorder(config: "RunConfig", service: str) -> Recorder:
     """This process's recorder for `service` of `config`'s run (opened on first use)."""
-    key = (str(config.run_path), service)
+    key = (_run_key(config), service)
     if key not in _recorders:
         _recorders[key] = Recorder(config.run_path, service, config.run_id, config.telemetry,
                                    run_config=config.model_dump(mode="json", exclude={"redis", "security"}))
@@ -115,7 +125,7 @@ def recorder(config: "RunConfig", service: str) -> Recorder:
 
 def probe(config: "RunConfig", service: str, make: Callable[[Recorder, "RunConfig"], P]) -> P:
     """This process's probe for `service` (what turns the service's state into records), made once."""
-    key = (str(config.run_path), service)
+    key = (_run_key(config), service)
     if key not in _probes:
         _probes[key] = make(recorder(config, service), config)
     return _probes[key]
