@@ -42,6 +42,8 @@ ERRORS = {"INVALID_ARGUMENT": InvalidArgument, "NOT_FOUND": NotFound, "FAILED_PR
 _log = liblog.get("libra.rollout.router")
 REPORT_ERRORS = Counter("libra_gateway_report_errors_total", "scheduler reports rejected on the session", ["code"])
 RECONNECTS = Counter("libra_gateway_session_reconnects_total", "scheduler session streams reopened")
+WRITES = Counter("libra_gateway_session_writes_total", "writes on the scheduler session stream (each a batch)")
+WRITTEN = Counter("libra_gateway_session_messages_total", "messages written on the scheduler session stream")
 
 
 class SchedulerSession:
@@ -113,6 +115,8 @@ class SchedulerSession:
                     continue  # no stream: the reconnect resends them from the unacknowledged
                 try:
                     await call.write(scheduler_pb2.GatewayBatch(messages=batch))
+                    WRITES.inc()
+                    WRITTEN.inc(len(batch))
                     self._written = batch[-1].seq
                 except Exception:  # noqa: BLE001 - the stream broke; the reader reconnects and resends
                     self._call = None

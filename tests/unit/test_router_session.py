@@ -122,9 +122,13 @@ def test_a_report_posted_while_the_flusher_writes_is_not_stranded():
         session.post(turn=spb.TurnReport(trajectory_id="a", worker_id="w"))  # seq 2: the flusher starts writing
         await _spin(5)
         session.post(tool_return=spb.ToolReturnReport(trajectory_id="a", tool="t"))  # seq 3, during that write
+        writes, messages = router.WRITES._value.get(), router.WRITTEN._value.get()
         call.gate.set()
         await _spin(20)
         assert call.written == [1, 2, 3]
+        # the metrics count stream writes and the messages they carried (seq 2's write, then seq 3's)
+        assert router.WRITES._value.get() - writes == call.writes - 1
+        assert router.WRITTEN._value.get() - messages == 2
         call.answers.put_nowait(spb.SchedulerBatch(processed_seq=3, answers=[
             spb.SchedulerMessage(seq=1, route=spb.RouteDecision(worker_id="w"))]))
         await asyncio.wait_for(first, 5)
