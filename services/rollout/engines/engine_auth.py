@@ -26,6 +26,7 @@ from typing import Any
 
 from libra.security.credentials import bearer_refusal
 
+SERVED_MODEL_NAME = "policy"  # what every engine serves the policy as (vLLM's and hf_server): readiness asks for it
 KEY_ENV = "LIBRA_ENGINE_KEY"
 OPEN_PATHS = ("/health",)  # liveness only: says nothing, changes nothing
 

@@ -19,11 +19,10 @@ import time
 from typing import Any, Callable
 
 from libra.security.http import bearer_middleware
-from libra.services.rollout.engines.engine_auth import OPEN_PATHS, key_from_environment
+from libra.services.rollout.engines.engine_auth import OPEN_PATHS, SERVED_MODEL_NAME, key_from_environment
 from libra.services.rollout.engines.hf_engine import (FORWARDS, LOGPROBS_MODES, PREFILL_RATIO, PREFILL_WAIT_STEPS,
                                                       HFEngine, Request, version_spans)
 from libra.services.rollout.engines.vllm_ext import INITIAL_VERSION_ENV
-from libra.services.rollout.engines.vllm_worker import SERVED_MODEL_NAME  # what the launcher's readiness check asks for
 
 
 def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -> Any:

@@ -43,10 +43,9 @@ from libra import procs
 from libra.errors import FailedPrecondition
 from libra.security.credentials import child_environment
 from libra.services.rollout.config import WorkerConfig
-from libra.services.rollout.engines.engine_auth import KEY_ENV, headers, process_key
+from libra.services.rollout.engines.engine_auth import KEY_ENV, SERVED_MODEL_NAME, headers, process_key
 from libra.services.rollout.engines.vllm_ext import INITIAL_VERSION_ENV
 
-SERVED_MODEL_NAME = "policy"  # what every engine serves the policy as (hf_server too): readiness asks for it
 EXTENSION_CLS = "libra.services.rollout.engines.vllm_ext.LibraWorkerExtension"
 POLL_INTERVAL_S = 0.5
 KEY_MIDDLEWARE = "libra.services.rollout.engines.engine_auth.EngineKeyMiddleware"
