@@ -200,8 +200,9 @@ class Backoff:
     Each of these uses it: waiting for Redis when a service starts (not gRPC at all), retrying the
     gateway's turn records while Redis is away (services/rollout/history.py), waiting for a peer's
     health to say SERVING (the peer answers, but is not ready: nothing to retry), and reopening the
-    scheduler's Session stream after it broke (gRPC never retries a stream once a response arrived). `wait()` sleeps the next delay, or raises TimeoutError once
-    `give_up_s` have passed since the first failure after the last `reset()` (progress).
+    scheduler's Session stream after it broke (gRPC never retries a stream once a response arrived).
+    `wait()` sleeps the next delay, or raises TimeoutError once `give_up_s` have passed since the
+    first failure after the last `reset()` (progress).
     """
 
     def __init__(self, first_s: float = 0.1, max_s: float = 5.0, factor: float = 1.6,

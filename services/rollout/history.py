@@ -37,11 +37,8 @@ class HistoryWriter:
 
     def add(self, record: common_pb2.HistoryRecord) -> None:
         """Queue a record (never waits)."""
-        if len(self._pending) >= self.limit:
-            del self._pending[0]
-            self.dropped += 1
-            DROPPED.inc()
         self._pending.append(record)
+        self._drop_oldest(len(self._pending) - self.limit)
         self._idle.clear()
         self._wake.set()
         if self._task is None or self._task.done():
@@ -57,17 +54,12 @@ class HistoryWriter:
                 try:
                     await self.store.append_histories(self.kind, batch)
                 except LibraError as error:  # a record the store refuses: retrying cannot help
-                    self.dropped += len(batch)
-                    DROPPED.inc(len(batch))
+                    self._count_dropped(len(batch))
                     _log.error("turn records refused; dropped", records=len(batch), error=str(error))
                     continue
                 except Exception as error:  # noqa: BLE001 - Redis away: keep them, in order, and retry
                     self._pending[:0] = batch
-                    overflow = len(self._pending) - self.limit
-                    if overflow > 0:
-                        del self._pending[:overflow]
-                        self.dropped += overflow
-                        DROPPED.inc(overflow)
+                    self._drop_oldest(len(self._pending) - self.limit)
                     _log.warning("turn records not written; retrying", waiting=len(self._pending),
                                  retry_in_s=backoff.delay_s, error=str(error))
                     await backoff.wait("Redis to take the turn records")
@@ -75,6 +67,16 @@ class HistoryWriter:
                 backoff.reset()
                 self.written += len(batch)
             self._idle.set()
+
+    def _drop_oldest(self, count: int) -> None:
+        """Past `limit` waiting records: the oldest `count` go (none when count <= 0)."""
+        if count > 0:
+            del self._pending[:count]
+            self._count_dropped(count)
+
+    def _count_dropped(self, count: int) -> None:
+        self.dropped += count
+        DROPPED.inc(count)
 
     async def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued record is written; False if `timeout_s` passed first."""

@@ -160,11 +160,12 @@ class OpenAIGateway:
         return web.json_response({"trajectories": claimed})
 
     async def _take(self, tid: str) -> dict[str, Any] | None:
-        traj = await self.service.store.get_trajectory(tid)
-        if traj.status not in (T.TRAJECTORY_STATUS_QUEUED, T.TRAJECTORY_STATUS_RUNNING) or tid in self.trajectories:
+        if tid in self.trajectories:
             return None
-        traj.status, traj.started_at = T.TRAJECTORY_STATUS_RUNNING, time.time()
-        await self.service.store.put_trajectory(traj)
+        traj = await self.service.store.start_trajectory(tid)  # RUNNING, in one round trip; None if final
+        if traj is None:
+            return None
+        traj.started_at = time.time()  # stored with the result, as the gateway's own runner does
         external = self.trajectories[tid] = ExternalTrajectory(traj, time.monotonic())
         try:
             prompt = self.runner.workload.prompt(int(traj.prompt_id))

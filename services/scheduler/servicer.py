@@ -141,7 +141,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             nonlocal waiting
             try:
                 async for batch in request_iterator:
-                    while waiting and waiting >= MAX_WAITING_BYTES:
+                    while waiting >= MAX_WAITING_BYTES:  # (0 when none waits: a batch of any size is read)
                         room.clear()
                         await room.wait()
                     waiting += batch.ByteSize()

@@ -49,7 +49,7 @@ class TrainerService(Service):
         self._resume.set()
         self._step_lock = asyncio.Lock()
         self.elastic = None  # ElasticControl: hybrid replicas (rank 0 of the core)
-        self._optimizer_task: asyncio.Task | None = None
+        self._optimizer_task: asyncio.Task | None = None  # held: the loop keeps only weak references to tasks
 
     def service_names(self) -> list[str]:
         return [P.DESCRIPTOR.services_by_name["Trainer"].full_name]
