@@ -13,6 +13,8 @@ For each recorded trace (the trajectories a real run finished, in the order they
 batches a trainer would have built), batches of `--batch` sequences, micro-batches of `--micro`:
 
 - padded token slots per batch (rows x width, summed over micro-batches): exact, no timing;
+- first, the quickstart's case alone: one 384-token sequence among 36-40-token ones, fixed chunks
+  against the trainer's plan, CPU of the trainer's own pass (best of 3);
 - CPU seconds of a forward and backward pass of the quickstart's model (random weights,
   transformers' LlamaForCausalLM, one torch thread) over those padded micro-batches, the three
   plans on the same batches, alternating;
@@ -85,6 +87,28 @@ def main() -> None:
             model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
         return time.process_time() - started
 
+    own = LlamaForward(model.config.to_dict())  # the trainer's own pass on the same config
+
+    def own_cpu(lengths: list[int], plan: list[list[int]]) -> float:
+        started = time.process_time()
+        for chunk in plan:
+            width = max(lengths[i] for i in chunk)
+            ids = torch.randint(1, 256, (len(chunk), width))
+            positions = torch.arange(width).expand_as(ids)
+            logits = own(ids, torch.ones_like(ids), positions, None, last_only=False)[0]
+            torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1)).backward()
+        return time.process_time() - started
+
+    # The quickstart's case: one trajectory that ran to its 384-token limit among ~40-token ones.
+    outlier = [36 + i % 5 for i in range(args.batch - 1)] + [384]
+    fixed, cut = like_length(outlier, args.micro), trainers(outlier, args.micro)
+    own_cpu(outlier, cut)  # warm
+    fixed_ms = 1000 * min(own_cpu(outlier, fixed) for _ in range(3))
+    cut_ms = 1000 * min(own_cpu(outlier, cut) for _ in range(3))
+    print(f"one 384-token sequence among {args.batch - 1} of 36-40, the trainer's own pass: fixed chunks "
+          f"{len(fixed)} micro-batches, {slots(outlier, fixed):,} slots, {fixed_ms:.0f} ms CPU; the trainer's plan "
+          f"{len(cut)}, {slots(outlier, cut):,} slots, {cut_ms:.0f} ms ({cut_ms / fixed_ms:.2f}x)")
+
     plans = {"in order": in_order, "like length": like_length, "trainer": trainers}
     print(f"batches of {args.batch} sequences, micro-batches of {args.micro}, in the order a run finished them")
     print(f"{'trace':12} {'batches':>7} " + " ".join(f"{'slots, ' + name:>20}" for name in plans)
@@ -105,18 +129,6 @@ def main() -> None:
     if args.fit:
         print("transformers' LlamaForCausalLM:")
         fit(step_cpu)
-        own = LlamaForward(model.config.to_dict())  # the trainer's own pass on the same config
-
-        def own_cpu(lengths: list[int], plan: list[list[int]]) -> float:
-            started = time.process_time()
-            for chunk in plan:
-                width = max(lengths[i] for i in chunk)
-                ids = torch.randint(1, 256, (len(chunk), width))
-                positions = torch.arange(width).expand_as(ids)
-                logits = own(ids, torch.ones_like(ids), positions, None, last_only=False)[0]
-                torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1)).backward()
-            return time.process_time() - started
-
         print("the trainer's own pass (libra/llama_forward.py):")
         fit(own_cpu)
 

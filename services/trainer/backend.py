@@ -100,9 +100,9 @@ class TrainBatch:
 
         `tokens` 0: chunks of at most `size` sequences of like length, cut where padding would cost
         more than a micro-batch does (`padded_chunks`): sorted shortest first, each chunk right-padded
-        to its longest, so one long sequence no longer pads a chunk of `size` short ones (on the
-        quickstart's CPU one 384-token trajectory in a batch of ~40-token ones took a step from 152
-        to 538 ms). The policy loss is a sum over tokens, so its gradient does not depend on the
+        to its longest, so one long sequence no longer pads a chunk of `size` short ones (one 384-token
+        sequence among 63 of ~40 tokens: 505 ms of CPU in fixed chunks of 16, 134 ms so;
+        benchmarks/padded_chunks.py). The policy loss is a sum over tokens, so its gradient does not depend on the
         chunks; an MoE's load-balancing loss, a statistic of each micro-batch, does, as it did on
         chunks in arrival order.
         `tokens` > 0: the token budget of a packed micro-batch: sequences, longest first, each into
@@ -133,8 +133,8 @@ class TrainBatch:
 
 # What one more micro-batch costs, in padded tokens: a forward and backward pass has a fixed part
 # besides its work per token. On the quickstart's model, one CPU thread, fitted with a term for
-# attention's pairs (`benchmarks/padded_chunks.py --fit`, two runs on 12-05): 1.7-2.7 ms a
-# micro-batch against 0.036-0.039 ms a padded token, 46-69 tokens, on the trainer's own pass and on
+# attention's pairs (`benchmarks/padded_chunks.py --fit`, three runs on 12-05): 1.7-3.2 ms a
+# micro-batch against 0.036-0.040 ms a padded token, 46-86 tokens, on the trainer's own pass and on
 # transformers' model alike. The plans' CPU on recorded traces moved by under 2% between 24 and 128.
 MICRO_BATCH_COST_TOKENS = 48
 
