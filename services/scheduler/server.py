@@ -76,7 +76,7 @@ class SchedulerService(Service):
         for scope, request_id, reply in replies:
             self.replies.keep(scope, request_id, reply)
         self.policy.state.rotation = saved.rotation
-        if saved.tree or saved.live:
+        if saved.tree or saved.learned or saved.live:  # anything saved: a restart, not a fresh run
             _log.info("routing state restored from redis", tree_bytes=len(saved.tree or b""),
                       finishes_replayed=len(saved.learned), live_trajectories=len(saved.live))
 
