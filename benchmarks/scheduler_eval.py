@@ -13,6 +13,14 @@ so on, each kept there (least loaded in its bucket, affinity): the best such spl
 bucket shares (`PARTITION_SHARES`; `Partition`). It is not a bound (a policy that moves
 trajectories can beat it) but a clairvoyant reference no causal policy is expected to reach.
 
+How far what the tool outcomes say can take routing, the row `outcome partition`: every
+trajectory in one bucket for its whole life, chosen before its first turn from its *first* tool
+outcome (the signature C-MLFQ's tree first learns from, known in advance): the bucket covering the
+mean total output of the window's trajectories with the same first outcome (`outcome_levels`).
+On the signal trace that is each trajectory's class (long / medium / short) from the start,
+everything the outcomes carry there; what it leaves to the bound is what no router that knows
+only the class can win back.
+
 Traces (a window of `--trajectories` trajectories, all released at once):
 
     signal            synthetic: the first tool outcome predicts the continuation
@@ -39,6 +47,7 @@ LA-MLFQ) on every trace and layout; on the signal trace within 1.15x of the boun
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import pathlib
 import time
@@ -49,6 +58,7 @@ from libra.errors import InvalidArgument
 from libra.routing.baselines import LAMLFQ, BucketPolicy, Clairvoyant, LengthAware, LoadBalance
 from libra.routing.cmlfq import CMLFQ
 from libra.routing.policy import Policy
+from libra.routing.signatures import SizeThresholds, signature
 from libra.services.planner.sim.bound import lower_bound
 from libra.services.planner.sim.instance import Group
 from libra.services.planner.sim.rollout import Window
@@ -69,7 +79,7 @@ RECORDED = {  # name -> (file, that run's buckets, its rollout.max_new_tokens: w
 SYNTHETIC_TURN_BUDGET = 4096  # max_new_tokens a synthetic turn books (the simulator's default)
 BASELINES = ("load_balance", "length_aware", "la_mlfq")
 POLICY_NAMES = ("cmlfq", *BASELINES, "clairvoyant")
-ROWS = (*POLICY_NAMES, "partition")
+ROWS = (*POLICY_NAMES, "outcome partition", "partition")
 # shares of the window for the longest buckets, longest first (the shortest bucket takes the rest)
 PARTITION_SHARES = {
     2: [(share,) for share in (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)],
@@ -152,6 +162,22 @@ class Partition(BucketPolicy):
         return self.level_of_trajectory[turn.trajectory_id], "partition"
 
 
+def outcome_levels(specs: Sequence[TrajectorySpec], buckets: list[tuple[str, int]]) -> dict[str, int]:
+    """Per trajectory, the bucket level covering the mean total output of the trajectories in
+    `specs` whose first tool outcome has the same signature as its own (none: no tool call)."""
+    thresholds, limits = SizeThresholds(), sorted(limit for _, limit in buckets)
+    first = {}
+    for spec in specs:
+        turn = spec.turns[0]
+        first[spec.trajectory_id] = (signature(turn.tool, turn.status, turn.payload_tokens, thresholds)
+                                     if len(spec.turns) > 1 else "none")
+    totals: dict[str, list[int]] = {}
+    for spec in specs:
+        totals.setdefault(first[spec.trajectory_id], []).append(spec.output_tokens)
+    level = {sig: min(bisect.bisect_left(limits, sum(v) / len(v)), len(limits) - 1) for sig, v in totals.items()}
+    return {tid: level[sig] for tid, sig in first.items()}
+
+
 def best_partition(case: Case, specs: Sequence[TrajectorySpec], cap: int) -> tuple[float, tuple[float, ...]]:
     """The shortest makespan of the clairvoyant partitions (module docstring), and its shares."""
     levels = len(case.buckets)
@@ -195,6 +221,13 @@ def evaluate(case: Case, seed: int, n: int, cap: int = CAP) -> list[Run]:
                                  f"{result.makespan_s:.3f} s, under the lower bound {bound.makespan_s:.3f} s")
         runs.append(Run(case.trace, case.layout_name, name, seed, result.makespan_s, bound.makespan_s,
                         bound.binding, result.moves, dict(result.reasons)))
+    outcome = Window(case.layout, measured, turn_budget_tokens=case.turn_budget_tokens).run(
+        Partition(cap, case.buckets, outcome_levels(measured, case.buckets))).makespan_s
+    if outcome < bound.makespan_s * (1 - 1e-9):
+        raise AssertionError(f"the outcome partition on {case.trace} / {case.layout_name} seed {seed} finished in "
+                             f"{outcome:.3f} s, under the lower bound {bound.makespan_s:.3f} s")
+    runs.append(Run(case.trace, case.layout_name, "outcome partition", seed, outcome, bound.makespan_s,
+                    bound.binding, 0, {}))
     makespan, shares = best_partition(case, measured, cap)
     if makespan < bound.makespan_s * (1 - 1e-9):
         raise AssertionError(f"the partition {shares} on {case.trace} / {case.layout_name} seed {seed} finished in "
@@ -206,7 +239,7 @@ def evaluate(case: Case, seed: int, n: int, cap: int = CAP) -> list[Run]:
 
 def table(runs: Sequence[Run]) -> list[str]:
     """Per case and policy: mean makespan, mean makespan / bound, load balance's / the policy's."""
-    lines = [f"{'trace':<22} {'layout':<18} {'policy':<13} {'makespan s':>10} {'/ bound':>7} {'vs LB':>6} "
+    lines = [f"{'trace':<22} {'layout':<18} {'policy':<17} {'makespan s':>10} {'/ bound':>7} {'vs LB':>6} "
              f"{'worst seed / best baseline':>26}"]
     keys = list(dict.fromkeys((r.trace, r.layout) for r in runs))
     for trace, layout in keys:
@@ -220,7 +253,7 @@ def table(runs: Sequence[Run]) -> list[str]:
             over_bound = sum(r.makespan_s / r.bound_s for r in mine) / len(mine)
             vs_lb = sum(by["load_balance", s].makespan_s for s in seeds) / len(seeds) / makespan
             worst = max(by[name, s].makespan_s / best[s] for s in seeds)
-            lines.append(f"{trace:<22} {layout:<18} {name:<13} {makespan:>10.2f} {over_bound:>7.2f} {vs_lb:>6.2f} "
+            lines.append(f"{trace:<22} {layout:<18} {name:<17} {makespan:>10.2f} {over_bound:>7.2f} {vs_lb:>6.2f} "
                          f"{worst:>26.3f}")
         lines.append("")
     return lines
@@ -237,10 +270,11 @@ def verdict(runs: Sequence[Run]) -> list[str]:
         ratio = mean["cmlfq"] / mean[best]
         mine = [r for r in here if r.policy == "cmlfq"]
         bound = sum(r.makespan_s / r.bound_s for r in mine) / len(mine)
-        partition = [r for r in here if r.policy == "partition"]
-        reference = sum(r.makespan_s / r.bound_s for r in partition) / len(partition)
+        over = {p: sum(r.makespan_s / r.bound_s for r in here if r.policy == p) / len([r for r in here if r.policy == p])
+                for p in ("partition", "outcome partition")}
         lines.append(f"{trace:<22} {layout:<18} cmlfq / {best} = {ratio:.3f} ({'ok' if ratio <= 1.03 else 'MISS'}"
-                     f" within 3%); cmlfq / bound = {bound:.2f}; clairvoyant partition / bound = {reference:.2f}; "
+                     f" within 3%); cmlfq / bound = {bound:.2f}; outcome partition / bound = "
+                     f"{over['outcome partition']:.2f}; clairvoyant partition / bound = {over['partition']:.2f}; "
                      f"cmlfq / partition = {mean['cmlfq'] / mean['partition']:.3f}")
     return lines
 

@@ -4,6 +4,7 @@ layout with more buckets than the grid knows is refused with the reason."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sys
 
@@ -13,6 +14,7 @@ from libra.errors import InvalidArgument
 from libra.services.planner.sim.bound import lower_bound
 from libra.services.planner.sim.instance import Group
 from libra.services.planner.sim.rollout import Window
+from libra.traces.spec import TurnSpec
 from libra.traces.synthetic import signal
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -66,3 +68,21 @@ def test_more_buckets_than_the_grid_knows_are_refused():
                                case.buckets + [("huge", 64_000)], case.draw)
     with pytest.raises(InvalidArgument, match="1 to 3 buckets"):
         scheduler_eval.best_partition(four, signal(10, 1), scheduler_eval.CAP)
+
+
+def test_the_outcome_partition_puts_each_trajectory_in_its_first_outcomes_bucket():
+    """On the signal trace the first tool outcome is the class: long trajectories (a large search
+    result first) in the long bucket, medium ones in the medium one, short ones in the short one;
+    a trajectory without a tool call is judged with the others that have none."""
+    case = _case()
+    specs = signal(200, 5, prefix="o")
+    levels = scheduler_eval.outcome_levels(specs, case.buckets)
+    assert set(levels) == {spec.trajectory_id for spec in specs}
+    for spec in specs:
+        first = spec.turns[0]
+        want = 2 if first.payload_tokens >= 3000 else 1 if first.tool == "search" else 0
+        assert levels[spec.trajectory_id] == want, (spec.trajectory_id, first)
+    assert {2, 1, 0} == set(levels.values())
+    untooled = [dataclasses.replace(spec, trajectory_id=f"u{n}", turns=(TurnSpec(output),))
+                for n, (spec, output) in enumerate(zip(specs, (9_000, 12_000)))]
+    assert scheduler_eval.outcome_levels(untooled + specs[:3], case.buckets)["u0"] == 2  # mean 10,500: long
