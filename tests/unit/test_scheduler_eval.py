@@ -1,6 +1,7 @@
-"""benchmarks/scheduler_eval.py's clairvoyant partition: each trajectory stays in the bucket given to
-it, the best split of the grid is at least the lower bound and no worse than any one split, and a
-layout with more buckets than the grid knows is refused with the reason."""
+"""benchmarks/scheduler_eval.py's reference partitions: each trajectory stays in the bucket given to
+it, the best split of the clairvoyant grid is at least the lower bound and no worse than any one
+split, a layout with more buckets than the grid knows is refused with the reason, and the outcome
+partition gives each trajectory the bucket its first tool outcome points to."""
 
 from __future__ import annotations
 
