@@ -125,7 +125,11 @@ def worker(args: argparse.Namespace) -> None:
         config = trainer_config(args, args.worker)
         train_batch = batch(args)
         sizes = [len(s.token_ids) for s in train_batch.sequences]
-        plan = train_batch.plan(config.micro_batch_size, config.micro_batch_tokens)
+        from libra.services.trainer.backend import micro_batch_cost
+
+        plan = train_batch.plan(config.micro_batch_size, config.micro_batch_tokens,  # the trainer's own plan there
+                                micro_batch_cost("cuda" if torch.cuda.is_available() else "cpu",
+                                                 config.micro_batch_cost_tokens))
         rows = [sum(sizes[i] for i in micro) if config.micro_batch_tokens else len(micro) * max(sizes[i] for i in micro)
                 for micro in plan]  # the tokens each micro-batch computes (padding included)
         started = time.perf_counter()

@@ -77,6 +77,16 @@ class TrainSequence:
         return len(self.token_ids) - self.prompt_length
 
 
+# What one more micro-batch costs, in padded tokens: a forward and backward pass has a fixed part
+# besides its work per token. On the quickstart's model, one CPU thread, fitted with a term for
+# attention's pairs (`benchmarks/padded_chunks.py --fit`, three runs on 12-05): 1.7-3.2 ms a
+# micro-batch against 0.036-0.040 ms a padded token, 46-86 tokens, on the trainer's own pass and on
+# transformers' model alike. The plans' CPU on recorded traces moved by under 2% between 24 and 128.
+# Measured on CPU only: a GPU's fixed part per pass (kernel launches) is worth far more tokens, so
+# there the plan keeps the fewest micro-batches (`micro_batch_cost`) until it is measured.
+MICRO_BATCH_COST_TOKENS = 48
+
+
 @dataclass(frozen=True)
 class TrainBatch:
     """The sequences of one optimizer step (on this rank); whole GRPO groups, advantages already set."""
@@ -95,16 +105,17 @@ class TrainBatch:
         """Chunks of at most `size` sequences of like length (`plan`; deterministic)."""
         return [[self.sequences[i] for i in indices] for indices in self.plan(size)]
 
-    def plan(self, size: int, tokens: int = 0) -> list[list[int]]:
+    def plan(self, size: int, tokens: int = 0, chunk_cost: int | None = MICRO_BATCH_COST_TOKENS) -> list[list[int]]:
         """The micro-batches of this batch as lists of sequence indices (deterministic).
 
         `tokens` 0: chunks of at most `size` sequences of like length, cut where padding would cost
-        more than a micro-batch does (`padded_chunks`): sorted shortest first, each chunk right-padded
-        to its longest, so one long sequence no longer pads a chunk of `size` short ones (one 384-token
-        sequence among 63 of ~40 tokens: 505 ms of CPU in fixed chunks of 16, 134 ms so;
-        benchmarks/padded_chunks.py). The policy loss is a sum over tokens, so its gradient does not depend on the
-        chunks; an MoE's load-balancing loss, a statistic of each micro-batch, does, as it did on
-        chunks in arrival order.
+        more than a micro-batch does (`padded_chunks`, a micro-batch costing `chunk_cost` padded
+        tokens; None: the fewest micro-batches, cut where they pad least): sorted shortest first, each
+        chunk right-padded to its longest, so one long sequence no longer pads a chunk of `size` short
+        ones (one 384-token sequence among 63 of ~40 tokens: 505 ms of CPU in fixed chunks of 16,
+        134 ms so; benchmarks/padded_chunks.py). The policy loss is a sum over tokens, so its gradient
+        does not depend on the chunks; an MoE's load-balancing loss, a statistic of each micro-batch,
+        does, as it did on chunks in arrival order.
         `tokens` > 0: the token budget of a packed micro-batch: sequences, longest first, each into
         the first micro-batch with room for it (first-fit decreasing), a new one when none has; a
         sequence longer than the budget is a micro-batch of its own.
@@ -116,7 +127,7 @@ class TrainBatch:
         lengths = [len(s.token_ids) for s in self.sequences]
         if not tokens:
             order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-            return [order[a:b] for a, b in padded_chunks([lengths[i] for i in order], size)]
+            return [order[a:b] for a, b in padded_chunks([lengths[i] for i in order], size, chunk_cost)]
         bins: list[list[int]] = []
         room: list[int] = []
         for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -131,27 +142,32 @@ class TrainBatch:
         return bins
 
 
-# What one more micro-batch costs, in padded tokens: a forward and backward pass has a fixed part
-# besides its work per token. On the quickstart's model, one CPU thread, fitted with a term for
-# attention's pairs (`benchmarks/padded_chunks.py --fit`, three runs on 12-05): 1.7-3.2 ms a
-# micro-batch against 0.036-0.040 ms a padded token, 46-86 tokens, on the trainer's own pass and on
-# transformers' model alike. The plans' CPU on recorded traces moved by under 2% between 24 and 128.
-MICRO_BATCH_COST_TOKENS = 48
+def micro_batch_cost(device: object, configured: int | None = None) -> int | None:
+    """The `chunk_cost` of `TrainBatch.plan` for a trainer computing on `device` (a torch device or
+    its name): `configured` (trainer.micro_batch_cost_tokens) if set, else MICRO_BATCH_COST_TOKENS
+    on a CPU and None (the fewest micro-batches) on any other device."""
+    if configured is not None:
+        return configured
+    kind = getattr(device, "type", None) or str(device).split(":", 1)[0]
+    return MICRO_BATCH_COST_TOKENS if kind == "cpu" else None
 
 
-def padded_chunks(lengths: list[int], size: int) -> list[tuple[int, int]]:
+def padded_chunks(lengths: list[int], size: int, chunk_cost: int | None = MICRO_BATCH_COST_TOKENS) -> list[tuple[int, int]]:
     """Cut `lengths` (ascending) into consecutive chunks [a, b) of at most `size`, minimising the
-    padded tokens (each chunk's rows × its longest) plus MICRO_BATCH_COST_TOKENS a chunk: dynamic
-    programming over the cut points, O(len × size). Ties go to fewer, larger chunks; so a batch of
-    like lengths keeps chunks of `size`, and no chunk is wider or has more rows than the plain
-    chunks of `size` had (their last holds the `size` longest)."""
+    padded tokens (each chunk's rows × its longest) plus `chunk_cost` a chunk: dynamic programming
+    over the cut points, O(len × size). Ties go to fewer, larger chunks; so a batch of like lengths
+    keeps chunks of `size`, and no chunk is wider or has more rows than the plain chunks of `size`
+    had (their last holds the `size` longest). `chunk_cost` None: the fewest chunks (as many as the
+    plain chunks), cut where they pad least (a chunk costs more than any padding can)."""
     n = len(lengths)
+    if chunk_cost is None:
+        chunk_cost = n * (lengths[-1] if lengths else 0) + 1
     best = [0] + [math.inf] * n  # best[j]: the cheapest cut of the first j
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
         width = lengths[j - 1]
         for a in range(max(0, j - size), j):  # widest chunk first: a tie keeps it
-            cost = best[a] + MICRO_BATCH_COST_TOKENS + (j - a) * width
+            cost = best[a] + chunk_cost + (j - a) * width
             if cost < best[j]:
                 best[j], cut[j] = cost, a
     chunks = []

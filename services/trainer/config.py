@@ -148,6 +148,10 @@ class TrainerConfig(Section):
         "token budget of a packed micro-batch: its sequences concatenated into one row with no padding, attention "
         "kept inside each sequence, sequences placed longest first into the first micro-batch with room "
         "(0: micro_batch_size right-padded sequences per micro-batch); must hold rollout.max_total_tokens"))
+    micro_batch_cost_tokens: int | None = Field(None, ge=0, le=100_000_000, description=(
+        "with right-padded micro-batches (micro_batch_tokens 0): what one more micro-batch costs, in padded tokens; "
+        "sequences sorted by length are cut where the padding saved is worth more (default: 48 on a CPU, measured "
+        "there; on a GPU the fewest micro-batches, cut where they pad least)"))
     packed_attention: Literal["auto", "varlen", "sdpa"] = Field("auto", description=(
         "attention of packed micro-batches: varlen (FlashAttention's variable-length kernel: CUDA, bf16/fp16), "
         "sdpa (one torch SDPA call per sequence: any device), auto (varlen where it runs, else sdpa; on compute "

@@ -43,8 +43,8 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
-from libra.services.trainer.backend import (TrainBackend, TrainBatch, atomic_torch_save, pack, token_logprobs, unpack,
-                                            write_safetensors_dir, write_weights_dir)
+from libra.services.trainer.backend import (TrainBackend, TrainBatch, atomic_torch_save, micro_batch_cost, pack,
+                                            token_logprobs, unpack, write_safetensors_dir, write_weights_dir)
 from libra.services.trainer.gradient_hook import train_step as shared_train_step
 from libra.services.trainer.grpo import policy_loss
 
@@ -191,7 +191,9 @@ class TorchBackend(TrainBackend):
         return packed, token_logprobs(logits, packed.input_ids)
 
     def _plan(self, batch: TrainBatch, config: TrainerConfig) -> list[list[int]]:
-        return batch.plan(config.micro_batch_size, config.micro_batch_tokens)
+        device = next(self.model.parameters()).device
+        return batch.plan(config.micro_batch_size, config.micro_batch_tokens,
+                          micro_batch_cost(device, config.micro_batch_cost_tokens))
 
     def compute_logprobs(self, batch: TrainBatch) -> list[torch.Tensor]:
         return self._logprobs(batch, self.config)

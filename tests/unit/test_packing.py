@@ -9,8 +9,8 @@ import torch
 
 from libra.config import build_run_config
 from libra.errors import ConfigError
-from libra.services.trainer.backend import (MICRO_BATCH_COST_TOKENS, TrainBatch, TrainSequence, pack, padded_chunks,
-                                            unpack)
+from libra.services.trainer.backend import (MICRO_BATCH_COST_TOKENS, TrainBatch, TrainSequence, micro_batch_cost, pack,
+                                            padded_chunks, unpack)
 from libra.services.trainer.config import TrainerConfig
 from libra.services.trainer.packed_attention import (LONG_SEQUENCE_TOKENS, packed_causal_attention, prefers_sdpa,
                                                      register_hf)
@@ -79,6 +79,34 @@ def test_padded_chunks_is_the_cheapest_cut():
         assert [a for a, _ in chunks] == [0] + [b for _, b in chunks[:-1]] and chunks[-1][1] == n  # contiguous, all
         assert all(0 < b - a <= size for a, b in chunks)
         assert _chunk_cost(lengths, chunks) == min(_chunk_cost(lengths, c) for c in _compositions(n, size))
+
+
+def test_without_a_chunk_cost_the_cut_keeps_the_fewest_chunks_and_pads_least_among_them():
+    """chunk_cost None (a GPU, where the fixed cost of a pass is not measured): as many chunks as the
+    plain chunks of `size`, and of those cuts the one with the fewest padded slots (brute force)."""
+    import random
+
+    rng = random.Random(11)
+    for _ in range(200):
+        n, size = rng.randint(1, 9), rng.randint(1, 5)
+        lengths = sorted(rng.choice((rng.randint(5, 40), rng.randint(100, 400))) for _ in range(n))
+        chunks = padded_chunks(lengths, size, None)
+        fewest = -(-n // size)
+        assert len(chunks) == fewest and all(0 < b - a <= size for a, b in chunks)
+        slots = lambda cut: sum((b - a) * lengths[b - 1] for a, b in cut)  # noqa: E731
+        assert slots(chunks) == min(slots(c) for c in _compositions(n, size) if len(c) == fewest)
+    lengths = [36 + i % 5 for i in range(63)] + [384]
+    plan = TrainBatch([_seq(n) for n in lengths]).plan(16, chunk_cost=None)
+    assert len(plan) == 4 and len(plan[-1]) == 16  # 64 rows in chunks of 16: no room to set the long one apart
+
+
+def test_the_chunk_cost_is_measured_on_cpu_and_the_fewest_chunks_elsewhere():
+    assert micro_batch_cost("cpu") == micro_batch_cost(torch.device("cpu")) == MICRO_BATCH_COST_TOKENS
+    assert micro_batch_cost("cuda:0") is None and micro_batch_cost(torch.device("cuda", 1)) is None
+    assert micro_batch_cost("cuda:0", 500) == 500 and micro_batch_cost("cpu", 0) == 0  # configured wins
+    lengths = [36 + i % 5 for i in range(63)] + [384]
+    batch = TrainBatch([_seq(n) for n in lengths])
+    assert batch.plan(16, chunk_cost=0) != batch.plan(16) != batch.plan(16, chunk_cost=None)
 
 
 def test_padded_plan_puts_a_long_sequence_alone_and_keeps_like_lengths_together():

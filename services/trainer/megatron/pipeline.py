@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from libra.services.trainer.megatron import runtime as rt
-from libra.services.trainer.backend import PackedBatch, TrainBatch, pack
+from libra.services.trainer.backend import PackedBatch, TrainBatch, micro_batch_cost, pack
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +71,8 @@ def micro_batches(batch: TrainBatch, config: TrainerConfig, device: Any, causal_
 
     concatenate = bool(config.micro_batch_tokens)
     out = []
-    for indices in batch.plan(config.micro_batch_size, config.micro_batch_tokens):
+    for indices in batch.plan(config.micro_batch_size, config.micro_batch_tokens,
+                              micro_batch_cost(device, config.micro_batch_cost_tokens)):
         packed = pack([batch.sequences[i] for i in indices], concatenate=concatenate)
         input_ids = packed.input_ids.to(device)
         rows, width = input_ids.shape
