@@ -23,6 +23,7 @@ batches a trainer would have built), batches of `--batch` sequences, micro-batch
   stands for), on transformers' model and on the trainer's own pass (libra/llama_forward.py).
 
     .venv/bin/python benchmarks/padded_chunks.py [--batch 64] [--micro 16] [--timed 20] [--fit]
+    python3 benchmarks/padded_chunks.py --cuda [--hidden 2048] [--layers 16]   # the fit on a GPU
 """
 
 from __future__ import annotations
@@ -65,7 +66,15 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=16, help="sequences per micro-batch")
     parser.add_argument("--timed", type=int, default=20, help="batches of each trace timed (every plan)")
     parser.add_argument("--fit", action="store_true", help="also fit the fixed and per-token cost of a micro-batch")
+    parser.add_argument("--cuda", action="store_true",
+                        help="only the fit, on the GPU: a Llama of --hidden/--layers in bf16, wall milliseconds of a "
+                             "forward and backward pass (what trainer.micro_batch_cost_tokens stands for there)")
+    parser.add_argument("--hidden", type=int, default=2048, help="with --cuda: hidden size (heads of 128)")
+    parser.add_argument("--layers", type=int, default=16, help="with --cuda: layers")
     args = parser.parse_args()
+    if args.cuda:
+        fit_cuda(args.hidden, args.layers)
+        return
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -133,19 +142,47 @@ def main() -> None:
         fit(own_cpu)
 
 
-def fit(step_cpu) -> None:
+def fit_cuda(hidden: int, layers: int) -> None:
+    """The fit on the GPU: a Llama of `hidden` x `layers` (random weights, bf16, SDPA), a forward and
+    backward pass of a micro-batch of uniform rows, wall milliseconds (synchronised, best of 3)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32000, hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 128, num_key_value_heads=max(1, hidden // 512),
+                         intermediate_size=hidden * 4, max_position_embeddings=8192, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{torch.cuda.get_device_name()}: Llama {hidden} x {layers} ({params / 1e9:.2f}B parameters), bf16")
+
+    def step_wall(lengths: list[int], plan: list[list[int]]) -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for chunk in plan:
+            width = max(lengths[i] for i in chunk)
+            ids = torch.randint(1, 32000, (len(chunk), width), device="cuda")
+            mask = torch.tensor([[1] * lengths[i] + [0] * (width - lengths[i]) for i in chunk], device="cuda")
+            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    fit(step_wall, grid=((1, 4, 16), (128, 512, 2048)), unit="ms wall")
+
+
+def fit(step_cpu, grid=((1, 4, 16), (32, 96, 192)), unit: str = "ms CPU") -> None:
     """Least squares of ms = fixed + per_token x rows x width + per_pair x rows x width² (attention)
     over a grid of uniform micro-batches."""
     import torch
 
     rows, ys = [], []
-    for r in (1, 4, 16):
-        for w in (32, 96, 192):
+    for r in grid[0]:
+        for w in grid[1]:
             step_cpu([w] * r, [list(range(r))])  # warm
             ms = 1000 * min(step_cpu([w] * r, [list(range(r))]) for _ in range(3))
             rows.append([1.0, r * w, r * w * w])
             ys.append([ms])
-            print(f"  {r:>2} rows x {w:>3} tokens: {ms:6.1f} ms CPU")
+            print(f"  {r:>2} rows x {w:>4} tokens: {ms:7.1f} {unit}")
     fixed, per_token, per_pair = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
                                                     torch.tensor(ys, dtype=torch.float64)).solution.flatten().tolist()
     print(f"fit: {fixed:.2f} ms a micro-batch + {per_token:.4f} ms a padded token + {per_pair * 1e6:.2f} ns a "
