@@ -47,6 +47,7 @@ from libra.services.trainer.backend import (TrainBackend, TrainBatch, atomic_tor
                                             token_logprobs, unpack, write_safetensors_dir, write_weights_dir)
 from libra.services.trainer.gradient_hook import train_step as shared_train_step
 from libra.services.trainer.grpo import policy_loss
+from libra.services.trainer.world import barrier, distributed, rank
 
 if TYPE_CHECKING:
     import torch
@@ -248,7 +249,7 @@ class TorchBackend(TrainBackend):
         """Sum over the default group, in place (a no-op in one process)."""
         import torch.distributed as dist
 
-        if _distributed():
+        if distributed():
             # NCCL reduces device tensors only: the counts travel on the model's device and come back
             device = next(self.model.parameters()).device
             moved = values.to(device)
@@ -308,7 +309,7 @@ class TorchBackend(TrainBackend):
 
     # ---- files -----------------------------------------------------------------------------
     def save_weights(self, out_dir: str) -> None:
-        if _rank() == 0:  # safetensors: the default (4.x) and only (5.x) format of save_pretrained
+        if rank() == 0:  # safetensors: the default (4.x) and only (5.x) format of save_pretrained
             if self.own_forward:  # the engine's own pass: its parameters under transformers' names
                 write_safetensors_dir(out_dir, self.model_dir, self._published_state())
             elif self.config.lora is None:
@@ -318,7 +319,7 @@ class TorchBackend(TrainBackend):
                 base = self.model.get_base_model()
                 write_weights_dir(out_dir, self.model_dir, lambda staging: base.save_pretrained(
                     staging, state_dict=merged))
-        _barrier()
+        barrier()
 
     def _published_state(self) -> dict[str, Any]:
         """The own pass's weights as transformers saves them: a tied lm_head left out (config.json and
@@ -331,7 +332,7 @@ class TorchBackend(TrainBackend):
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
         import torch
 
-        if _rank() == 0:
+        if rank() == 0:
             state = {
                 "format": CHECKPOINT_FORMAT,
                 "model": self._checkpointed_state(),
@@ -341,7 +342,7 @@ class TorchBackend(TrainBackend):
                 "extra": dict(extra),
             }
             atomic_torch_save(state, path)
-        _barrier()
+        barrier()
 
     def _checkpointed_state(self) -> dict[str, Any]:
         """The whole model, or with LoRA only the adapters (the trainable parameters)."""
@@ -381,21 +382,3 @@ def _as_random_state(state: Any) -> tuple:
     version, internal, gauss = state
     return (version, tuple(internal), gauss)
 
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if _distributed() else 0
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if _distributed():
-        dist.barrier()

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
 from libra.services.trainer.backend import TrainBackend, TrainBatch, write_safetensors_dir
+from libra.services.trainer import world
 from libra.services.trainer.gradient_hook import train_step as shared_train_step
 from libra.services.trainer.megatron import build as build
 from libra.services.trainer.megatron import checkpoint as checkpoint
@@ -312,7 +313,7 @@ class MegatronBackend(TrainBackend):
         hf = self.hf_state_dict()
         if hf is not None:
             write_safetensors_dir(out_dir, self.model_dir, hf)
-        rt.barrier()
+        world.barrier()
 
     def save_checkpoint(self, path: str, extra: dict[str, Any]) -> None:
         """A Megatron distributed checkpoint (model + optimizer in model space): `megatron.checkpoint`."""

@@ -50,8 +50,8 @@ import random
 import shutil
 from typing import Any
 
+from libra.services.trainer import world
 from libra.services.trainer.backend import atomic_torch_save
-from libra.services.trainer.megatron import runtime as rt
 from libra.services.trainer.megatron.build import load_state
 from libra.services.trainer.megatron.optimizer_state import has_frozen, optimizer_state, stored_kinds, \
     trainable_parameters
@@ -66,21 +66,21 @@ def save(model: Any, optimizer: Any, path: str, extra: dict[str, Any]) -> None:
 
     directory = f"{path}.dcp"
     staging = f"{directory}.partial"
-    if rt.rank() == 0:
+    if world.rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
-    rt.barrier()
+    world.barrier()
     state = sharded_state(model, optimizer, loading=False)
     dist_checkpointing.save(state, staging)
-    rt.barrier()
-    if rt.rank() == 0:
+    world.barrier()
+    if world.rank() == 0:
         shutil.rmtree(directory, ignore_errors=True)
         os.rename(staging, directory)
         marker = {"format": CHECKPOINT_FORMAT, "backend": "megatron", "directory": os.path.basename(directory),
                   "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "extra": dict(extra)}
         atomic_torch_save(marker, path)
         _prune_orphans(os.path.dirname(os.path.abspath(path)))
-    rt.barrier()
+    world.barrier()
 
 
 def load(model: Any, optimizer: Any, path: str) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from libra.services.trainer.megatron import runtime as rt
+from libra.services.trainer import world
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -193,7 +193,7 @@ class _MegatronOptimizers(_Adapter):
                     break
         value = torch.tensor([max(found)], dtype=torch.float64,
                              device="cuda" if torch.cuda.is_available() else "cpu")
-        if rt.distributed():  # a DP rank that owns no range of any parameter has no state yet
+        if world.distributed():  # a DP rank that owns no range of any parameter has no state yet
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return float(value)
 

@@ -60,18 +60,6 @@ def init_parallel(tp: int, cuda: bool, pp: int = 1, ep: int = 1) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
-def distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if distributed() else 0
-
-
 def tp_rank() -> int:
     from megatron.core import parallel_state as ps
 
@@ -100,13 +88,6 @@ def dp_size() -> int:
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_world_size()
-
-
-def barrier() -> None:
-    import torch.distributed as dist
-
-    if distributed():
-        dist.barrier()
 
 
 def dp_sum_tensor(tensor: Any) -> Any:
