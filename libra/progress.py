@@ -23,6 +23,7 @@ class ProgressPrinter:
         self.stream = stream or sys.stdout
         self.started = time.monotonic()
         self.records: list[trainer_pb2.StepRecord] = []
+        self.next_step = 1  # the first step not printed yet
 
     def _line(self, text: str) -> None:
         try:
@@ -37,7 +38,10 @@ class ProgressPrinter:
         self._line(f"ERROR {text}")
 
     def step(self, record: trainer_pb2.StepRecord, total: int) -> None:
+        if record.step < self.next_step:  # already printed (a reconnect, or the catch-up after the end)
+            return
         self.records.append(record)
+        self.next_step = record.step + 1
         self._line(
             f"step {record.step:>3}/{total} reward {record.mean_reward:.3f} | {record.trajectories} traj "
             f"{record.mean_turns:.1f} turns stale {record.mean_staleness:.2f} rejected {record.rejected_stale} | "
@@ -46,25 +50,43 @@ class ProgressPrinter:
 
     async def follow(self, config: RunConfig, first_step: int = 1) -> None:
         """Print the trainer's status changes and its steps from `first_step` on (a resumed run: the
-        step after its checkpoint) until cancelled; reconnects as needed."""
-        last_detail, next_step = "", first_step
+        step after its checkpoint) until cancelled; reconnects as needed. A trainer seen only once
+        done (it trained between two polls) still has its steps printed: they are read back then."""
+        last_detail, self.next_step = "", max(self.next_step, first_step)
         while True:
             try:
                 async with channel(config.address_of("trainer")) as chan:
                     stub = trainer_pb2_grpc.TrainerStub(chan)
                     status = await stub.GetStatus(trainer_pb2.TrainerStatusRequest(run_id=config.run_id), timeout=2)
                     detail = f"trainer: {PHASES.get(status.phase, 'starting')} {status.detail}".rstrip()
-                    if detail != last_detail:
+                    final = status.phase in (trainer_pb2.TRAINER_PHASE_DONE, trainer_pb2.TRAINER_PHASE_FAILED)
+                    if detail != last_detail and not final:
                         self._line(detail)
-                        last_detail = detail
-                    if status.phase == trainer_pb2.TRAINER_PHASE_TRAINING:
-                        request = trainer_pb2.WatchStepsRequest(run_id=config.run_id, from_step=next_step)
-                        async for record in stub.WatchSteps(request):
+                    if status.phase == trainer_pb2.TRAINER_PHASE_TRAINING or final:
+                        # a finished trainer's stream gives the steps not printed yet, then ends
+                        request = trainer_pb2.WatchStepsRequest(run_id=config.run_id, from_step=self.next_step)
+                        async for record in stub.WatchSteps(request, timeout=None if not final else 10):
                             self.step(record, status.total_steps)
-                            next_step = record.step + 1
+                    if detail != last_detail and final:
+                        self._line(detail)
+                    last_detail = detail
             except grpc.aio.AioRpcError:
                 pass
             await asyncio.sleep(1.0)
+
+    async def catch_up(self, config: RunConfig, total: int) -> None:
+        """Print the steps the trainer committed that `follow` missed (the trainer exited between
+        two of its polls): their records are in Redis, which outlives the trainer."""
+        import redis.asyncio as aioredis
+
+        from libra.state.versions import VersionStore
+
+        client = aioredis.Redis.from_url(config.redis.url)
+        try:
+            for data in await VersionStore(client, config.run_id).step_records(self.next_step):
+                self.step(trainer_pb2.StepRecord.FromString(data), total)
+        finally:
+            await client.aclose()
 
     def finish(self, run_path) -> None:
         """The run's summary: mean reward of the first and last `reward_window` steps it printed."""

@@ -33,6 +33,8 @@ import sys
 import time
 import uuid
 
+from redis.exceptions import RedisError
+
 from libra import procs, run_dir, security
 from libra.checks import check_before_start
 from libra.config import SERVICES, RunConfig
@@ -168,6 +170,7 @@ async def _watch(config: RunConfig, children: Children, supervisor: Supervisor, 
                  signals: StopSignals, first_step: int) -> int:
     """Follow the trainer's progress until it finishes, a crash loop or a stop signal comes,
     restarting what dies meanwhile (on this thread: children die with the thread that started them)."""
+    printer.next_step = first_step
     watcher = asyncio.create_task(printer.follow(config, first_step))
     try:
         while True:
@@ -179,6 +182,11 @@ async def _watch(config: RunConfig, children: Children, supervisor: Supervisor, 
                 return 1
             if children.trainer_done():
                 await asyncio.sleep(0.5)  # let the last step records arrive
+                watcher.cancel()
+                try:  # steps committed between two of the printer's polls, read back from Redis
+                    await asyncio.wait_for(printer.catch_up(config, config.trainer.steps), 10)
+                except (asyncio.TimeoutError, OSError, RedisError) as error:
+                    printer.error(f"could not read the last steps' records back from Redis: {error}")
                 return 0
             await asyncio.sleep(0.5)
     finally:
