@@ -4,7 +4,9 @@
   free port, stopped at the end of the session.
 - `run_id`: unique per test, so tests never share keys even on a shared Redis.
 - `arun`: runs a coroutine on this test's event loop (tests stay plain sync functions; no
-  pytest-asyncio). Every async object a test uses must be made on that loop.
+  pytest-asyncio). Every async object a test uses must be made on that loop. A loop still running
+  after TASK_DUMP_AFTER_S prints every task's stack to stderr, so a hang that pytest-timeout ends
+  (600 s) says which await never returned.
 - `store` / `new_store`: `StateStore`s for `run_id` on that loop, closed after the test.
 """
 
@@ -14,6 +16,7 @@ import asyncio
 import os
 import re
 import shutil
+import sys
 import uuid
 from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
@@ -22,6 +25,7 @@ import pytest
 from libra.redis_server import INSTALL_HINT, PrivateRedis
 
 T = TypeVar("T")
+TASK_DUMP_AFTER_S = 420.0  # below pytest-timeout's 600 s (pyproject.toml)
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -46,14 +50,27 @@ def run_id(request: pytest.FixtureRequest) -> str:
     return f"t-{name}-{uuid.uuid4().hex[:12]}"
 
 
+def _dump_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Where every task of `loop` waits (its coroutine's frames), for a test that hangs."""
+    tasks = asyncio.all_tasks(loop)
+    print(f"\n=== the test's event loop still runs after {TASK_DUMP_AFTER_S:.0f} s: {len(tasks)} tasks ===",
+          file=sys.stderr)
+    for task in tasks:
+        print(f"--- {task.get_name()}: {task.get_coro()!r}", file=sys.stderr)
+        task.print_stack(file=sys.stderr)
+    sys.stderr.flush()
+
+
 @pytest.fixture
 def arun() -> Iterator[Callable[[Awaitable[T]], T]]:
     """Run a coroutine to completion on this test's own event loop."""
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)  # grpc.aio creates calls (stub.Method(...)) before they are awaited
+    watchdog = loop.call_later(TASK_DUMP_AFTER_S, _dump_tasks, loop)
     try:
         yield loop.run_until_complete
     finally:
+        watchdog.cancel()
         loop.run_until_complete(loop.shutdown_asyncgens())
         asyncio.set_event_loop(None)
         loop.close()
