@@ -8,8 +8,11 @@ race) and take optimizer steps on one batch of 64 sequences (8 groups of 8, prom
 10-60 generated, seeded), micro-batches of 16, one torch thread, interleaved rounds.
 
     .venv/bin/python benchmarks/trainer_step_cpu.py [--config configs/quickstart.yaml] [--steps 15] [--rounds 2]
+        [--equal-groups K]
 
-Prints the median CPU milliseconds per step of each and their ratio, per round.
+Prints the median CPU milliseconds per step of each and their ratio, per round. With --equal-groups K,
+K of the 8 groups have advantage 0 (their rewards all equal), and Libra's trainer also runs with
+`trainer.skip_zero_advantage: false` (every sequence through the passes) beside its default.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def batch(seed: int = 0, sequences: int = 64, group: int = 8, vocab: int = 300):
+def batch(seed: int = 0, sequences: int = 64, group: int = 8, vocab: int = 300, equal_groups: int = 0):
     from libra.services.trainer.backend import TrainBatch, TrainSequence
 
     rng = random.Random(seed)
@@ -34,7 +37,7 @@ def batch(seed: int = 0, sequences: int = 64, group: int = 8, vocab: int = 300):
         prompt = rng.randint(12, 20)
         ids = [rng.randint(3, vocab) for _ in range(prompt + rng.randint(10, 60))]
         mask = [1 if rng.random() < 0.8 else 0 for _ in range(len(ids) - prompt)]  # tool tokens carry no loss
-        advantage = rng.choice((-1.0, 1.0))
+        advantage = 0.0 if index // group < equal_groups else rng.choice((-1.0, 1.0))  # equal rewards: 0
         train.append(TrainSequence(token_ids=ids, prompt_length=prompt, loss_mask=mask,
                                    behaviour_logprobs=[-1.0] * len(mask), advantage=advantage))
         rows.append({"ids": ids, "prompt_length": prompt, "mask": mask, "reward": advantage, "group": index // group})
@@ -46,6 +49,9 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "configs" / "quickstart.yaml"))
     parser.add_argument("--steps", type=int, default=15, help="steps of each per round")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--equal-groups", type=int, default=0,
+                        help="groups (of 8) whose rewards are all equal, so advantage 0; the quickstart's runs had "
+                             "~1 in the first 10 steps and ~3-4 later (benchmarks/results/trainer_step_cpu.txt)")
     args = parser.parse_args()
     import os
     import tempfile
@@ -67,9 +73,12 @@ def main() -> None:
     base_model(config, Path(model_dir))  # the warm-started weights libra up starts from (the model cache)
     ours = TorchBackend(trainer, seed=0)
     ours.load(model_dir)
+    whole_config = trainer.model_copy(update={"skip_zero_advantage": False})
+    whole = TorchBackend(whole_config, seed=0)  # every sequence through the passes, as before the skip
+    whole.load(model_dir)
     theirs = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(theirs.parameters(), lr=trainer.lr)
-    train, rows = batch()
+    train, rows = batch(equal_groups=args.equal_groups)
     print(f"the quickstart's warm-started model; trainer on {'its own forward pass' if ours.own_forward else 'transformers'}; "
           f"64 sequences, micro-batches of {trainer.micro_batch_size}")
 
@@ -84,8 +93,12 @@ def main() -> None:
     for round_ in range(args.rounds):
         a = cpu_ms(lambda: ours.train_step(train, trainer))
         b = cpu_ms(lambda: loop_step(theirs, optimizer, rows, trainer))
-        print(f"round {round_ + 1}: Libra's trainer {a:.1f} ms CPU per step, the plain loop's {b:.1f} ms "
-              f"({a / b:.2f}x)", flush=True)
+        line = (f"round {round_ + 1}: Libra's trainer {a:.1f} ms CPU per step, the plain loop's {b:.1f} ms "
+                f"({a / b:.2f}x)")
+        if args.equal_groups:
+            c = cpu_ms(lambda: whole.train_step(train, whole_config))
+            line += f"; Libra's trainer with every sequence in the passes {c:.1f} ms (skipping: {a / c:.2f}x)"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

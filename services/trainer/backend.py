@@ -101,6 +101,19 @@ class TrainBatch:
         """Tokens that carry loss: the denominator of the token-level mean."""
         return sum(sum(s.loss_mask) for s in self.sequences)
 
+    def with_gradient(self, keep_one: bool = False) -> "TrainBatch":
+        """The sequences with a non-zero advantage: with the policy term as the whole loss (no KL, no
+        router loss), the only ones whose tokens add to the loss and its gradient. A group whose
+        rewards are all equal has advantage 0 on every sequence (grpo.group_advantages), and
+        -w min(r A, clip(r) A) is then 0 whatever the ratio r. The caller keeps the whole batch's
+        `loss_tokens` as the token mean's denominator, so the update is the whole batch's.
+        `keep_one`: never empty (the first sequence stays), for a backend whose step must run a
+        micro-batch. The batch itself when nothing is left out."""
+        kept = [s for s in self.sequences if s.advantage != 0.0]
+        if not kept and keep_one and self.sequences:
+            kept = [self.sequences[0]]
+        return self if len(kept) == len(self.sequences) else TrainBatch(kept)
+
     def micro_batches(self, size: int) -> list[list[TrainSequence]]:
         """Chunks of at most `size` sequences of like length (`plan`; deterministic)."""
         return [[self.sequences[i] for i in indices] for indices in self.plan(size)]
@@ -235,6 +248,36 @@ def pack(sequences: list[TrainSequence], pad_id: int = 0, concatenate: bool = Fa
     positions = torch.cat([torch.arange(length) for length in lengths])[None, :]
     bounds = tuple(offsets) + (width,)
     return PackedBatch(input_ids, None, *per_token, response_lengths, position_ids=positions, cu_seqlens=bounds)
+
+
+MEAN_METRICS = ("kl", "ratio_mean", "tis_mean")  # per-token means of policy_loss that a zero advantage does not zero
+
+
+def gradient_batch(batch: TrainBatch, config: Any, other_loss: bool = False, keep_one: bool = False) -> TrainBatch:
+    """What a step computes of `batch`: `with_gradient` when `config.skip_zero_advantage` and the loss
+    is the policy term alone (kl_coef 0, and no `other_loss` such as an MoE router's, which every
+    token feeds); else the whole batch."""
+    if not config.skip_zero_advantage or config.kl_coef > 0 or other_loss:
+        return batch
+    return batch.with_gradient(keep_one)
+
+
+def as_trained_means(sums: dict[str, float], batch: TrainBatch, trained: TrainBatch) -> dict[str, float]:
+    """`sums` of a step over `trained`, a part of `batch`: the MEAN_METRICS (sums over `trained`'s
+    tokens divided by the batch's token count) rescaled to means over `trained`'s tokens, in the
+    units the whole batch would have given them (on one rank exact; over data-parallel ranks each
+    rank's mean weighs by its share of the batch's tokens). The other sums are unchanged: the loss
+    and clip_fraction of a token with advantage 0 are 0. A step with no token to train reports 0 for
+    each (no micro-batch ran)."""
+    for name in ("loss", "clip_fraction", *MEAN_METRICS):
+        sums.setdefault(name, 0.0)
+    if trained is batch or not trained.loss_tokens:
+        return sums
+    scale = batch.loss_tokens / trained.loss_tokens
+    for name in MEAN_METRICS:
+        if name in sums:
+            sums[name] *= scale
+    return sums
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:

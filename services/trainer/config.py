@@ -138,6 +138,11 @@ class TrainerConfig(Section):
     kl_coef: float = Field(0.0, ge=0, le=100.0, description="KL penalty against the behaviour policy (0: off)")
     tis_cap: float = Field(2.0, ge=1.0, le=1000.0, description="cap of the truncated importance weight behaviour vs old policy")
     recompute_logprobs: bool = Field(False, description="recompute old log-probs with the current weights before the update")
+    skip_zero_advantage: bool = Field(True, description=(
+        "leave out of the forward and backward passes the sequences whose advantage is 0 (a group whose rewards "
+        "are all equal) when they carry no gradient (kl_coef 0, no MoE router loss): the update is the same, "
+        "the denominator of the token mean still counts their tokens; kl, ratio_mean and tis_mean are then "
+        "means over the tokens with a gradient (0 in a step with none)"))
     logprob_check_sequences: int = Field(8, ge=0, le=1_000_000, description=(
         "fresh sequences per step whose log-probs the trainer recomputes to check the weight sync "
         "(behaviour_logprob_gap), spread over the batch: a forward pass of that many sequences (0: no check)"))

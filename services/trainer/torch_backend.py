@@ -43,8 +43,9 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
-from libra.services.trainer.backend import (TrainBackend, TrainBatch, atomic_torch_save, micro_batch_cost, pack,
-                                            token_logprobs, unpack, write_safetensors_dir, write_weights_dir)
+from libra.services.trainer.backend import (TrainBackend, TrainBatch, as_trained_means, atomic_torch_save,
+                                            gradient_batch, micro_batch_cost, pack, token_logprobs, unpack,
+                                            write_safetensors_dir, write_weights_dir)
 from libra.services.trainer.gradient_hook import train_step as shared_train_step
 from libra.services.trainer.grpo import policy_loss
 from libra.services.trainer.world import barrier, distributed, rank
@@ -219,16 +220,17 @@ class TorchBackend(TrainBackend):
 
         Public for hybrid replicas, which compute their slice exactly as a core rank does.
         """
-        old = self._logprobs(batch, config) if config.recompute_logprobs else None
+        trained = gradient_batch(batch, config)  # the sequences with a gradient (TrainBatch.with_gradient)
+        old = self._logprobs(trained, config) if config.recompute_logprobs else None
         self._set_hyper_parameters(config)
         self.optimizer.zero_grad(set_to_none=True)
         if self.config.lora is None or not self.config.lora.dropout:
-            return self._accumulate(batch, config, old, token_count=token_count)
+            return as_trained_means(self._accumulate(trained, config, old, token_count=token_count), batch, trained)
         from libra.services.trainer import lora
 
         lora.set_dropout(self.model, True)  # the adapters' dropout in the gradient pass only
         try:
-            return self._accumulate(batch, config, old, token_count=token_count)
+            return as_trained_means(self._accumulate(trained, config, old, token_count=token_count), batch, trained)
         finally:
             lora.set_dropout(self.model, False)
 

@@ -179,6 +179,31 @@ def test_masked_tokens_contribute_no_gradient(kind, model_dir):
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
+def test_sequences_with_advantage_zero_are_left_out_with_the_same_update(kind, model_dir):
+    """`trainer.skip_zero_advantage` (the default): a group whose rewards were all equal (advantage
+    0 on each sequence) is not computed, the token mean still counts its tokens, and the update and
+    the loss are those of the whole batch; with every sequence at 0 the step still runs (the
+    Megatron backend keeps one, so that each rank runs a micro-batch) and changes no gradient."""
+    batch = TrainBatch([*_batch().sequences, _sequence(7, 4, 5, 0.0), _sequence(8, 2, 7, 0.0, tool_at=(1,)),
+                        _sequence(9, 3, 4, 0.0)])
+    results = []
+    for skip in (True, False):
+        backend = _backend(kind, model_dir, skip_zero_advantage=skip)
+        metrics = backend.train_step(batch, _config(kind, skip_zero_advantage=skip))
+        results.append((metrics, _parameters(backend)))
+    (m_skip, p_skip), (m_all, p_all) = results
+    assert m_skip["tokens"] == m_all["tokens"] == batch.loss_tokens
+    assert m_skip["loss"] == pytest.approx(m_all["loss"], rel=1e-5, abs=1e-9)
+    assert m_skip["grad_norm"] == pytest.approx(m_all["grad_norm"], rel=1e-4)
+    for name in p_skip:
+        assert torch.allclose(p_skip[name], p_all[name], rtol=0, atol=2e-6), name
+    nothing = TrainBatch(batch.sequences[3:])
+    backend = _backend(kind, model_dir)
+    metrics = backend.train_step(nothing, _config(kind))
+    assert metrics["loss"] == 0.0 and metrics["grad_norm"] == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
 def test_published_weights_reload_in_transformers(kind, model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -123,6 +123,59 @@ def test_micro_batching_gives_the_whole_batch_update(model_dir):
         assert torch.allclose(p, q, atol=1e-6), name
 
 
+def _with_equal_groups(backend: TorchBackend) -> TrainBatch:
+    """Three groups of two: one whose rewards differ (advantages +-1) and two whose rewards are all
+    equal (advantage 0 on every sequence), behaviour log-probs a little off the model's own."""
+    batch = TrainBatch([_sequence(11, 3, 7, 1.0, tool_at=(2,)), _sequence(12, 4, 5, -1.0),
+                        _sequence(13, 2, 9, 0.0), _sequence(14, 5, 3, 0.0),
+                        _sequence(15, 3, 6, 0.0, tool_at=(0, 1)), _sequence(16, 2, 8, 0.0)])
+    return _with_behaviour(backend, batch, shift=-0.05)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_sequences_without_a_gradient_are_left_out_and_the_update_is_the_same(model_dir, recompute):
+    skipping, whole = _backend(model_dir), _backend(model_dir, skip_zero_advantage=False)
+    batch = _with_equal_groups(whole)
+    assert len(batch.with_gradient()) == 2 and batch.with_gradient(keep_one=True) is not batch
+    forwarded: list[int] = []
+    forward = skipping._forward
+    skipping._forward = lambda sequences, packed: forwarded.append(len(sequences)) or forward(sequences, packed)
+    config = dict(recompute_logprobs=recompute, micro_batch_size=4)
+    m_skip = skipping.train_step(batch, _config(**config))
+    m_whole = whole.train_step(batch, _config(skip_zero_advantage=False, **config))
+    assert sum(forwarded) == 2 * (2 if recompute else 1)  # only the group whose rewards differ
+    assert m_skip["tokens"] == m_whole["tokens"] == batch.loss_tokens  # the same denominator
+    assert m_skip["loss"] == pytest.approx(m_whole["loss"], rel=1e-5)
+    assert m_skip["clip_fraction"] == pytest.approx(m_whole["clip_fraction"], abs=1e-7)
+    assert m_skip["grad_norm"] == pytest.approx(m_whole["grad_norm"], rel=1e-5)
+    for (name, p), q in zip(skipping.model.named_parameters(), whole.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-7), name
+    # the per-token means are over the tokens with a gradient: here the ratio's, as the whole
+    # batch's would be with those tokens alone
+    alone = _backend(model_dir).train_step(batch.with_gradient(), _config(**config))
+    for name in ("kl", "ratio_mean", "tis_mean"):
+        assert m_skip[name] == pytest.approx(alone[name], rel=1e-5), name
+
+
+def test_nothing_is_left_out_when_every_token_has_a_gradient(model_dir):
+    backend = _backend(model_dir)
+    batch = _with_equal_groups(backend)
+    forwarded: list[int] = []
+    forward = backend._forward
+    backend._forward = lambda sequences, packed: forwarded.append(len(sequences)) or forward(sequences, packed)
+    backend.train_step(batch, _config(kl_coef=0.1))  # the KL term pulls on every token
+    assert sum(forwarded) == len(batch)
+    forwarded.clear()
+    only_equal = TrainBatch(batch.sequences[2:])
+    before = _parameters(backend)
+    metrics = backend.train_step(only_equal, _config())  # nothing to learn: no pass at all
+    assert forwarded == [] and metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
+    assert metrics["tokens"] == only_equal.loss_tokens
+    assert not all(torch.equal(before[name], p) for name, p in backend.model.named_parameters())  # Adam's momentum
+    assert only_equal.with_gradient().sequences == [] and only_equal.with_gradient(keep_one=True).sequences == \
+        [only_equal.sequences[0]]
+
+
 def test_the_optimizer_is_made_once_ahead_of_or_at_the_first_step(model_dir):
     import threading
 

@@ -53,7 +53,8 @@ import random
 from typing import TYPE_CHECKING, Any
 
 from libra.errors import FailedPrecondition
-from libra.services.trainer.backend import TrainBackend, TrainBatch, write_safetensors_dir
+from libra.services.trainer.backend import (TrainBackend, TrainBatch, as_trained_means, gradient_batch,
+                                            write_safetensors_dir)
 from libra.services.trainer import world
 from libra.services.trainer.gradient_hook import train_step as shared_train_step
 from libra.services.trainer.megatron import build as build
@@ -196,8 +197,12 @@ class MegatronBackend(TrainBackend):
 
     def accumulate_gradients(self, batch: TrainBatch, config: TrainerConfig, token_count: float) -> dict[str, float]:
         """Zeroed gradients, then every micro-batch's gradient of Σ token loss / token_count; metric
-        sums (equal on every stage). Recomputed old log-probs are needed on the last stage only."""
-        micros = self._micro_batches(batch, config)
+        sums (equal on every stage). Recomputed old log-probs are needed on the last stage only. The
+        sequences with a gradient only (`gradient_batch`; at least one, so that every rank runs a
+        micro-batch; all of them when the router's loss is on: every token feeds it)."""
+        trained = gradient_batch(batch, config, other_loss=self.shape.moe and self._aux_loss_coef() > 0,
+                                 keep_one=True)
+        micros = self._micro_batches(trained, config)
         old = pipeline.logprobs(self._runner(), micros) if config.recompute_logprobs else None
         self._set_hyper_parameters(config)
         self._zero_grad()
@@ -214,7 +219,7 @@ class MegatronBackend(TrainBackend):
         if self.shape.moe and self._aux_loss_coef() > 0:
             sums.update(moe.read_aux_loss(self.model, len(micros)))
         pipeline.finish_model_parallel_grads(self.model, main_grad=self._ddp is not None)
-        return sums
+        return as_trained_means(sums, batch, trained)
 
     def _aux_loss_coef(self) -> float:
         coef = self.config.backend.router_aux_loss_coef
