@@ -20,6 +20,7 @@ baseline, from the evaluation's own runs of the baselines (its --json), every tr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -31,7 +32,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import scheduler_eval as E  # noqa: E402
 from libra.routing.baselines import BucketPolicy  # noqa: E402
 from libra.routing.cmlfq import CMLFQ  # noqa: E402
-from libra.routing.prefix_tree import Walk  # noqa: E402
 from libra.services.planner.sim.rollout import Window  # noqa: E402
 
 
@@ -80,18 +80,18 @@ class Demoted(BucketPolicy):
 
 
 class MeanOnly(CMLFQ):
-    def _tree_level(self, record):
-        if record.moves >= self.max_moves:
-            return None, "pinned"
-        if record.walk is None:
-            record.walk = Walk()
-        stats, _source, depth = self.forest.lookup(record.prompt_id, record.signatures, record.walk)
-        if stats is None or depth == 0:
-            return None, "no_signal"
-        level = self.level_for(stats.mean)
-        if level < record.level and stats.visits < self.min_visits_down:
-            return None, "weak_down"
-        return level, "stay"
+    """C-MLFQ whose tree lookups report each node's mean as its p90: mean and p90 always agree,
+    so a node moves a trajectory by its mean alone (`_tree_level` unchanged; starts read the
+    prompt tree's root directly, not through the lookup)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        lookup = self.forest.lookup
+
+        def mean_as_p90(*call):
+            stats, source, depth = lookup(*call)
+            return (None if stats is None else dataclasses.replace(stats, p90=stats.mean)), source, depth
+        self.forest.lookup = mean_as_p90
 
 
 class StartSpill(CMLFQ):

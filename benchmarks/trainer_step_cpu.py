@@ -50,8 +50,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="steps of each per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--equal-groups", type=int, default=0,
-                        help="groups (of 8) whose rewards are all equal, so advantage 0 (30-33%% of the groups of the "
-                             "headline's 30-step CPU runs: ~1 in 8 over their first 10 steps, 3-4 over their last 10)")
+                        help="groups (of 8) whose rewards are all equal, so advantage 0 (30-35%% of the groups of the "
+                             "headline's 30-step CPU runs: ~1 in 8 over their first 10 steps, 3-4 over their last 10; "
+                             "benchmarks/equal_reward_groups.py)")
     args = parser.parse_args()
     import os
     import tempfile
@@ -74,8 +75,9 @@ def main() -> None:
     ours = TorchBackend(trainer, seed=0)
     ours.load(model_dir)
     whole_config = trainer.model_copy(update={"skip_zero_advantage": False})
-    whole = TorchBackend(whole_config, seed=0)  # every sequence through the passes, as before the skip
-    whole.load(model_dir)
+    if args.equal_groups:  # every sequence through the passes, as before the skip
+        whole = TorchBackend(whole_config, seed=0)
+        whole.load(model_dir)
     theirs = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(theirs.parameters(), lr=trainer.lr)
     train, rows = batch(equal_groups=args.equal_groups)

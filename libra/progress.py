@@ -23,7 +23,7 @@ class ProgressPrinter:
         self.stream = stream or sys.stdout
         self.started = time.monotonic()
         self.records: list[trainer_pb2.StepRecord] = []
-        self.next_step = 1  # the first step not printed yet
+        self.next_step = 1  # the first step not printed yet (`libra up` sets a resumed run's)
 
     def _line(self, text: str) -> None:
         try:
@@ -48,45 +48,44 @@ class ProgressPrinter:
             f"wait {record.wait_seconds:.1f}s train {record.train_seconds:.1f}s sync {record.publish_seconds:.1f}s"
             f" | v{record.policy_version} gap {record.behaviour_logprob_gap:.1e} ({record.fresh_sequences} fresh)")
 
-    async def follow(self, config: RunConfig, first_step: int = 1) -> None:
-        """Print the trainer's status changes and its steps from `first_step` on (a resumed run: the
-        step after its checkpoint) until cancelled; reconnects as needed. A trainer seen only once
-        done (it trained between two polls) still has its steps printed: they are read back then."""
-        last_detail, self.next_step = "", max(self.next_step, first_step)
+    async def follow(self, config: RunConfig) -> None:
+        """Print the trainer's status changes and its steps from `next_step` on (a resumed run: the
+        step after its checkpoint) until cancelled; reconnects as needed. A trainer first seen done
+        or failed (it trained between two polls) has its unprinted steps streamed before that line."""
+        last_detail = ""
         while True:
             try:
                 async with channel(config.address_of("trainer")) as chan:
                     stub = trainer_pb2_grpc.TrainerStub(chan)
                     status = await stub.GetStatus(trainer_pb2.TrainerStatusRequest(run_id=config.run_id), timeout=2)
+                    if status.phase in (trainer_pb2.TRAINER_PHASE_DONE, trainer_pb2.TRAINER_PHASE_FAILED):
+                        await self._stream(stub, config, status.total_steps, timeout=10)  # ends: nothing comes
                     detail = f"trainer: {PHASES.get(status.phase, 'starting')} {status.detail}".rstrip()
-                    final = status.phase in (trainer_pb2.TRAINER_PHASE_DONE, trainer_pb2.TRAINER_PHASE_FAILED)
-                    if detail != last_detail and not final:
+                    if detail != last_detail:
                         self._line(detail)
-                    if status.phase == trainer_pb2.TRAINER_PHASE_TRAINING or final:
-                        # a finished trainer's stream gives the steps not printed yet, then ends
-                        request = trainer_pb2.WatchStepsRequest(run_id=config.run_id, from_step=self.next_step)
-                        async for record in stub.WatchSteps(request, timeout=None if not final else 10):
-                            self.step(record, status.total_steps)
-                    if detail != last_detail and final:
-                        self._line(detail)
-                    last_detail = detail
+                        last_detail = detail
+                    if status.phase == trainer_pb2.TRAINER_PHASE_TRAINING:
+                        await self._stream(stub, config, status.total_steps)  # until the trainer is done
             except grpc.aio.AioRpcError:
                 pass
             await asyncio.sleep(1.0)
 
+    async def _stream(self, stub, config: RunConfig, total: int, timeout: float | None = None) -> None:
+        request = trainer_pb2.WatchStepsRequest(run_id=config.run_id, from_step=self.next_step)
+        async for record in stub.WatchSteps(request, timeout=timeout):
+            self.step(record, total)
+
     async def catch_up(self, config: RunConfig, total: int) -> None:
         """Print the steps the trainer committed that `follow` missed (the trainer exited between
         two of its polls): their records are in Redis, which outlives the trainer."""
-        import redis.asyncio as aioredis
+        from libra.state import StateStore
 
-        from libra.state.versions import VersionStore
-
-        client = aioredis.Redis.from_url(config.redis.url)
+        store = await StateStore.connect(config.redis.url, config.run_id)
         try:
-            for data in await VersionStore(client, config.run_id).step_records(self.next_step):
+            for data in await store.step_records(self.next_step):
                 self.step(trainer_pb2.StepRecord.FromString(data), total)
         finally:
-            await client.aclose()
+            await store.close()
 
     def finish(self, run_path) -> None:
         """The run's summary: mean reward of the first and last `reward_window` steps it printed."""

@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 from libra import procs, run_dir, security
 from libra.checks import check_before_start
 from libra.config import SERVICES, RunConfig
-from libra.errors import FailedPrecondition
+from libra.errors import FailedPrecondition, LibraError
 from libra.progress import ProgressPrinter
 from libra.redis_server import PrivateRedis
 from libra.supervise import PortHold, RestartPolicy, Supervisor
@@ -171,7 +171,7 @@ async def _watch(config: RunConfig, children: Children, supervisor: Supervisor, 
     """Follow the trainer's progress until it finishes, a crash loop or a stop signal comes,
     restarting what dies meanwhile (on this thread: children die with the thread that started them)."""
     printer.next_step = first_step
-    watcher = asyncio.create_task(printer.follow(config, first_step))
+    watcher = asyncio.create_task(printer.follow(config))
     try:
         while True:
             if signals.first is not None:
@@ -185,7 +185,7 @@ async def _watch(config: RunConfig, children: Children, supervisor: Supervisor, 
                 watcher.cancel()
                 try:  # steps committed between two of the printer's polls, read back from Redis
                     await asyncio.wait_for(printer.catch_up(config, config.trainer.steps), 10)
-                except (asyncio.TimeoutError, OSError, RedisError) as error:
+                except (asyncio.TimeoutError, OSError, RedisError, LibraError) as error:
                     printer.error(f"could not read the last steps' records back from Redis: {error}")
                 return 0
             await asyncio.sleep(0.5)

@@ -275,8 +275,7 @@ def as_trained_means(sums: dict[str, float], batch: TrainBatch, trained: TrainBa
         return sums
     scale = batch.loss_tokens / trained.loss_tokens
     for name in MEAN_METRICS:
-        if name in sums:
-            sums[name] *= scale
+        sums[name] *= scale
     return sums
 
 

@@ -225,14 +225,16 @@ class TorchBackend(TrainBackend):
         self._set_hyper_parameters(config)
         self.optimizer.zero_grad(set_to_none=True)
         if self.config.lora is None or not self.config.lora.dropout:
-            return as_trained_means(self._accumulate(trained, config, old, token_count=token_count), batch, trained)
-        from libra.services.trainer import lora
+            sums = self._accumulate(trained, config, old, token_count=token_count)
+        else:
+            from libra.services.trainer import lora
 
-        lora.set_dropout(self.model, True)  # the adapters' dropout in the gradient pass only
-        try:
-            return as_trained_means(self._accumulate(trained, config, old, token_count=token_count), batch, trained)
-        finally:
-            lora.set_dropout(self.model, False)
+            lora.set_dropout(self.model, True)  # the adapters' dropout in the gradient pass only
+            try:
+                sums = self._accumulate(trained, config, old, token_count=token_count)
+            finally:
+                lora.set_dropout(self.model, False)
+        return as_trained_means(sums, batch, trained)
 
     def flat_gradients(self) -> torch.Tensor:
         """The trainable parameters' gradients as one flat float tensor (zeros where none)."""

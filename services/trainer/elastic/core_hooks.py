@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from libra import log as liblog
 from libra.errors import FailedPrecondition
+from libra.services.trainer import world
 from libra.services.trainer.backend import TrainBatch
 from libra.services.trainer.elastic import backends
 from libra.services.trainer.elastic import snapshot as snap
@@ -364,7 +365,7 @@ def _all_gather(value: Any) -> list[Any]:
     """Every core rank's `value`, in rank order, over the default group (no group is created)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not world.distributed() or dist.get_world_size() == 1:
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)

@@ -200,8 +200,8 @@ class MegatronBackend(TrainBackend):
         sums (equal on every stage). Recomputed old log-probs are needed on the last stage only. The
         sequences with a gradient only (`gradient_batch`; at least one, so that every rank runs a
         micro-batch; all of them when the router's loss is on: every token feeds it)."""
-        trained = gradient_batch(batch, config, other_loss=self.shape.moe and self._aux_loss_coef() > 0,
-                                 keep_one=True)
+        router_loss = self.shape.moe and self._aux_loss_coef() > 0
+        trained = gradient_batch(batch, config, other_loss=router_loss, keep_one=True)
         micros = self._micro_batches(trained, config)
         old = pipeline.logprobs(self._runner(), micros) if config.recompute_logprobs else None
         self._set_hyper_parameters(config)
@@ -216,7 +216,7 @@ class MegatronBackend(TrainBackend):
         finally:
             if self.config.lora is not None:
                 lora.set_dropout(self.model, False)
-        if self.shape.moe and self._aux_loss_coef() > 0:
+        if router_loss:
             sums.update(moe.read_aux_loss(self.model, len(micros)))
         pipeline.finish_model_parallel_grads(self.model, main_grad=self._ddp is not None)
         return as_trained_means(sums, batch, trained)
