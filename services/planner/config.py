@@ -45,6 +45,11 @@ class ReplanSettings(Section):
                                                         "from the plan in force (same split, TP mix changed)")
     whole_exchanges: bool = Field(True, description="also simulated: the plan in force with all the engines of one TP "
                                                     "degree turned into another's (the far ends of the TP mix)")
+    other_splits: bool = Field(True, description="also simulated: the plan in force at the nearest other training "
+                                                  "data-parallel degrees (a replica fewer and more, half and twice; "
+                                                  "its TP and PP kept, the rollout fleet scaled to the GPUs left): "
+                                                  "the search ranks one synchronous step, and its best splits can "
+                                                  "all lean the same way")
     confirm: int = Field(2, ge=1, le=100, description="rank simulate: a move is applied only when this many "
                                                        "evaluations in a row call for one (replays of a short "
                                                        "window are noisy; 1: at once)")

@@ -81,16 +81,34 @@ def _ring(payload: float, n: int, bandwidth: float) -> float:
     return 0.0 if n <= 1 else 2.0 * (n - 1) / n * payload / bandwidth
 
 
-def step_time(model: ModelSpec, gpu: GpuSpec, layout: Layout, batch_sequences: int, seq_len: int,
-              eff: TrainEfficiency) -> TrainEstimate:
-    """Seconds of one optimizer step over `batch_sequences` sequences of mean length `seq_len`.
+def busiest_replica(batch_sequences: int, dp: int, group_size: int = 1) -> int:
+    """Sequences on the busiest of `dp` data-parallel replicas: whole GRPO groups of `group_size`, as
+    even as their count allows, the split the trainer makes (services/trainer/ranks.py
+    data_parallel_shard: 48 groups on 5 replicas train 10, 10, 10, 9 and 9). Raises `Infeasible`
+    when the batch is not whole groups or a replica would get none."""
+    groups, rest = divmod(batch_sequences, group_size)
+    if rest:
+        raise Infeasible(f"batch {batch_sequences} is not whole GRPO groups of {group_size}")
+    if groups < dp:
+        raise Infeasible(f"dp {dp} exceeds the batch's {groups} GRPO groups of {group_size}: "
+                         f"a replica would train nothing")
+    return -(-groups // dp) * group_size
 
-    Raises `Infeasible` when the layout does not divide the batch or does not fit in memory.
+
+def step_time(model: ModelSpec, gpu: GpuSpec, layout: Layout, batch_sequences: int, seq_len: int,
+              eff: TrainEfficiency, group_size: int = 1) -> TrainEstimate:
+    """Seconds of one optimizer step over `batch_sequences` sequences of mean length `seq_len`, in
+    GRPO groups of `group_size`: the busiest data-parallel replica's (`busiest_replica`; the others
+    wait for it at the gradient all-reduce), in micro-batches of up to `micro_batch` sequences.
+
+    Raises `Infeasible` when a replica would get no group, a micro-batch would be larger than a
+    replica's share, or the layout does not fit in memory.
     """
-    per_replica, rest = divmod(batch_sequences, layout.dp * layout.micro_batch)
-    if rest or per_replica == 0:
-        raise Infeasible(f"batch {batch_sequences} is not a multiple of dp {layout.dp} x "
-                         f"micro_batch {layout.micro_batch}")
+    busiest = busiest_replica(batch_sequences, layout.dp, group_size)
+    if layout.micro_batch > busiest:
+        raise Infeasible(f"micro_batch {layout.micro_batch} exceeds a replica's {busiest} sequences "
+                         f"(batch {batch_sequences} on dp {layout.dp})")
+    per_replica = -(-busiest // layout.micro_batch)
     if layout.tp > gpu.gpus_per_node:
         raise Infeasible(f"training tp {layout.tp} crosses a node of {gpu.gpus_per_node} GPUs")
     if layout.pp > model.layers:
@@ -104,7 +122,7 @@ def step_time(model: ModelSpec, gpu: GpuSpec, layout: Layout, batch_sequences: i
                          f"{eff.memory_fraction:g}) for {model.name} with {seq_len}-token sequences")
     m = per_replica
     passes = 6.0 + (2.0 if eff.logprob_recompute else 0.0)
-    compute = (passes * model.active_params * batch_sequences * seq_len
+    compute = (passes * model.active_params * busiest * layout.dp * seq_len
                / (layout.gpus * gpu.bf16_tflops * 1e12 * eff.mfu))
     bubble = (layout.pp - 1) / (m + layout.pp - 1)
     tp_comm, pp_comm, dp_comm = _comm_seconds(model, gpu, layout, m, seq_len, eff)

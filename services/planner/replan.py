@@ -357,7 +357,7 @@ class Replanner:
 
     def _simulated(self, result: SearchResult, trace, config: SearchConfig) -> Verdict:
         candidates = shortlist(result, self.model, self.gpu, trace, config, self._current, self.settings.shortlist,
-                               self.settings.neighbours, self.settings.whole_exchanges)
+                               self.settings.neighbours, self.settings.whole_exchanges, self.settings.other_splits)
         observations = list(self.window)
         first = self.steps_observed - len(observations) + 1  # the step number of observations[0]
         calibrate_from = max(0, self._applied_at_step + 3 - first)  # steps wholly run on the plan in force

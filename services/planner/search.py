@@ -165,11 +165,12 @@ def _train_layouts(model: ModelSpec, gpu: GpuSpec, batch: int, seq_len: int, con
                 gpus = tp * pp * dp
                 reason = layout_filter(gpus, dp, batch, gpu.gpus_per_node, whole, config)
                 for mb in config.micro_batches:
-                    if reason or batch % (dp * mb):
-                        rejected.add(reason or "batch not divisible by dp x micro_batch")
+                    if reason:
+                        rejected.add(reason)
                         continue
                     try:
-                        est = cost_train.step_time(model, gpu, Layout(tp, pp, dp, mb), batch, seq_len, config.train)
+                        est = cost_train.step_time(model, gpu, Layout(tp, pp, dp, mb), batch, seq_len, config.train,
+                                                   config.group_size)
                     except OverMemory as error:
                         rejected.over_memory(error)
                         continue
@@ -190,8 +191,10 @@ def layout_filter(gpus: int, dp: int, batch: int, per_node: int, whole: bool, co
         rule = placement.whole_node_rule(gpus, config.total_gpus, per_node)
         if rule:
             return rule
-    if batch % dp or (batch // dp) % config.group_size:
-        return f"a DP replica would split a GRPO group of {config.group_size} in a batch of {batch}"
+    if batch % config.group_size:
+        return f"a batch of {batch} is not whole GRPO groups of {config.group_size}"
+    if batch // config.group_size < dp:
+        return f"a DP replica would get no GRPO group of {config.group_size} in a batch of {batch}"
     return ""
 
 

@@ -30,14 +30,29 @@ from libra.services.planner.transition import same_plan
 
 
 def shortlist(result: SearchResult, model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]],
-              config: SearchConfig, current: Candidate, splits: int, near: int, whole: bool = True) -> list[Candidate]:
-    """The search's `splits` best candidates other than `current`, then `near` of its neighbours
-    and (with `whole`) its whole exchanges."""
+              config: SearchConfig, current: Candidate, splits: int, near: int, whole: bool = True,
+              around: bool = False) -> list[Candidate]:
+    """The search's `splits` best candidates other than `current`, then `near` of its neighbours,
+    (with `whole`) its whole exchanges and (with `around`) `current` at the nearest other training
+    data-parallel degrees (`around_ratios`)."""
     out = [c for c in result.alternatives if not same_plan(c, current)][:splits]
-    for candidate in neighbours(model, gpu, trace, config, current, near, whole):
-        if not any(same_plan(candidate, c) for c in out):
+    more = neighbours(model, gpu, trace, config, current, near, whole)
+    if around:
+        whole_nodes = result.placement.startswith("whole nodes on")
+        more += split_neighbours(model, gpu, trace, config, current, whole_nodes, around_ratios(current.layout.dp))
+    for candidate in more:
+        if not same_plan(candidate, current) and not any(same_plan(candidate, c) for c in out):
             out.append(candidate)
     return out
+
+
+def around_ratios(dp: int) -> tuple[float, ...]:
+    """The training data-parallel degrees a replanner tries around a plan of `dp` replicas, as ratios
+    to it: one replica fewer and one more, half and twice (`split_neighbours` takes the valid degree
+    nearest each). The closed-form search ranks one synchronous step and knows every length in
+    advance, so its best splits can all lean the same way where the asynchronous pipeline, replayed,
+    wants another (docs/benchmarks.md, the headline at 48 GPUs)."""
+    return tuple(r for r in ((dp - 1) / dp, (dp + 1) / dp, 0.5, 2.0) if r > 0)
 
 
 def neighbours(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]], config: SearchConfig,
@@ -55,7 +70,7 @@ def neighbours(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, int]],
         instances = rollout_instances(model, gpu, config, rejected)
         batch = len(trace)
         seq_len = max(1, round(sum(p + o for p, o in trace) / batch))
-        train_s = cost_train.step_time(model, gpu, plan.layout, batch, seq_len, config.train).seconds
+        train_s = cost_train.step_time(model, gpu, plan.layout, batch, seq_len, config.train, config.group_size).seconds
     except Infeasible:
         return []
     packing = placement.Packing(config.total_gpus, gpu.gpus_per_node, config.tp_choices)
@@ -109,10 +124,9 @@ def split_neighbours(model: ModelSpec, gpu: GpuSpec, trace: Sequence[tuple[int, 
             continue
         for mb in config.micro_batches:
             layout = Layout(plan.layout.tp, plan.layout.pp, dp, mb)
-            if batch % (dp * mb):
-                continue
             try:
-                seconds = cost_train.step_time(model, gpu, layout, batch, seq_len, config.train).seconds
+                seconds = cost_train.step_time(model, gpu, layout, batch, seq_len, config.train,
+                                               config.group_size).seconds
             except Infeasible:
                 continue
             if dp not in timed or seconds < timed[dp][0]:

@@ -93,7 +93,7 @@ def test_the_splits_around_the_searchs_choice_are_ranked_too():
     assert around and {c.layout.dp for c in around} != {best.layout.dp}
     for candidate in around:
         assert (candidate.layout.tp, candidate.layout.pp) == (best.layout.tp, best.layout.pp)
-        assert candidate.layout.dp != best.layout.dp and (128 // candidate.layout.dp) % 4 == 0
+        assert candidate.layout.dp != best.layout.dp and candidate.layout.dp <= 128 // 4  # a group or more each
         assert 0 < candidate.rollout_gpus <= 32 - candidate.layout.gpus
         assert math.isfinite(candidate.step_s)
     assert _scaled(((1, 4), (4, 3)), 32, {1: 0, 4: 0}) == ((1, 8), (4, 6))  # shares kept

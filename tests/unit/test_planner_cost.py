@@ -151,10 +151,24 @@ def test_training_memory_check():
     assert ct.memory_bytes(model, Layout(4, 2, 2, 2), 4000, TRAIN) < base
 
 
-def test_training_layout_must_divide_the_batch():
+def test_an_uneven_data_parallel_split_costs_its_busiest_replica():
+    """Whole GRPO groups, as even as their count allows (the trainer's data_parallel_shard): 8 groups
+    of 8 on 3 replicas train 3, 3 and 2 groups, so the step takes as long as 9 groups' would."""
     model, gpu = model_named("qwen3-4b"), gpu_named("h100-80g")
-    with pytest.raises(Infeasible, match="not a multiple"):
-        ct.step_time(model, gpu, Layout(1, 1, 3, 1), 64, 1000, TRAIN)
+    assert ct.busiest_replica(64, 3, 8) == 24 and ct.busiest_replica(64, 4, 8) == 16 and ct.busiest_replica(64, 3) == 22
+    uneven = ct.step_time(model, gpu, Layout(1, 1, 3, 1), 64, 1000, TRAIN, group_size=8)
+    padded = ct.step_time(model, gpu, Layout(1, 1, 3, 1), 72, 1000, TRAIN, group_size=8)
+    assert uneven.seconds == pytest.approx(padded.seconds, rel=1e-12) and uneven.micro_batches == 24
+    even = ct.step_time(model, gpu, Layout(1, 1, 4, 1), 64, 1000, TRAIN, group_size=8)
+    assert even.seconds < uneven.seconds
+    three = ct.step_time(model, gpu, Layout(1, 1, 4, 3), 64, 1000, TRAIN, group_size=8)  # 16 a replica: 6 micro
+    assert three.micro_batches == 6
+    with pytest.raises(Infeasible, match="dp 9 exceeds the batch's 8 GRPO groups of 8"):
+        ct.step_time(model, gpu, Layout(1, 1, 9, 1), 64, 1000, TRAIN, group_size=8)
+    with pytest.raises(Infeasible, match="not whole GRPO groups of 8"):
+        ct.step_time(model, gpu, Layout(1, 1, 2, 1), 60, 1000, TRAIN, group_size=8)
+    with pytest.raises(Infeasible, match="micro_batch 32 exceeds a replica's 16 sequences"):
+        ct.step_time(model, gpu, Layout(1, 1, 4, 32), 64, 1000, TRAIN, group_size=8)
 
 
 @pytest.mark.parametrize("model_name,tp,overheads", [("qwen3-14b", 1, False), ("qwen3-14b", 4, False),

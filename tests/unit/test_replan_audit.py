@@ -107,15 +107,23 @@ def test_a_plan_in_force_that_cannot_run_the_trace_moves_at_once_even_with_an_au
     assert r.audits.pending is None and r.audits.audited == 0  # nothing to measure the earlier move against now
 
 
+def _passed_over(move) -> str:
+    layout = move.layout
+    return f"passed over train tp{layout.tp} pp{layout.pp} dp{layout.dp} mb{layout.micro_batch} ({layout.gpus} GPUs"
+
+
 def _undone(ranker):
-    """A replanner that moved to the 4-GPU split (replayed 20% faster), measured it 10% slower
+    """A replanner that moved to another split (replayed 20% faster), measured it 10% slower
     (a 30% miss) and went back; its mean replay error then cleared, as accurate audits of other
-    moves would, so that only the memory of the undone move stands in the way."""
+    moves would, and from then on only that plan replays faster, so that only the memory of the
+    undone move stands in the way."""
     r = replanner(ranker)
     move = moved(r)
     run(r, 110.0, 4)
     assert r.consider(100.0).reason.startswith("reverted:")
     r.audits.errors.clear()
+    undone = (move.chosen.layout, move.chosen.rollout)  # (every other plan replays at 100 s, as the one in force)
+    ranker.seconds = lambda plan: ranker.per_step[undone[0].gpus] if (plan.layout, plan.rollout) == undone else 100.0
     run(r, 100.0, 4)
     return r, move.chosen
 
@@ -129,7 +137,7 @@ def test_an_undone_move_is_passed_over_unless_it_promises_more_than_it_missed_by
     assert r.audits.retry_bar(undone, POOR) == (0.0, "")  # the move back is another move
     again = r.consider(200.0)  # the same +20% clears 3% + 0% margin, not 3% + its 30% miss
     assert not again.applied and r.current.layout == POOR.layout
-    assert "passed over train tp1 pp1 dp4 mb1 (4 GPUs" in again.reason and (
+    assert _passed_over(undone) in again.reason and (
         "the same move, made after step 5, was undone: it gained 30.0% less than predicted, and it is predicted "
         "+20.0% net against the 33.0% it must clear") in again.reason, again.reason
     assert again.reason.startswith("not applied: gain does not pay"), again.reason  # the next best: no gain
@@ -140,7 +148,7 @@ def test_an_undone_move_is_passed_over_unless_it_promises_more_than_it_missed_by
     assert not r.consider(300.0).applied  # (confirm: 2 evaluations in a row)
     taken = r.consider(400.0)
     assert taken.applied and taken.chosen.layout == POOR.layout and taken.chosen.rollout != POOR.rollout, taken.reason
-    assert "passed over train tp1 pp1 dp4 mb1" in taken.reason and taken.predicted_new_s == pytest.approx(90.0)
+    assert _passed_over(undone) in taken.reason and taken.predicted_new_s == pytest.approx(90.0)
 
 
 def test_an_undone_move_promising_more_than_it_missed_by_is_made_again_also_after_a_restart():
@@ -151,7 +159,7 @@ def test_an_undone_move_promising_more_than_it_missed_by_is_made_again_also_afte
     other.restore(r.state())  # a restarted planner remembers the undone move (Redis keeps `state()` as JSON)
     assert other.audits.retry_bar(POOR, undone)[0] == pytest.approx(0.30)
     assert not other.consider(200.0).applied and "passed over" in other.consider(210.0).reason
-    ranker.per_step[4] = 60.0  # now replayed +40%: more than 3% + its 30% miss
+    ranker.per_step[undone.layout.gpus] = 60.0  # now replayed +40%: more than 3% + its 30% miss
     other.consider(300.0)
     d = other.consider(310.0)
     assert d.applied and d.chosen.layout == undone.layout and "passed over" not in d.reason, d.reason

@@ -56,7 +56,7 @@ def test_no_move_within_the_minimum_gain_or_when_the_move_costs_more():
 
 def test_the_replay_calibrates_the_pipeline_and_plays_again_when_it_moved():
     ranker = ScriptedRanker({8: 100.0}, move_extra=0.0, span_factor=2.0)  # batches took 2x the replay
-    r = observed(ranker, shortlist=1, neighbours=0, whole_exchanges=False, confirm=1)
+    r = observed(ranker, shortlist=1, neighbours=0, whole_exchanges=False, other_splits=False, confirm=1)
     r.consider(10.0)
     assert r.calibration.pipeline_slowdown() == pytest.approx(2.0)
     assert ranker.plays == 1 + 1 + 2  # current, current again at the new speed, one candidate fixed and moved
@@ -66,13 +66,30 @@ def test_the_replay_calibrates_the_pipeline_and_plays_again_when_it_moved():
     assert ranker.plays - before == 1 + 2
 
 
+def test_the_plan_in_force_at_other_data_parallel_degrees_is_simulated_too():
+    """The search's best split is not the only other split replayed: the plan in force with a
+    replica fewer or more, half or twice as many (its TP kept, the fleet scaled) is too, and here
+    only one of those replays faster (the plan in force: 8 training GPUs of 16; its 7-replica
+    neighbour 20% faster, every other plan slower)."""
+    for other_splits in (False, True):
+        ranker = ScriptedRanker({8: 100.0, 7: 80.0}, move_extra=0.0)
+        r = observed(ranker, shortlist=1, neighbours=0, whole_exchanges=False, other_splits=other_splits, confirm=1)
+        d = r.consider(10.0)
+        if other_splits:
+            assert d.applied and d.chosen.layout == Layout(1, 1, 7, 1), d.reason
+            assert d.predicted_new_s == pytest.approx(80.0) and "3 candidates" in d.reason, d.reason  # the best, dp 7, dp 4
+            assert sum(tp * n for tp, n in d.chosen.rollout) == 9  # the GPUs left, to the fleet
+        else:
+            assert not d.applied and "1 candidates" in d.reason, d.reason
+
+
 class SpeedRanker(ScriptedRanker):
     """Its replays run at the calibrated speed (finish times too, not only the spans), so a candidate
     played before a recalibration would show if it were used; with `workers` > 1 the judge plays
     ahead as it does for worker processes."""
 
     def __init__(self, workers: int):
-        super().__init__({g: 80.0 for g in range(1, 16) if g != 8} | {8: 100.0}, 0.0, span_factor=2.0)
+        super().__init__({g: 100.0 for g in range(1, 16)}, 0.0, span_factor=2.0)  # no split gains: no move
         self.workers = workers
 
     def play(self, window, plan, rollout, train, move_to=None, transition_s=0.0):
@@ -84,7 +101,7 @@ class SpeedRanker(ScriptedRanker):
 def test_played_ahead_the_candidates_are_played_again_after_a_recalibration_and_decide_the_same():
     decisions = []
     for ranker in (SpeedRanker(workers=1), SpeedRanker(workers=2)):
-        r = observed(ranker, shortlist=1, neighbours=0, whole_exchanges=False, confirm=1)
+        r = observed(ranker, shortlist=1, neighbours=0, whole_exchanges=False, other_splits=False, confirm=1)
         first = r.consider(10.0)
         counts = [ranker.plays]
         second = r.consider(20.0)
@@ -129,7 +146,9 @@ def test_the_replanner_moves_off_a_plan_that_falls_behind():
     fixed = sim_run.run_plan(MODEL, GPU, trace, poor, SMALL)
     settings = ReplanSettings(**{**EVERY_STEP, "batch_sequences": 0, "min_history_samples": 1,
                                  "sim_window_steps": 5, "sim_warmup_steps": 2, "horizon_steps": 10, "drain_s": 5,
-                                 "process_start_s": 10})
+                                 "process_start_s": 10, "neighbours": 0, "whole_exchanges": False,
+                                 "other_splits": False})
+    # (the search's splits only: a move that reshards the trainer and starts engines, priced by the replay)
     online = control.Online(MODEL, GPU, SMALL, settings, SimConfig(), first=poor)
     result = Simulator(MODEL, GPU, trace, online, SMALL).run()
     assert len(result.plan_changes) == 1 and result.plan_changes[0].transition_s > 0, online.decisions

@@ -158,7 +158,7 @@ class Simulator:
         self._check_plan(self.candidate)
         self.first_plan = self.candidate.describe()
         self.trainer = TrainerSide(self.model, self.gpu, self.trace.batch, self.candidate.layout,
-                                   self.config.core_replicas)
+                                   self.config.core_replicas, group_size=self.search_config.group_size)
         self._apply(self.candidate, 0.0, self.trace.pairs(0))
         self.events.push(0.0, RELEASE, None)
 

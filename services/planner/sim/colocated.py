@@ -54,12 +54,12 @@ class Colocated:
         for tp in config.tp_choices:
             for pp in config.pp_choices:
                 dp, rest = divmod(gpus, tp * pp)
-                if rest or not dp or batch % dp or (batch // dp) % config.group_size:
+                if rest or not dp:
                     continue
                 for mb in config.micro_batches:
                     try:
                         seconds = cost_train.step_time(self.model, self.gpu, Layout(tp, pp, dp, mb), batch,
-                                                       seq_len, config.train).seconds
+                                                       seq_len, config.train, config.group_size).seconds
                     except Infeasible as failure:
                         error = error or failure
                         continue
@@ -67,7 +67,7 @@ class Colocated:
         if best[1] is None:
             raise Infeasible(f"no training layout of all {gpus} GPUs (tp {list(config.tp_choices)}, pp "
                              f"{list(config.pp_choices)}) runs a batch of {batch} sequences of {seq_len} tokens "
-                             f"in groups of {config.group_size}: {error or 'no layout divides the batch'}")
+                             f"in groups of {config.group_size}: {error or 'no layout fits'}")
         return best
 
     def best_fleet(self, pairs: list[tuple[int, int]]) -> tuple[float, int]:

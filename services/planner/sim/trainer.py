@@ -53,6 +53,7 @@ class TrainerSide:
     batch: int
     layout: Layout
     core_replicas: int = 0
+    group_size: int = 1  # GRPO samples per prompt: a DP replica trains whole groups
     pending: tuple[Layout, float] | None = None
     joins: int = 0  # hybrid moves made (joins and releases)
 
@@ -84,10 +85,10 @@ class TrainerSide:
         full_recompute = eff.model_copy(update={"activation_bytes_per_token_layer": 2.0, "mfu": eff.mfu * 0.75})
         error = None
         for how_eff, how in ((eff, ""), (full_recompute, "full activation recompute")):
-            for mb in [m for m in range(layout.micro_batch, 0, -1) if (self.batch // layout.dp) % m == 0]:
+            for mb in range(layout.micro_batch, 0, -1):
                 try:
                     seconds = cost_train.step_time(self.model, self.gpu, Layout(layout.tp, layout.pp, layout.dp, mb),
-                                                   self.batch, seq_len, how_eff).seconds
+                                                   self.batch, seq_len, how_eff, self.group_size).seconds
                 except Infeasible as failure:
                     error = error or failure
                     continue
