@@ -55,6 +55,11 @@ class SearchConfig(Section):
     exact_multiset_limit: int = Field(512, ge=1, le=1_000_000,
                                       description="enumerate every TP multiset when there are at most this many")
     mix_steps: int = Field(8, ge=1, le=64, description="grid steps for two-degree mixes beyond that limit")
+    split_grid: int = Field(64, ge=1, le=1_000_000, description="training GPU counts the search costs: all of "
+                                                                "them below 2 x split_grid GPUs; beyond, the "
+                                                                "multiples of total_gpus // split_grid and the "
+                                                                "layouts whose data-parallel degree divides the "
+                                                                "batch's groups")
     rollout: RolloutEfficiency = Field(default_factory=RolloutEfficiency, description="rollout efficiencies")
     train: TrainEfficiency = Field(default_factory=TrainEfficiency, description="training efficiencies")
 
@@ -163,6 +168,10 @@ def _train_layouts(model: ModelSpec, gpu: GpuSpec, batch: int, seq_len: int, con
         for pp in config.pp_choices:
             for dp in range(1, config.total_gpus // (tp * pp) + 1):
                 gpus = tp * pp * dp
+                if not _on_split_grid(gpus, dp, batch, config):
+                    rejected.add(f"training GPUs off the split grid (multiples of "
+                                 f"{config.total_gpus // config.split_grid}: split_grid={config.split_grid})")
+                    continue
                 reason = layout_filter(gpus, dp, batch, gpu.gpus_per_node, whole, config)
                 for mb in config.micro_batches:
                     if reason:
@@ -180,6 +189,14 @@ def _train_layouts(model: ModelSpec, gpu: GpuSpec, batch: int, seq_len: int, con
                     out.append((est.seconds, Layout(tp, pp, dp, mb)))
     out.sort(key=lambda item: item[0])
     return out
+
+
+def _on_split_grid(gpus: int, dp: int, batch: int, config: SearchConfig) -> bool:
+    """Whether the search costs a training layout of `gpus` GPUs and `dp` replicas (`split_grid`):
+    each new training GPU count costs rollout fleets for the GPUs left over the whole trace, so at
+    scale the counts are a grid (and the even splits of the groups), not every one."""
+    step = max(1, config.total_gpus // config.split_grid)
+    return gpus % step == 0 or (batch // config.group_size) % dp == 0
 
 
 def layout_filter(gpus: int, dp: int, batch: int, per_node: int, whole: bool, config: SearchConfig) -> str:

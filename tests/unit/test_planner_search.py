@@ -346,3 +346,19 @@ def test_sharing_fleet_costs_changes_no_result(monkeypatch, whole):
         expected = search(model, gpu, trace, config)
         assert got.alternatives == expected.alternatives and got.best == expected.best
         assert got.rejected == expected.rejected and got.placement == expected.placement
+
+
+def test_uneven_data_parallel_splits_and_the_split_grid_at_scale():
+    """A DP degree need not divide the groups (the busiest replica is charged), and on a large
+    cluster the search costs training GPU counts on a grid (plus the even splits), not every one."""
+    model, gpu = model_named("qwen3-4b"), gpu_named("h100-80g")
+    trace = _trace(7, 24, 8)  # 24 groups of 8
+    small = search(model, gpu, trace, SearchConfig(total_gpus=24, group_size=8, whole_nodes="off", top_k=50))
+    assert any(24 % c.layout.dp for c in small.alternatives)  # e.g. 5 replicas: 5, 5, 5, 5 and 4 groups
+    assert not any("off the split grid" in reason for reason in small.rejected)
+    config = SearchConfig(total_gpus=256, group_size=8, whole_nodes="off", top_k=50, split_grid=8,
+                          tp_choices=(1, 2), pp_choices=(1,))
+    large = search(model, gpu, trace, config)
+    assert large.rejected["training GPUs off the split grid (multiples of 32: split_grid=8)"] > 0
+    for candidate in large.alternatives:
+        assert candidate.layout.gpus % 32 == 0 or 24 % candidate.layout.dp == 0, candidate.describe()
