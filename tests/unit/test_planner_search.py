@@ -348,17 +348,16 @@ def test_sharing_fleet_costs_changes_no_result(monkeypatch, whole):
         assert got.rejected == expected.rejected and got.placement == expected.placement
 
 
-def test_uneven_data_parallel_splits_and_the_split_grid_at_scale():
-    """A DP degree need not divide the groups (the busiest replica is charged), and on a large
-    cluster the search costs training GPU counts on a grid (plus the even splits), not every one."""
+def test_uneven_data_parallel_splits_on_small_clusters_only_even_ones_at_scale():
+    """A DP degree need not divide the groups (the busiest replica is charged); on a cluster larger
+    than uneven_splits_up_to the search costs only the even splits (the replays try the others)."""
     model, gpu = model_named("qwen3-4b"), gpu_named("h100-80g")
     trace = _trace(7, 24, 8)  # 24 groups of 8
     small = search(model, gpu, trace, SearchConfig(total_gpus=24, group_size=8, whole_nodes="off", top_k=50))
     assert any(24 % c.layout.dp for c in small.alternatives)  # e.g. 5 replicas: 5, 5, 5, 5 and 4 groups
-    assert not any("off the split grid" in reason for reason in small.rejected)
-    config = SearchConfig(total_gpus=256, group_size=8, whole_nodes="off", top_k=50, split_grid=8,
-                          tp_choices=(1, 2), pp_choices=(1,))
+    assert not any("uneven data-parallel split" in reason for reason in small.rejected)
+    config = SearchConfig(total_gpus=24, group_size=8, whole_nodes="off", top_k=50, uneven_splits_up_to=16)
     large = search(model, gpu, trace, config)
-    assert large.rejected["training GPUs off the split grid (multiples of 32: split_grid=8)"] > 0
-    for candidate in large.alternatives:
-        assert candidate.layout.gpus % 32 == 0 or 24 % candidate.layout.dp == 0, candidate.describe()
+    assert large.rejected["an uneven data-parallel split of the groups on more than uneven_splits_up_to=16 GPUs "
+                          "(left to the replays)"] > 0
+    assert all(24 % candidate.layout.dp == 0 for candidate in large.alternatives)
