@@ -45,7 +45,7 @@ class ReplanSettings(Section):
                                                         "from the plan in force (same split, TP mix changed)")
     whole_exchanges: bool = Field(True, description="also simulated: the plan in force with all the engines of one TP "
                                                     "degree turned into another's (the far ends of the TP mix)")
-    other_splits: bool = Field(True, description="also simulated: the plan in force at the nearest other training "
+    other_splits: bool = Field(False, description="also simulated: the plan in force at the nearest other training "
                                                   "data-parallel degrees (a replica fewer and more, half and twice; "
                                                   "its TP and PP kept, the rollout fleet scaled to the GPUs left): "
                                                   "the search ranks one synchronous step, and its best splits can "
@@ -118,6 +118,11 @@ class ClusterSettings(Section):
     whole_nodes: Literal["auto", "on", "off"] = Field(
         "auto", description="on: each side whole nodes; off: sides may share a node; auto: on for >= 2 whole "
                             "nodes while it costs <= 5% of the predicted step (services/planner/placement.py)")
+    uneven_splits_up_to: int = Field(0, ge=0, le=1_000_000, description=(
+        "on clusters of at most this many GPUs the planner may give training a data-parallel degree that does "
+        "not divide the batch's GRPO groups (the busiest replica charged); 0: only degrees that divide them "
+        "(off by default: on the headline's drifting trace it cost Libra full 16% at 512 GPUs, "
+        "docs/benchmarks.md)"))
 
     @model_validator(mode="after")
     def _sides(self) -> "ClusterSettings":

@@ -55,12 +55,10 @@ class SearchConfig(Section):
     exact_multiset_limit: int = Field(512, ge=1, le=1_000_000,
                                       description="enumerate every TP multiset when there are at most this many")
     mix_steps: int = Field(8, ge=1, le=64, description="grid steps for two-degree mixes beyond that limit")
-    uneven_splits_up_to: int = Field(128, ge=0, le=1_000_000,
-                                     description="on clusters of at most this many GPUs the search costs every "
-                                                 "training data-parallel degree; on larger ones those that divide "
-                                                 "the batch's GRPO groups (each new training GPU count costs rollout "
-                                                 "fleets over the whole trace), and the replays of the first plan "
-                                                 "and of the replanner try the uneven degrees around the best")
+    uneven_splits_up_to: int = Field(0, ge=0, le=1_000_000,
+                                     description="on clusters of at most this many GPUs a training data-parallel "
+                                                 "degree need not divide the batch's GRPO groups (the busiest "
+                                                 "replica charged); 0: only degrees that divide them")
     rollout: RolloutEfficiency = Field(default_factory=RolloutEfficiency, description="rollout efficiencies")
     train: TrainEfficiency = Field(default_factory=TrainEfficiency, description="training efficiencies")
 
@@ -169,10 +167,6 @@ def _train_layouts(model: ModelSpec, gpu: GpuSpec, batch: int, seq_len: int, con
         for pp in config.pp_choices:
             for dp in range(1, config.total_gpus // (tp * pp) + 1):
                 gpus = tp * pp * dp
-                if not _costed_here(dp, batch, config):
-                    rejected.add(f"an uneven data-parallel split of the groups on more than "
-                                 f"uneven_splits_up_to={config.uneven_splits_up_to} GPUs (left to the replays)")
-                    continue
                 reason = layout_filter(gpus, dp, batch, gpu.gpus_per_node, whole, config)
                 for mb in config.micro_batches:
                     if reason:
@@ -192,14 +186,6 @@ def _train_layouts(model: ModelSpec, gpu: GpuSpec, batch: int, seq_len: int, con
     return out
 
 
-def _costed_here(dp: int, batch: int, config: SearchConfig) -> bool:
-    """Whether the search costs a training layout of `dp` replicas (`uneven_splits_up_to`). Every
-    new training GPU count costs rollout fleets for the GPUs left over the whole trace, and where
-    the rollout's long tail makes many splits tie, the bound prunes none of them: with every degree
-    a candidate the search at 1,024 GPUs took 3.7 s instead of 0.17 (benchmarks/planner_search.py)."""
-    return config.total_gpus <= config.uneven_splits_up_to or (batch // config.group_size) % dp == 0
-
-
 def layout_filter(gpus: int, dp: int, batch: int, per_node: int, whole: bool, config: SearchConfig) -> str:
     if gpus < config.min_train_gpus:
         return f"fewer than min_train_gpus={config.min_train_gpus} for training"
@@ -211,8 +197,12 @@ def layout_filter(gpus: int, dp: int, batch: int, per_node: int, whole: bool, co
             return rule
     if batch % config.group_size:
         return f"a batch of {batch} is not whole GRPO groups of {config.group_size}"
-    if batch // config.group_size < dp:
+    groups = batch // config.group_size
+    if groups < dp:
         return f"a DP replica would get no GRPO group of {config.group_size} in a batch of {batch}"
+    if groups % dp and config.total_gpus > config.uneven_splits_up_to:
+        return (f"a DP replica would train more groups of {config.group_size} than another "
+                f"(uneven_splits_up_to={config.uneven_splits_up_to})")
     return ""
 
 

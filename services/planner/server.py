@@ -112,7 +112,8 @@ class PlannerService(Service):
             settings = settings.model_copy(update={"batch_sequences": trainer.groups_per_step * trainer.group_size})
         search_config = SearchConfig(total_gpus=cluster.gpus, group_size=trainer.group_size,
                                      tp_choices=cluster.tp_choices, min_train_gpus=cluster.min_train_gpus,
-                                     min_rollout_gpus=cluster.min_rollout_gpus, whole_nodes=cluster.whole_nodes)
+                                     min_rollout_gpus=cluster.min_rollout_gpus, whole_nodes=cluster.whole_nodes,
+                                     uneven_splits_up_to=cluster.uneven_splits_up_to)
         model, gpu = model_named(cluster.model), gpu_named(cluster.hardware)
         # the replay runs the loop as this run does: its staleness bound, its routing policy, its
         # gateway's cap on trajectories played at once (a first turn's measured gap leaves the queue

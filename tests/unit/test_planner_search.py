@@ -62,6 +62,9 @@ def brute_force(model, gpu, trace, config: SearchConfig) -> list[float]:
             continue
         if train_gpus % node or rollout_gpus % node:
             continue
+        groups = batch // config.group_size
+        if groups < dp or (groups % dp and total > config.uneven_splits_up_to):
+            continue
         try:  # (a replica trains whole groups, as even as their count allows: the busiest one's time)
             train = ct.step_time(model, gpu, ct.Layout(tp, pp, dp, mb), batch, seq_len, config.train,
                                  config.group_size).seconds
@@ -348,16 +351,17 @@ def test_sharing_fleet_costs_changes_no_result(monkeypatch, whole):
         assert got.rejected == expected.rejected and got.placement == expected.placement
 
 
-def test_uneven_data_parallel_splits_on_small_clusters_only_even_ones_at_scale():
-    """A DP degree need not divide the groups (the busiest replica is charged); on a cluster larger
-    than uneven_splits_up_to the search costs only the even splits (the replays try the others)."""
+def test_uneven_data_parallel_splits_only_where_asked():
+    """A DP degree need not divide the groups on clusters of at most uneven_splits_up_to GPUs (the
+    busiest replica is charged); by default, and on larger clusters, only the even splits."""
     model, gpu = model_named("qwen3-4b"), gpu_named("h100-80g")
     trace = _trace(7, 24, 8)  # 24 groups of 8
-    small = search(model, gpu, trace, SearchConfig(total_gpus=24, group_size=8, whole_nodes="off", top_k=50))
-    assert any(24 % c.layout.dp for c in small.alternatives)  # e.g. 5 replicas: 5, 5, 5, 5 and 4 groups
-    assert not any("uneven data-parallel split" in reason for reason in small.rejected)
-    config = SearchConfig(total_gpus=24, group_size=8, whole_nodes="off", top_k=50, uneven_splits_up_to=16)
-    large = search(model, gpu, trace, config)
-    assert large.rejected["an uneven data-parallel split of the groups on more than uneven_splits_up_to=16 GPUs "
-                          "(left to the replays)"] > 0
-    assert all(24 % candidate.layout.dp == 0 for candidate in large.alternatives)
+    base = dict(total_gpus=24, group_size=8, whole_nodes="off", top_k=50)
+    uneven = search(model, gpu, trace, SearchConfig(**base, uneven_splits_up_to=24))
+    assert any(24 % c.layout.dp for c in uneven.alternatives)  # e.g. 5 replicas: 5, 5, 5, 5 and 4 groups
+    assert not any("uneven_splits_up_to" in reason for reason in uneven.rejected)
+    for config in (SearchConfig(**base), SearchConfig(**base, uneven_splits_up_to=16)):
+        even = search(model, gpu, trace, config)
+        assert even.rejected[f"a DP replica would train more groups of 8 than another "
+                             f"(uneven_splits_up_to={config.uneven_splits_up_to})"] > 0
+        assert all(24 % candidate.layout.dp == 0 for candidate in even.alternatives)

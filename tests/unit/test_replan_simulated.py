@@ -67,18 +67,18 @@ def test_the_replay_calibrates_the_pipeline_and_plays_again_when_it_moved():
 
 
 def test_the_plan_in_force_at_other_data_parallel_degrees_is_simulated_too():
-    """The search's best split is not the only other split replayed: the plan in force with a
-    replica fewer or more, half or twice as many (its TP kept, the fleet scaled) is too, and here
-    only one of those replays faster (the plan in force: 8 training GPUs of 16; its 7-replica
-    neighbour 20% faster, every other plan slower)."""
+    """With `other_splits` the search's best split is not the only other split replayed: the plan in
+    force with a replica fewer or more, half or twice as many (its TP kept, the fleet scaled) is
+    too, and here only one of those replays faster (the plan in force: 8 training GPUs of 16, 8
+    groups, so its even neighbour is 4 replicas; that one 20% faster, every other plan slower)."""
     for other_splits in (False, True):
-        ranker = ScriptedRanker({8: 100.0, 7: 80.0}, move_extra=0.0)
+        ranker = ScriptedRanker({8: 100.0, 4: 80.0}, move_extra=0.0)
         r = observed(ranker, shortlist=1, neighbours=0, whole_exchanges=False, other_splits=other_splits, confirm=1)
         d = r.consider(10.0)
         if other_splits:
-            assert d.applied and d.chosen.layout == Layout(1, 1, 7, 1), d.reason
-            assert d.predicted_new_s == pytest.approx(80.0) and "3 candidates" in d.reason, d.reason  # the best, dp 7, dp 4
-            assert sum(tp * n for tp, n in d.chosen.rollout) == 9  # the GPUs left, to the fleet
+            assert d.applied and d.chosen.layout == Layout(1, 1, 4, 1), d.reason
+            assert d.predicted_new_s == pytest.approx(80.0) and "2 candidates" in d.reason, d.reason  # the best, dp 4
+            assert sum(tp * n for tp, n in d.chosen.rollout) == 12  # the GPUs left, to the fleet
         else:
             assert not d.applied and "1 candidates" in d.reason, d.reason
 

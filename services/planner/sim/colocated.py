@@ -54,7 +54,8 @@ class Colocated:
         for tp in config.tp_choices:
             for pp in config.pp_choices:
                 dp, rest = divmod(gpus, tp * pp)
-                if rest or not dp:
+                groups = batch // config.group_size
+                if rest or not dp or groups < dp or (groups % dp and gpus > config.uneven_splits_up_to):
                     continue
                 for mb in config.micro_batches:
                     try:
@@ -67,7 +68,7 @@ class Colocated:
         if best[1] is None:
             raise Infeasible(f"no training layout of all {gpus} GPUs (tp {list(config.tp_choices)}, pp "
                              f"{list(config.pp_choices)}) runs a batch of {batch} sequences of {seq_len} tokens "
-                             f"in groups of {config.group_size}: {error or 'no layout fits'}")
+                             f"in groups of {config.group_size}: {error or 'no layout divides the batch'}")
         return best
 
     def best_fleet(self, pairs: list[tuple[int, int]]) -> tuple[float, int]:

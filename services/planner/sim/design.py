@@ -118,7 +118,8 @@ def design_of(config: "RunConfig", max_workers: int = 256) -> Design:
     try:
         search = SearchConfig(total_gpus=cluster.gpus, group_size=trainer.group_size, tp_choices=cluster.tp_choices,
                               min_train_gpus=cluster.min_train_gpus, min_rollout_gpus=cluster.min_rollout_gpus,
-                              whole_nodes=cluster.whole_nodes)
+                              whole_nodes=cluster.whole_nodes,
+                              uneven_splits_up_to=cluster.uneven_splits_up_to)
     except ValueError as error:
         raise ConfigError(f"planner.cluster: {error}") from None
     sim = SimConfig(staleness=trainer.max_staleness, policy=config.scheduler.policy.type, max_workers=max_workers,
