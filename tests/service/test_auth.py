@@ -11,21 +11,16 @@ import ipaddress
 import os
 import pathlib
 import stat
-import subprocess
-import sys
-import time
 import types
 
 import grpc
 import httpx
 import pytest
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from libra.config import build_run_config
 from libra.errors import ConfigError, FailedPrecondition
-from libra.redis_server import free_port
 from libra.rpc import ServiceHost, channel, wire_services
 from libra.security import Security, from_environment, install, load, prepare_run_token
 from libra.security.credentials import HEALTH_SERVICE, REFLECTION_SERVICES, TlsMaterial, child_environment
@@ -334,70 +329,3 @@ def test_the_engine_key_guards_every_engine_path_but_health(monkeypatch):
         assert asyncio.run(status(path, {"Authorization": f"Bearer {TOKEN}"})) == 401  # the run's token: no
         assert asyncio.run(status(path, engine_auth.headers())) == 200
     assert asyncio.run(status("/health", {})) == 200
-
-
-# --- `libra serve` as a real process ------------------------------------------------------------
-def _listening(port: int) -> set[ipaddress.IPv4Address]:
-    """The IPv4 addresses (v4-mapped ones of IPv6 sockets too) that listen on `port`."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in pathlib.Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            address, hex_port = local.rsplit(":", 1)
-            if state != "0A" or int(hex_port, 16) != port:
-                continue
-            raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            ip = ipaddress.ip_address(raw)
-            found.add(ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else ip)
-    return found
-
-
-def test_libra_serve_listens_on_loopback_and_wants_its_token(tmp_path, redis_url, run_id, arun):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIBRA_")}
-    port, metrics = free_port(), free_port()
-    tree = {"run_id": run_id, "run_dir": str(tmp_path / "run"), "metrics": {"base_port": metrics}}
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(tree))
-    command = [sys.executable, "-m", "libra.cli", "serve", "planner", "--config", str(tmp_path / "run.yaml"),
-               "--redis-url", redis_url, "--port", str(port)]
-    refused = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
-    assert refused.returncode == 2 and "security.auth: no token" in refused.stderr, refused.stderr
-    token_file = tmp_path / "secret"
-    token_file.write_text(TOKEN + "\n")
-    token_file.chmod(0o600)
-    tree["security"] = {"auth": {"file": str(token_file)}}
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(tree))
-    log = tmp_path / "planner.log"
-    for attempt in range(3):  # a port free_port chose may be taken by another process before the bind
-        with open(log, "wb") as sink:
-            process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 30
-        while not (_listening(port) and _listening(metrics)) and process.poll() is None:
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        if process.poll() is None or "Address already in use" not in log.read_text() or attempt == 2:
-            break
-        port, metrics = free_port(), free_port()
-        tree["metrics"] = {"base_port": metrics}
-        (tmp_path / "run.yaml").write_text(yaml.safe_dump(tree))
-        command[command.index("--port") + 1] = str(port)
-    try:
-        assert process.poll() is None, log.read_text()
-        loopback = {ipaddress.ip_address("127.0.0.1")}
-        assert _listening(port) == _listening(metrics) == loopback  # 127.0.0.1 only, metrics too
-
-        async def calls():
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as bare:
-                stub = planner_pb2_grpc.PlannerStub(bare)
-                try:
-                    await stub.GetPlan(planner_pb2.GetPlanRequest(), timeout=10)
-                except grpc.aio.AioRpcError as error:
-                    without = error.code()
-                plan = await stub.GetPlan(planner_pb2.GetPlanRequest(), timeout=10, wait_for_ready=True,
-                                          metadata=(("authorization", f"Bearer {TOKEN}"),))
-            return without, plan
-        without, plan = arun(calls())
-        assert without == grpc.StatusCode.UNAUTHENTICATED and plan.generation >= 1
-    finally:
-        process.terminate()
-        process.wait(30)
