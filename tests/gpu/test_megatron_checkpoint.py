@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from libra.redis_server import free_port
+from tests.ranks import spawn_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -114,9 +115,7 @@ def _load_at_dp1(rank: int, model_dir: str, out: str) -> None:
 
 
 def _spawn(fn, nprocs: int, *args) -> None:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+    spawn_ranks(fn, args, nprocs)
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])

@@ -38,6 +38,7 @@ from libra.services.trainer.server import TrainerService
 from libra.services.trainer.torch_backend import TorchBackend
 from libra.v1 import common_pb2, trainer_pb2 as P, trainer_pb2_grpc
 from tests.service.helpers import code_of, run_config
+from tests.ranks import spawn_ranks
 from tests.unit.test_elastic_math import GROUP, GROUPS, _config, _groups, step_until_two_hybrids
 
 pytestmark = pytest.mark.slow
@@ -215,13 +216,11 @@ def _core_rank(rank: int, world: int, model_dir: str, port: int, out: str) -> No
 
 
 def test_two_core_ranks_over_gloo_with_a_hybrid_on_each_rank(model_dir, tmp_path):
-    import torch.multiprocessing as mp
-
     port = free_port()
     out = str(tmp_path / "rank")
     # spawn, not fork: the test process has threads by now (gRPC, executors, transformers' loader
     # pool) and a forked child can deadlock on a lock one of them held (seen in CI).
-    mp.start_processes(_core_rank, args=(2, model_dir, port, out), nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(_core_rank, (2, model_dir, port, out), 2)
     ranks = [torch.load(f"{out}-{r}.pt", weights_only=False) for r in range(2)]
     zero, one = ranks
     assert zero["same_groups"] and one["same_groups"]  # membership changes built no process group

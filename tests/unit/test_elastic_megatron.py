@@ -28,6 +28,7 @@ from libra.services.trainer.elastic import snapshot as snap
 from libra.services.trainer.elastic.core_hooks import ElasticCore
 from libra.services.trainer.elastic.hybrid import EXIT_JOIN_FAILED, EXIT_RELEASED
 from libra.services.trainer.elastic.manifest import HybridState
+from tests.ranks import spawn_ranks
 from tests.unit.test_elastic_math import (GROUP, GROUPS, VOCAB, Run, _groups, _join, _params, _wait,
                                          step_until_two_hybrids)
 
@@ -251,15 +252,12 @@ def _megatron_core_rank(rank: int, world: int, model_dir: str, port: int, out: s
 
 @pytest.mark.slow
 def test_two_megatron_core_ranks_with_a_hybrid_process_each_equal_one_rank_on_the_whole_batch(model_dir, tmp_path):
-    import torch.multiprocessing as mp
-
     from libra.services.trainer.elastic.manifest import StepManifest
     from libra.services.trainer.elastic.work import split, widened_groups
 
     port = free_port()
     out = str(tmp_path / "rank")
-    mp.start_processes(_megatron_core_rank, args=(2, model_dir, port, out), nprocs=2, join=True,
-                       start_method="spawn")
+    spawn_ranks(_megatron_core_rank, (2, model_dir, port, out), 2)
     zero, one = (torch.load(f"{out}-{r}.pt", weights_only=False) for r in range(2))
     steps = zero["steps"]
     hybrids = {s: dict(m) for s, m in zero["manifests"].items()}

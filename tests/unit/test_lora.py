@@ -19,6 +19,7 @@ from libra.errors import ConfigError
 from libra.redis_server import free_port
 from libra.services.trainer.backend import TrainBatch, TrainSequence
 from libra.services.trainer.config import TrainerConfig
+from tests.ranks import spawn_ranks
 from tests.unit.conftest import TINY_VOCAB
 
 KINDS = ["torch", "megatron"]
@@ -225,10 +226,8 @@ def _tp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
 def test_megatron_adapters_under_tensor_parallelism_equal_one_rank(tiny_qwen2_dir, tmp_path):
     """TP=2 over gloo: A and B start as one rank's (seeded by global names), and after two steps the
     adapter gradients, log-probs and merged published weights equal TP=1's."""
-    import torch.multiprocessing as mp
-
     port, out = free_port(), str(tmp_path / "tp2.pt")
-    mp.start_processes(_tp_rank, args=(port, tiny_qwen2_dir, out), nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(_tp_rank, (port, tiny_qwen2_dir, out), 2)
     result = torch.load(out, weights_only=True)
     single = _backend("megatron", tiny_qwen2_dir)
     batch = _batch()

@@ -17,6 +17,7 @@ from libra.redis_server import free_port
 from libra.services.trainer.megatron import convert as convert
 from libra.services.trainer.backend import TrainBatch, TrainSequence
 from libra.services.trainer.config import TrainerConfig
+from tests.ranks import spawn_ranks
 
 VOCAB = 64
 COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -181,11 +182,9 @@ def _tp_rank(rank: int, port: int, model_dir: str, out: str) -> None:
 @pytest.mark.slow
 def test_tensor_parallel_two_ranks_equal_one_rank(model_dirs, tmp_path):
     """TP=2 over gloo: same log-probs as HF, and the same gradient (clipping sees the whole norm)."""
-    import torch.multiprocessing as mp
-
     port = free_port()
     out = str(tmp_path / "tp2.pt")
-    mp.start_processes(_tp_rank, args=(port, model_dirs["qwen3"], out), nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(_tp_rank, (port, model_dirs["qwen3"], out), 2)
     result = torch.load(out, weights_only=True)
     batch = _batch()
     for ours, expected in zip(result["logprobs"], _reference(model_dirs["qwen3"], batch)):

@@ -30,6 +30,7 @@ import torch
 from libra.redis_server import free_port
 from libra.services.trainer.backend import TrainBatch, TrainSequence
 from libra.services.trainer.config import TrainerConfig
+from tests.ranks import spawn_ranks
 
 VOCAB = 64
 COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -175,12 +176,9 @@ def _rank(rank: int, world: int, port: int, model_dir: str, tp: int, pp: int, sp
 
 def _spawn(model_dir: str, tp: int, pp: int, out_dir: str, spec: str = "sdpa",
            checkpoint: str | None = None) -> list[dict]:
-    import torch.multiprocessing as mp
-
     port = free_port()
     world = tp * pp
-    mp.start_processes(_rank, args=(world, port, model_dir, tp, pp, spec, out_dir, checkpoint), nprocs=world,
-                       join=True, start_method="spawn")
+    spawn_ranks(_rank, (world, port, model_dir, tp, pp, spec, out_dir, checkpoint), world)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(world)]
 
 

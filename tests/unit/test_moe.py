@@ -21,6 +21,7 @@ from libra.redis_server import free_port
 from libra.services.trainer.backend import TrainBatch, TrainSequence
 from libra.services.trainer.config import TrainerConfig
 from libra.services.trainer.megatron import convert as convert
+from tests.ranks import spawn_ranks
 
 VOCAB = 64
 COMMON = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
@@ -268,11 +269,9 @@ def test_expert_parallel_two_ranks_equal_one_rank(moe_dirs, tmp_path):
     data shard): the same log-probs, loss and gradient (experts summed over the ranks holding them)
     as one rank over the whole batch, and the published weights gather every expert. (The reported router loss is each rank's
     mean over its micro-batches, averaged over ranks: equal here, two micro-batches each.)"""
-    import torch.multiprocessing as mp
-
     port, out = free_port(), str(tmp_path / "ep2.pt")
     model_dir = moe_dirs["qwen3_moe"]
-    mp.start_processes(_ep_rank, args=(port, model_dir, out), nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(_ep_rank, (port, model_dir, out), 2)
     result = torch.load(out, weights_only=True)
     assert result["local_experts"] == 2
     batch = _batch(EP_SHAPES)
@@ -319,10 +318,8 @@ def test_pipeline_parallel_two_stages_equal_one_stage(moe_dirs, tmp_path):
     """PP=2 (one MoE layer per stage, micro-batches of different widths through the 1F1B schedule
     with the all-to-all dispatcher): the same log-probs, loss, router loss (each stage's layers
     summed over the pipeline) and gradient norm as one stage, and the whole model published."""
-    import torch.multiprocessing as mp
-
     port, out, model_dir = free_port(), str(tmp_path / "pp2.pt"), moe_dirs["qwen3_moe"]
-    mp.start_processes(_pp_rank, args=(port, model_dir, out), nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(_pp_rank, (port, model_dir, out), 2)
     result = torch.load(out, weights_only=True)
     single, batch = _megatron(model_dir), _batch()
     for a, b in zip(result["logprobs"], single.compute_logprobs(batch)):

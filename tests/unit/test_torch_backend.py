@@ -12,6 +12,7 @@ from libra.redis_server import free_port
 from libra.services.trainer.backend import TrainBatch, TrainSequence, pack
 from libra.services.trainer.config import TrainerConfig
 from libra.services.trainer.torch_backend import TorchBackend
+from tests.ranks import spawn_ranks
 
 VOCAB = 64
 
@@ -321,20 +322,14 @@ def _data_parallel_rank(rank: int, world: int, model_dir: str, port: int, out: s
         dist.barrier()  # both ranks done before either tears its gloo group down
     finally:
         dist.destroy_process_group()
-    # A clean run leaves without the interpreter's finalization: gloo's threads winding down there
-    # aborted a rank once in CI ("terminate called without an active exception", SIGABRT) after
-    # its work and the teardown above were done. An error above still propagates to spawn.
-    os._exit(0)
 
 
 def test_data_parallel_update_equals_single_process(model_dir, tmp_path):
-    import torch.multiprocessing as mp
-
     port = free_port()
     out = str(tmp_path / "rank0.pt")
     # spawn, not fork: the test process has threads by now (gRPC, executors, transformers' loader
     # pool) and a forked child can deadlock on a lock one of them held.
-    mp.start_processes(_data_parallel_rank, args=(2, model_dir, port, out), nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(_data_parallel_rank, (2, model_dir, port, out), 2)
     result = torch.load(out, weights_only=True)
     single = _backend(model_dir)
     metrics = single.train_step(_mixed_batch(), _config())

@@ -20,6 +20,7 @@ import torch
 from libra.redis_server import free_port
 from libra.services.trainer.backend import TrainBatch, TrainSequence
 from libra.services.trainer.config import TrainerConfig
+from tests.ranks import spawn_ranks
 
 VOCAB = 64
 GROUP = 2
@@ -95,10 +96,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> Non
 
 @pytest.mark.slow
 def test_two_ranks_follow_the_leader_and_train_like_one_process(model_dir, tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_rank, args=(2, free_port(), model_dir, str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    spawn_ranks(_rank, (2, free_port(), model_dir, str(tmp_path)), 2)
     leader, follower = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert follower == {"calls": 8, "left": True}  # load, log-probs, 2 steps, 2 exports, weights, checkpoint
     assert "2 ranks" in leader["refusal"] and leader["left"]
