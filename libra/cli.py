@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "75); removed once the run is done")
     sim.add_argument("--checkpoint-every-s", type=float, default=300.0,
                      help="wall seconds between checkpoints, at a step's end (0: after every step)")
+    sim.add_argument("--decisions", action="store_true",
+                     help="print every decision the online replanner recorded (step, moved or kept, why); "
+                          "--json always holds them")
     sim.add_argument("--json", help="write the result as JSON here")
     sim.add_argument("--plot", help="write throughput over steps as a PNG here")
     sim.set_defaults(func=cmd_sim)

@@ -193,7 +193,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         return EXIT_STOPPED
     except InvalidArgument as error:
         raise ConfigError(str(error)) from None
-    print("\n".join(sim_run.summary(result) + extra))
+    print("\n".join(sim_run.summary(result, decisions=args.decisions) + extra))
     if args.json:
         about = ({"config": args.config, "run": design.name, "planner": design.planner, "policy": design.sim.policy,
                   "ceiling_trajectories_per_s": played.ceiling.trajectories_per_s if played.ceiling else None,

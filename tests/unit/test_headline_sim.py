@@ -85,6 +85,31 @@ def test_libra_sim_runs_each_config(key, tmp_path):
     assert 0 < written["trajectories_per_s"] <= written["ceiling_trajectories_per_s"] or written["rejected"]
 
 
+def test_libra_sim_prints_and_writes_the_replanners_decisions(tmp_path):
+    """`--decisions` prints every decision Libra full's replanner recorded, a line each (moved or kept,
+    why); the JSON holds them with or without it, and the moves among them are the plan changes."""
+    sets = ["planner.cluster.gpus=16", "planner.replan.warmup_steps=1", "planner.replan.cooldown_s=0",
+            "planner.replan.recheck_s=0", "planner.replan.interval_s=1", "planner.replan.sim_window_steps=3",
+            "planner.replan.sim_warmup_steps=0"]
+    out = tmp_path / "sim.json"
+    argv = [sys.executable, "-m", "libra.cli", "sim", "--config", str(HEADLINE["d"]),
+            *[arg for s in sets for arg in ("--set", s)], "--trace", "r2e", "--steps", "6", "--prompts", "4",
+            "--json", str(out)]
+    quiet = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    loud = subprocess.run([*argv, "--decisions"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr + loud.stderr
+    decisions = json.loads(out.read_text())["decisions"]
+    applied = [d for d in decisions if d["applied"]]
+    assert decisions and all(d["reason"] for d in decisions)
+    assert f"replanning decisions: {len(decisions)} recorded, {len(applied)} applied (--decisions" in quiet.stdout
+    assert "  after step" not in quiet.stdout.split("replanning decisions:")[1].split("routes")[0]
+    lines = [line for line in loud.stdout.splitlines()
+             if line.startswith("  after step") and (": keep: " in line or ": MOVE: " in line)]
+    assert len(lines) == len(decisions)
+    assert [line.split(": ", 2)[2] for line in lines] == [d["reason"] for d in decisions]
+    assert len(applied) == len(json.loads(out.read_text())["plan_changes"])
+
+
 def test_libra_sim_refuses_flags_the_config_sets():
     done = subprocess.run([sys.executable, "-m", "libra.cli", "sim", "--config", str(HEADLINE["c"]), "--policy",
                            "load_balance"], capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -198,7 +198,8 @@ class Simulator:
         return SimResult(self.records, self.events.now, trajectories, self.trained_tokens, self.changes,
                          self.first_plan, self.candidate.describe(), self.rollout.routes, self.rollout.reasons,
                          peak, self.pooled, copies, self.wall_s + time.perf_counter() - started,
-                         self.cpu_s + time.process_time() - cpu + workers_cpu, self.notes, workers_cpu)
+                         self.cpu_s + time.process_time() - cpu + workers_cpu, self.notes, workers_cpu,
+                         list(getattr(self.controller, "decisions", ())))
 
     def _save(self, checkpoint: Checkpoint, started: float, cpu: float) -> None:
         """The whole state to `checkpoint`, its wall and CPU figures counting this process's part so far."""

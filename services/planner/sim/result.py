@@ -64,6 +64,8 @@ class SimResult:
     cpu_s: float  # CPU seconds of this process for the run, and of its replay workers (if any)
     notes: list[str] = field(default_factory=list)
     worker_cpu_s: float = 0.0  # of cpu_s: the replay workers' (planner.replan.sim_workers > 1)
+    # the replanner's decisions (online planner only): (step, applied, reason), oldest first
+    decisions: list[tuple[int, bool, str]] = field(default_factory=list)
 
     @property
     def trajectories_per_s(self) -> float:

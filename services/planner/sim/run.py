@@ -114,7 +114,8 @@ def run_plan(model: ModelSpec, gpu: GpuSpec, trace: Trace, candidate: Candidate,
                               f"{error}") from None
 
 
-def summary(result: SimResult, label: str = "") -> list[str]:
+def summary(result: SimResult, label: str = "", decisions: bool = False) -> list[str]:
+    """The run in a few lines; with `decisions`, every decision the replanner recorded, one a line."""
     steps = result.steps
     lines = [f"{label}plan at start: {result.first_plan}",
              f"{label}plan at end:   {result.last_plan}",
@@ -128,6 +129,13 @@ def summary(result: SimResult, label: str = "") -> list[str]:
     for change in result.plan_changes:
         lines.append(f"{label}  after step {change.step} at {change.time_s:,.0f}s, ready {change.ready_s:,.0f}s "
                      f"(transition {change.transition_s:.0f}s, {change.moved_turns} turns moved): {change.after}")
+    if result.decisions:
+        applied = sum(1 for _, done, _ in result.decisions if done)
+        lines.append(f"{label}replanning decisions: {len(result.decisions)} recorded, {applied} applied"
+                     + ("" if decisions else " (--decisions prints them)"))
+        if decisions:
+            lines += [f"{label}  after step {step}: {'MOVE' if done else 'keep'}: {reason}"
+                      for step, done, reason in result.decisions]
     lines.append(f"{label}routes {result.routes:,}, peak KV use {result.peak_kv:.1%}, engines per simulated worker "
                  f"<= {result.pooled}, trajectories per trace entry {result.copies}; "
                  f"wall {result.wall_s:.1f}s, CPU {result.cpu_s:.1f}s")
@@ -143,6 +151,8 @@ def to_json(result: SimResult, extra: dict | None = None) -> dict:
             "plan_changes": [asdict(c) for c in result.plan_changes], "routes": result.routes,
             "reasons": dict(result.reasons), "peak_kv": result.peak_kv, "pooled": result.pooled,
             "copies": result.copies, "wall_s": result.wall_s, "cpu_s": result.cpu_s, "notes": result.notes,
+            "decisions": [{"step": step, "applied": applied, "reason": reason}
+                          for step, applied, reason in result.decisions],
             "steps": [{"step": s.step, "time_s": s.time_s, "interval_s": s.interval_s, "rollout_s": s.rollout_s,
                        "train_s": s.train_s, "wait_s": s.wait_s, "sequences": s.sequences} for s in result.steps]}
 
