@@ -43,9 +43,10 @@ BACKENDS = list(KINDS)
 # Adam's first step is lr · g / (|g| + eps): an element whose gradient is within ~100 eps of zero
 # turns float noise of ~1e-9 in g (another summation order) into ~1e-5 in its update. Measured on
 # the new kinds with packed core + hybrid against one padded process: a LoRA B element with
-# g = 2.5e-9 and a MoE qkv weight with g = 1.1e-7 (gradients equal to 2e-9), updates 2e-5 apart.
-# There, such elements are exempt from the update comparison (their gradients are compared).
-NEAR_ZERO_EXEMPT = ("megatron-moe", "megatron-lora", "torch-moe", "torch-lora")
+# g = 2.5e-9 and a MoE qkv weight with g = 1.1e-7 (gradients equal to 2e-9), updates 2e-5 apart;
+# then in CI (12-05) on plain megatron, a qkv weight element 1.5e-5 apart. Such elements are exempt
+# from the update comparison on every kind (their gradients are compared, to 1e-7).
+NEAR_ZERO_EXEMPT = tuple(KINDS)
 
 
 @pytest.fixture(scope="module")
@@ -370,6 +371,7 @@ def test_gradient_hook_arithmetic_is_unchanged_by_packing(kind, model_dir):
     assert metrics["tokens"] == expected["tokens"] and metrics["loss"] == pytest.approx(expected["loss"], rel=1e-5)
     assert torch.allclose(hook.delivered, single.flat_gradients(), rtol=1e-4, atol=1e-7)
     reference = _parameters(single)
+    assert all(p.grad is not None for p in single.model.parameters() if p.requires_grad)  # what the exemption reads
     for n, p in core.model.named_parameters():
         close = torch.isclose(reference[n], p, atol=1e-5)
         if kind in NEAR_ZERO_EXEMPT and p.grad is not None:
