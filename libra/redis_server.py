@@ -15,6 +15,7 @@ tests' Redis keeps nothing on disk.
 from __future__ import annotations
 
 import pathlib
+import random
 import shutil
 import signal
 import socket
@@ -32,10 +33,46 @@ INSTALL_HINT = ("redis-server was not found on PATH. Install it (Debian/Ubuntu: 
 APPENDFSYNC = ("always", "everysec", "no")
 
 
-def free_port() -> int:
+PORT_FLOOR = 10_000  # the lowest port free_port hands out
+_handed_out: set[int] = set()  # this process's earlier answers, not handed out twice
+
+
+def _ephemeral_floor(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The lowest port the kernel picks by itself (for a bind to port 0, or a connection's own end)."""
+    try:
+        with open(path) as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A port on `host` that nothing listens on now, for a server this process is about to start.
+
+    Chosen below the kernel's ephemeral range (`ip_local_port_range`), where no connection's own end
+    is ever placed: a port from that range (a bind to port 0) can be taken by any outgoing connection
+    in the moment between this choice and the server's bind ("Address already in use", seen in CI).
+    Never the same port twice in one process. Falls back to the kernel's choice where the range below
+    is too narrow."""
+    rng = rng or random.SystemRandom()
+    ceiling = _ephemeral_floor()
+    if ceiling - PORT_FLOOR >= 1_000:
+        for _ in range(200):
+            port = rng.randrange(PORT_FLOOR, ceiling)
+            if port in _handed_out:
+                continue
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        sock.bind((host, 0))
+        port = sock.getsockname()[1]
+    _handed_out.add(port)
+    return port
 
 
 class PrivateRedis:
