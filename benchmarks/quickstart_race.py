@@ -24,7 +24,8 @@ Per run: the step at which the 10-step mean reward first reaches --target (0.65)
 from the process start, and from the start of the first RL step), wall time to the end, peak memory
 of the whole process tree (the sum of PSS over every process of the tree, sampled every 0.2 s; the
 sum of RSS beside it over-counts shared pages), mean busy cores (CPU seconds of the tree / wall
-seconds, over the whole run and over its RL phase) and, for Libra, trajectories thrown away as stale.
+seconds, over the whole run and over its RL phase: the first step's start to the last step's end, not
+the shutdown after it) and, for Libra, trajectories thrown away as stale.
 An idle machine is assumed: the figures mean nothing on a machine shared with other work.
 
 `--cores N` runs every contender's whole process tree on N CPUs only (the first N this process may
@@ -176,11 +177,11 @@ def run_once(contender: str, index: int, args: argparse.Namespace, env: dict[str
                   + "\n".join((work / "output.log").read_text(errors="replace").splitlines()[-15:]), flush=True)
     rewards = [row["reward"] for row in rows]
     step = reached(rewards, args.target)
-    rl_start = rows[0]["started"] if rows else None
+    rl_start, rl_end = (rows[0]["started"], rows[-1]["t"]) if rows else (None, None)
     cpu_total = sum(monitor.cpu_by_pid.values())
     busy_rl = None
-    if rl_start is not None and ended > rl_start:
-        busy_rl = (cpu_total - monitor.cpu_at(rl_start)) / (ended - rl_start)
+    if rl_start is not None and rl_end > rl_start:  # the steps only: a run's shutdown (its last checkpoint,
+        busy_rl = (monitor.cpu_at(rl_end) - monitor.cpu_at(rl_start)) / (rl_end - rl_start)  # report) is not RL
     return Result(
         contender, index, seed_of(index), returncode, ended - started, rl_start - started if rl_start else None, step,
         rows[step - 1]["t"] - started if step else None, rows[step - 1]["t"] - rl_start if step else None,
