@@ -29,7 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from process_tree import _tree, component  # noqa: E402
 from quickstart_race import command, start, step_rows, warm_cache  # noqa: E402
 
-PARTS = ("trainer", "engine workers", "rollout", "scheduler")  # the rest: planner, elastic, redis, libra up
+PARTS = ("trainer", "engine workers", "rollout", "scheduler", "libra up")  # the rest: planner, elastic, redis
 
 
 def part_of(name: str) -> str:
@@ -88,7 +88,7 @@ def windows(sampler: ThreadSampler) -> list[tuple[float, float, dict[str, float]
             continue
         cores: dict[str, float] = {}
         for pid, ns in b.items():
-            delta = ns - a.get(pid, ns)  # a process first seen in this window: counted from the next
+            delta = ns - a.get(pid, 0)  # a process first seen here: all it used so far lands in this window
             if delta > 0:
                 part = part_of(sampler.names.get(pid, "?"))
                 cores[part] = cores.get(part, 0.0) + delta / 1e9 / (t1 - t0)
@@ -121,7 +121,26 @@ def summarize(rows: list[tuple[float, float, dict[str, float]]], steps: list[dic
             f"below_{low}_share": round(len(lows) / len(rl), 3),
             f"below_{low}_mean_cores": {k: round(v, 3) for k, v in low_mean.items()},
             "by_step_slice": [round(statistics.fmean(s), 3) if s else None for s in by_slice],
-            "step_seconds_median": round(statistics.median(b - a for a, b in zip(ends, ends[1:])), 3)}
+            "step_seconds_median": round(statistics.median(b - a for a, b in zip(ends, ends[1:])), 3),
+            "start_up": start_up(rows, start)}
+
+
+def start_up(rows: list[tuple[float, float, dict[str, float]]], rl_start: float) -> dict:
+    """The start (the first sample) to the first step's start: CPU seconds per part, and per 0.5 s
+    the cores in use (is the start-up short of CPU, or a chain that leaves cores idle?). Processes
+    are looked for twice a second, so what a new one used before it was first seen lands in the
+    window it was seen in: up to half a second late."""
+    begin = rows[0][0]
+    seconds: dict[str, float] = {}
+    halves: list[float] = [0.0] * (int((rl_start - begin) / 0.5) + 1)
+    for t0, t1, cores in rows:
+        if t1 > rl_start:
+            break
+        for part, used in cores.items():
+            seconds[part] = seconds.get(part, 0.0) + used * (t1 - t0)
+        halves[int((t0 - begin) / 0.5)] += sum(cores.values()) * (t1 - t0) / 0.5
+    return {"seconds": round(rl_start - begin, 2), "cpu_s": {k: round(v, 2) for k, v in seconds.items()},
+            "cores_per_half_second": [round(h, 2) for h in halves]}
 
 
 def plot(rows, steps, path: str, seconds: float = 4.0) -> None:
