@@ -2,11 +2,11 @@
 
 Each thread's time on a CPU comes from /proc/PID/task/TID/schedstat (nanoseconds; the CPU counters
 in /proc/PID/stat tick every 10 ms, too coarse for 20 ms windows). Per window, the cores each part
-of the tree used (the trainer, the engine workers, the gateway, the scheduler, the rest); over the
+of the tree used (the trainer, the engine workers, the gateway, the scheduler, `libra up`, the rest); over the
 RL phase (the first step's start to the last step's end, from the run record): how many cores the
 windows used, which parts used them in the windows below `--low` cores, and the cores by position
-within a training step (the step's start to its end in ten slices: is the idle time at the steps'
-boundaries, where the trainer publishes and the engines load, or spread?). `--plot` draws a few
+within a training step (one step's end to the next in ten slices: is the idle time at the steps'
+boundaries, where the trainer publishes and the engines load, or spread?), and the start-up's CPU. `--plot` draws a few
 seconds of the timeline, stacked by part, the steps' ends marked.
 
     .venv/bin/python benchmarks/idle_cores.py --steps 30 --plot benchmarks/results/idle_cores.png  # ~40 s, idle machine
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     warm_cache(env, (args.seed,))
-    with tempfile.TemporaryDirectory(prefix="cpu-timeline-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="idle-cores-") as scratch:
         work = pathlib.Path(scratch)
         with open(work / "output.log", "w") as log:
             process = start(command("quickstart", work, args.steps, args.seed, tuple(args.set)), env, log, None)
