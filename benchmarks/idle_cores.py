@@ -117,7 +117,8 @@ def summarize(rows: list[tuple[float, float, dict[str, float]]], steps: list[dic
         begin, finish = ends[index - 1], ends[index]
         by_slice[min(9, int(10 * (middle - begin) / (finish - begin)))].append(s)
     return {"rl_seconds": end - start, "windows": len(rl), "mean_cores": {k: round(v, 3) for k, v in mean.items()},
-            "mean_total": round(statistics.fmean(total), 3), "cores_histogram": {k: round(v, 3) for k, v in histogram.items()},
+            "mean_total": round(statistics.fmean(total), 3),
+            "cores_histogram": {k: round(v, 3) for k, v in histogram.items()},
             f"below_{low}_share": round(len(lows) / len(rl), 3),
             f"below_{low}_mean_cores": {k: round(v, 3) for k, v in low_mean.items()},
             "by_step_slice": [round(statistics.fmean(s), 3) if s else None for s in by_slice],
