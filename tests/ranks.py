@@ -3,7 +3,10 @@
 A rank whose work and gloo teardown are done can still abort in the interpreter's finalization
 ("terminate called without an active exception", SIGABRT, while gloo's threads wind down): CI saw
 it in three different two-rank tests. A rank that returns leaves with os._exit(0) instead; one that
-raises still reaches torch's spawn wrapper, which records the error and fails the test.
+raises still reaches torch's spawn wrapper, which records the error and fails the test. Since
+os._exit runs no exit handlers, the rank first stops the processes it started through
+multiprocessing itself (Megatron's asynchronous checkpoint writer starts a Manager, whose server
+process would otherwise outlive the test).
 """
 
 from __future__ import annotations
@@ -14,7 +17,12 @@ from typing import Any, Callable
 
 
 def _run_then_leave(rank: int, fn: Callable[..., None], *args: Any) -> None:
+    import multiprocessing
+
     fn(rank, *args)
+    for child in multiprocessing.active_children():  # what an exit handler would have stopped
+        child.terminate()
+        child.join(10)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
