@@ -197,6 +197,12 @@ def layout_filter(gpus: int, dp: int, batch: int, per_node: int, whole: bool, co
             return rule
     if batch % config.group_size:
         return f"a batch of {batch} is not whole GRPO groups of {config.group_size}"
+    return data_parallel_rule(dp, batch, config)
+
+
+def data_parallel_rule(dp: int, batch: int, config: SearchConfig) -> str:
+    """Why `dp` replicas cannot split a batch of `batch` sequences (whole GRPO groups), or "": every
+    replica needs a group, and the groups divide evenly unless `uneven_splits_up_to` allows otherwise."""
     groups = batch // config.group_size
     if groups < dp:
         return f"a DP replica would get no GRPO group of {config.group_size} in a batch of {batch}"

@@ -51,19 +51,12 @@ def test_libra_serve_listens_on_loopback_and_wants_its_token(tmp_path, redis_url
     tree["security"] = {"auth": {"file": str(token_file)}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(tree))
     log = tmp_path / "planner.log"
-    for attempt in range(3):  # a port free_port chose may be taken by another process before the bind
-        with open(log, "wb") as sink:
-            process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 30
-        while not (_listening(port) and _listening(metrics)) and process.poll() is None:
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        if process.poll() is None or "Address already in use" not in log.read_text() or attempt == 2:
-            break
-        port, metrics = free_port(), free_port()
-        tree["metrics"] = {"base_port": metrics}
-        (tmp_path / "run.yaml").write_text(yaml.safe_dump(tree))
-        command[command.index("--port") + 1] = str(port)
+    with open(log, "wb") as sink:  # (free_port's ports are outside the range outgoing connections take)
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 30
+    while not (_listening(port) and _listening(metrics)) and process.poll() is None:
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
     try:
         assert process.poll() is None, log.read_text()
         loopback = {ipaddress.ip_address("127.0.0.1")}

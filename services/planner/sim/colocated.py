@@ -22,7 +22,7 @@ from libra.services.planner import cost_rollout, cost_train
 from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.cost_train import Layout
 from libra.services.planner.hardware import GpuSpec, ModelSpec
-from libra.services.planner.search import Candidate, SearchConfig
+from libra.services.planner.search import Candidate, SearchConfig, data_parallel_rule
 from libra.services.planner.sim.result import StepRecord
 from libra.traces.spec import Trace
 
@@ -54,8 +54,7 @@ class Colocated:
         for tp in config.tp_choices:
             for pp in config.pp_choices:
                 dp, rest = divmod(gpus, tp * pp)
-                groups = batch // config.group_size
-                if rest or not dp or groups < dp or (groups % dp and gpus > config.uneven_splits_up_to):
+                if rest or not dp or data_parallel_rule(dp, batch, config):
                     continue
                 for mb in config.micro_batches:
                     try:
