@@ -121,8 +121,8 @@ class ClusterSettings(Section):
     uneven_splits_up_to: int = Field(0, ge=0, le=1_000_000, description=(
         "on clusters of at most this many GPUs the planner may give training a data-parallel degree that does "
         "not divide the batch's GRPO groups (the busiest replica charged); 0: only degrees that divide them "
-        "(off by default: on the headline's drifting trace it cost Libra full 16% at 512 GPUs, "
-        "docs/benchmarks.md)"))
+        "(off by default: on the headline's drifting trace it cost Libra full 16% at 512 GPUs, and every "
+        "degree a candidate took the search at 1,024 GPUs from 0.05 to 3.7 s; docs/benchmarks.md)"))
 
     @model_validator(mode="after")
     def _sides(self) -> "ClusterSettings":
