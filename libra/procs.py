@@ -137,7 +137,7 @@ def sweep(name: str, value: str, grace_s: float = 3.0) -> list[int]:
 
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie does not)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -159,7 +159,7 @@ def orphans(key: str) -> list[int]:
                              None)
         except OSError:
             continue
-        if owner is not None and owner.isdigit() and int(owner) != os.getpid() and not _alive(int(owner)):
+        if owner is not None and owner.isdigit() and int(owner) != os.getpid() and not alive(int(owner)):
             found.append(int(entry))
     return found
 
@@ -174,7 +174,7 @@ def reclaim(key: str, grace_s: float = ADOPT_GRACE_S) -> list[int]:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace_s
-    while any(_alive(pid) for pid in found) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in found) and time.monotonic() < deadline:
         time.sleep(0.1)
     for _ in range(20):  # an orphan's own children may still be starting: a few rounds catch them
         left = orphans(key)

@@ -43,6 +43,7 @@ from libra.progress import ProgressPrinter
 from libra.redis_server import PrivateRedis
 from libra.supervise import PortHold, RestartPolicy, Supervisor
 from libra.telemetry import report
+from libra.zygote import ForkedProcess, Zygote, ZygoteError
 
 START_ORDER = ("planner", "elastic", "scheduler", "rollout", "trainer")
 STOP_TIMEOUT_S = 40.0  # one service: its drain budget plus shutdown
@@ -107,16 +108,33 @@ class StopSignals:
         return self.received[0] if self.received else None
 
 
+SERVICE_MODULES = ["libra.cli", *(f"libra.services.{service}.server" for service in START_ORDER)]
+"""What `libra serve SERVICE` imports before it serves: the services' zygote imports it once."""
+
+
+def start_zygote(config: RunConfig, env: dict[str, str]) -> Zygote | None:
+    """The process the services fork from (`up.zygote`), importing their modules while Redis starts;
+    None when off, or where children cannot be tied to their parent's life (no setpriv: not Linux)."""
+    if not config.up.zygote or not procs.PARENT_DEATH:
+        return None
+    logs = config.run_path / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return Zygote(SERVICE_MODULES, {**env, "PYTHONUNBUFFERED": "1", **QUIET_ENV}, signal.SIGKILL, logs / "zygote.log")
+
+
 class Children:
-    """The service processes of one `libra up`."""
+    """The service processes of one `libra up`: forked from the zygote when there is one, else each
+    a fresh interpreter (and so when the zygote is gone or refuses: `fallback` says why)."""
 
     def __init__(self, config: RunConfig, config_path: str, redis_url: str, env: dict[str, str],
-                 holds: dict[str, PortHold] | None = None):
+                 holds: dict[str, PortHold] | None = None, zygote: Zygote | None = None):
         self.config, self.config_path, self.redis_url = config, config_path, redis_url
         self.logs = config.run_path / "logs"
         self.env = env
         self.holds = holds or {}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.zygote = zygote
+        self.fallback: str | None = None
+        self.procs: dict[str, subprocess.Popen | ForkedProcess] = {}
 
     def start(self, service: str) -> None:
         """Start (or start again) `service`, appending to its log; its port is let go just before."""
@@ -127,10 +145,16 @@ class Children:
         env = {**self.env, "LIBRA_REDIS_URL": self.redis_url, "LIBRA_RUN_ID": self.config.run_id,
                "LIBRA_RUN_DIR": str(self.config.run_path), "LIBRA_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1",
                **QUIET_ENV}
+        argv = [sys.executable, "-m", "libra.cli", "serve", service, "--config", self.config_path]
         with open(self.logs / f"{service}.log", "ab") as log:
-            self.procs[service] = procs.start_group(
-                [sys.executable, "-m", "libra.cli", "serve", service, "--config", self.config_path],
-                signal.SIGKILL, env=env, stdout=log, stderr=subprocess.STDOUT)
+            if self.zygote is not None:
+                try:
+                    self.procs[service] = self.zygote.spawn(argv, env, log, signal.SIGKILL)
+                    return
+                except ZygoteError as error:
+                    self.fallback, self.zygote = f"{error}; services start as fresh interpreters from now on", None
+            self.procs[service] = procs.start_group(argv, signal.SIGKILL, env=env, stdout=log,
+                                                    stderr=subprocess.STDOUT)
 
     def trainer_done(self) -> bool:
         proc = self.procs.get("trainer")
@@ -144,11 +168,13 @@ class Children:
     def stop(self, hurry) -> None:
         """SIGTERM one service at a time in reverse start order, so each drains while the
         services it talks to are still up (trainer checkpoints, rollout finishes its turns);
-        SIGKILL its group after its budget, or at once when `hurry()`."""
+        SIGKILL its group after its budget, or at once when `hurry()`; then the zygote."""
         deadline = time.monotonic() + STOP_BUDGET_S
         for name in reversed(list(self.procs)):
             budget = max(0.0, min(STOP_TIMEOUT_S, deadline - time.monotonic()))
             procs.stop_group(self.procs[name], budget, hurry)
+        if self.zygote is not None:
+            self.zygote.close()
         for hold in self.holds.values():
             hold.release()
 
@@ -236,7 +262,8 @@ def _run(config: RunConfig, printer: ProgressPrinter, signals: StopSignals, firs
     token = uuid.uuid4().hex
     env = {**os.environ, MARKER: token}
     redis, code = None, 1
-    children = Children(config, "", "", env, holds)  # every port released by its stop, whatever happens
+    zygote = start_zygote(config, env)  # its imports overlap Redis's start
+    children = Children(config, "", "", env, holds, zygote)  # every port released by its stop, whatever happens
     try:
         redis_url = config.redis.url
         if not redis_url:
@@ -247,12 +274,14 @@ def _run(config: RunConfig, printer: ProgressPrinter, signals: StopSignals, firs
         config = security.prepare_run_token(config)  # RUN_DIR/token (0600, new each start), named in config.yaml
         security.install(security.load(config))  # the progress printer's calls carry it
         printer.info(f"run {config.run_id} in {run_path} (redis {security.redacted(redis_url)})")
-        children = Children(config, str(write_resolved(config)), redis_url, env, holds)
+        children = Children(config, str(write_resolved(config)), redis_url, env, holds, zygote)
         for service in START_ORDER:
             if signals.first is not None:
                 break
             children.start(service)
         else:
+            if children.fallback:
+                printer.info(f"zygote: {children.fallback}")
             printer.info(f"started {', '.join(START_ORDER)}; logs in {children.logs}")
             supervisor = supervise(children, redis, printer)
             try:

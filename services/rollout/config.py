@@ -32,6 +32,9 @@ class HfEngine(Section):
         description="auto: a plain Llama-architecture model in float32 on CPU runs the engine's own forward pass "
                     "(libra/llama_forward.py: torch alone, transformers never imported: ~3 CPU-s less start-up per "
                     "worker), any other model transformers' own; transformers: always transformers' model")
+    zygote: bool = Field(True, description="on CPU, fork the workers from one process that imported torch and the "
+                                           "engine once (libra/zygote.py: ~1.5 CPU-s less start-up for each worker "
+                                           "after the first, pages shared); false: each worker a fresh interpreter")
 
 
 EngineConfig = tagged_union("rollout.worker.engine", VllmEngine, HfEngine, default="vllm")

@@ -16,25 +16,31 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import pathlib
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from libra import log as liblog
-from libra.errors import NotFound, Unavailable
+from libra import procs
+from libra.errors import FailedPrecondition, NotFound, Unavailable
 from libra.plans import Plan
 from libra.redis_server import free_port
 from libra.services.rollout.config import WorkerConfig
-from libra.services.rollout.launch import build_launcher
+from libra.services.rollout.launch import LocalLauncher, build_launcher
 from libra.v1 import common_pb2
+from libra.zygote import Zygote, ZygoteError
 
 _log = liblog.get("libra.rollout")
+HF_ENGINE_MODULES = ["torch", "safetensors.torch", "aiohttp.web", "libra.llama_forward",
+                     "libra.services.rollout.engines.hf_server"]
+"""What an hf worker imports before it serves: its zygote imports it once."""
 
 
 def _hf_worker_class() -> type:
     """`HfWorkerProcess`, built lazily on `VllmWorkerProcess` (same start, readiness and stop)."""
-    from libra.services.rollout.engines.vllm_worker import VllmWorkerProcess
+    from libra.services.rollout.engines.vllm_worker import VllmWorkerProcess, _check_port_free
 
     class HfWorkerProcess(VllmWorkerProcess):
         """One transformers-based engine server (engines/hf_server.py serving engines/hf_engine.py); TP 1 only."""
@@ -47,6 +53,21 @@ def _hf_worker_class() -> type:
                 raise ValueError(f"rollout.worker.engine hf runs TP 1 only, the plan asks TP {tp}; "
                                  f"use engine: vllm for TP > 1 buckets")
             super().__init__(config, model_dir, index, log_dir, port, tp, policy_version)
+
+        def start_forked(self, zygote: Any) -> "HfWorkerProcess":
+            """`start`, forked from `zygote` (libra/zygote.py) instead of a fresh interpreter: the same
+            checks, command, environment, log and session, SIGTERM when the zygote dies. Blocks until
+            the zygote forks it (its first child waits for its imports), so callers run it off their
+            event loop; ZygoteError when it cannot (then `start` on the caller's thread)."""
+            if self.alive:
+                raise FailedPrecondition(f"worker {self.index} is already running (pid {self.process.pid})")
+            if not (self.model_dir / "config.json").is_file():
+                raise ValueError(f"{self.model_dir} is not a model directory (no config.json)")
+            _check_port_free(self.config.host, self.port)
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "ab") as log:
+                self.process = zygote.spawn(self.command(), self.environment(), log, signal.SIGTERM)
+            return self
 
         def command(self) -> list[str]:
             c = self.config
@@ -118,6 +139,34 @@ class WorkerPool:
         self.workers: dict[str, PoolWorker] = {}
         self._next_index = 0
         self.launcher = build_launcher(config.launch)  # where workers run: here, or Slurm steps (launch.py)
+        self.zygote: Zygote | None = None  # what hf workers on CPU fork from (rollout.worker.engine.zygote)
+
+    def _zygote_for(self, process: Any) -> Zygote | None:
+        """The engine zygote for `process` (started with its environment, on the calling thread, whose
+        life it then shares: the event loop's), or None where workers start as fresh interpreters:
+        another engine, a GPU, a Slurm launch, `zygote: false`, no setpriv, or a zygote that refused."""
+        engine = self.config.engine
+        if (engine.type != "hf" or not engine.zygote or engine.device != "cpu" or not procs.PARENT_DEATH
+                or not isinstance(self.launcher, LocalLauncher)):
+            return None
+        if self.zygote is not None and self.zygote.refusal is not None:
+            return None
+        if self.zygote is None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.zygote = Zygote(HF_ENGINE_MODULES, process.environment(), signal.SIGTERM,
+                                 self.log_dir / "zygote.log")
+        return self.zygote
+
+    async def _start_process(self, process: Any) -> None:
+        zygote = self._zygote_for(process)
+        if zygote is not None:
+            try:
+                await asyncio.to_thread(process.start_forked, zygote)
+                return
+            except ZygoteError as error:
+                _log.warning("engine zygote cannot fork; this worker starts as a fresh interpreter",
+                             worker=process.index, why=str(error))
+        process.start()  # on the event loop's thread: the worker dies with it
 
     async def start(self, plan: Plan, model_dir: str, version: int) -> list[PoolWorker]:
         """Launch the plan's workers on `model_dir` (policy `version`) and wait until all serve."""
@@ -133,7 +182,7 @@ class WorkerPool:
                 worker_id = f"{bucket.name}-{index}"
                 process = self.launcher.create(launcher, self.config, worker_id, model_dir=model_dir, index=index,
                                                log_dir=self.log_dir, port=port, tp=bucket.tp, policy_version=version)
-                process.start()
+                await self._start_process(process)
                 worker = PoolWorker(worker_id, bucket.name, bucket.tp, process,
                                     EngineClient(process.base_url), version=version)
                 self.workers[worker.worker_id] = worker
@@ -219,6 +268,8 @@ class WorkerPool:
     async def stop_all(self) -> None:
         await asyncio.gather(*(asyncio.to_thread(w.process.stop) for w in self.workers.values()),
                              return_exceptions=True)
+        if self.zygote is not None:
+            self.zygote.close()
         for worker in self.workers.values():
             await worker.client.close()
             self.launcher.release(worker.worker_id)

@@ -65,6 +65,9 @@ def _decodes_before_prefill(model_dir: str, ratio: float, wait: int, running: in
         after = events[mark:]
         at = next(i for i, event in enumerate(after) if event != "decode")
         assert all(len(r.generated) == r.max_tokens for r in first + later)
+        prefills = [event[1] for event in events if event != "decode"]  # what /metrics counts
+        assert engine.passes == {"prefill": len(prefills), "decode": events.count("decode")}
+        assert engine.rows_passed["prefill"] == sum(prefills) == running + arriving
         return at, after[at][1]
     finally:
         engine.stop()

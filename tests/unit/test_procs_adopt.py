@@ -31,7 +31,7 @@ def _owner(key: str) -> tuple[subprocess.Popen, int]:
 
 
 def _alive(pid: int) -> bool:
-    return procs._alive(pid)
+    return procs.alive(pid)
 
 
 def test_adopt_stops_a_dead_owners_children_and_leaves_a_live_ones():

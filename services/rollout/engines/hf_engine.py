@@ -124,6 +124,8 @@ class HFEngine(HFWeightLoads):
         self._stopping = threading.Event()
         self._paused = threading.Event()
         self.running = 0
+        self.passes = {"prefill": 0, "decode": 0}  # forward passes by kind (the /metrics counters)
+        self.rows_passed = {"prefill": 0, "decode": 0}  # rows those passes carried
         self._rows: list[Request] = []
         self._kv: list[tuple[Any, Any]] = []
         self._mask: Any = None
@@ -235,6 +237,8 @@ class HFEngine(HFWeightLoads):
         return fresh
 
     def _prefill(self, fresh: list[Request]) -> None:
+        self.passes["prefill"] += 1
+        self.rows_passed["prefill"] += len(fresh)
         logits, kv, mask = self._forward_fresh([r.prompt for r in fresh])
         self._merge(fresh, kv, mask)
         self._sample(logits, offset=len(self._rows) - len(fresh))
@@ -285,6 +289,8 @@ class HFEngine(HFWeightLoads):
     def _decode(self) -> None:
         import torch
 
+        self.passes["decode"] += 1
+        self.rows_passed["decode"] += len(self._rows)
         last = torch.tensor([[r.generated[-1]] for r in self._rows], device=self.device)
         positions = self._mask.sum(1, keepdim=True)
         mask = torch.cat([self._mask, torch.ones_like(self._mask[:, :1])], dim=1)

@@ -163,7 +163,10 @@ def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text=f"libra:num_requests_running {engine.running}\n"
                                  f"libra:num_requests_waiting {engine.waiting}\n"
-                                 f"libra:policy_version {engine.version}\n")
+                                 f"libra:policy_version {engine.version}\n"
+                                 + "".join(f'libra:forward_passes_total{{kind="{kind}"}} {count}\n'
+                                           f'libra:forward_rows_total{{kind="{kind}"}} {engine.rows_passed[kind]}\n'
+                                           for kind, count in engine.passes.items()))
 
     async def pause(http: web.Request) -> web.Response:
         # vLLM's mode=keep&clear_cache=true, always: requests stay, and a weight load recomputes their KV
@@ -348,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                     access_log=None, handle_signals=True)
     finally:
         engine.stop()
+        liblog.get("libra.rollout.hf_engine").info("hf engine stopped", passes=engine.passes,
+                                                   rows=engine.rows_passed, cpu_s=round(time.process_time(), 2))
     return 0
 
 
