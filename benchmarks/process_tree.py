@@ -70,7 +70,8 @@ def component(pid: int) -> str:
     if "serve" in argv:
         return argv[argv.index("serve") + 1]
     for marker, name in (("hf_server", "engine workers"), ("vllm", "engine workers"), ("redis-server", "redis"),
-                         ("libra.cli up", "libra up"), ("bin/libra up", "libra up"), ("sync_grpo_loop", "sync loop")):
+                         ("libra.cli up", "libra up"), ("bin/libra up", "libra up"), ("sync_grpo_loop", "sync loop"),
+                         ("libra.zygote", "zygote")):  # (the hf engine's zygote preloads hf_server: engine workers)
         if marker in text:
             return name
     return pathlib.Path(argv[0]).name or "?"

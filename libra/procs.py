@@ -18,6 +18,8 @@ safe in processes with threads — gRPC's among them; a `preexec_fn` there crash
 
 The kernel signals a child when the *thread* that started it ends, not the process: start
 children from a thread that lives as long as they should (the main thread, an event loop's).
+(`libra up`'s services and CPU hf workers are forked by a zygote started this way, which arms the
+same signal in each child: libra/zygote.py.)
 
 `sweep` is the last resort of a stop: every process whose environment holds a marker that the
 job gave its children (children inherit their parent's environment, vLLM's included).

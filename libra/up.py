@@ -3,14 +3,17 @@
 ```
  libra up ─┬─ run dir: resume / refuse a finished run / --fresh (run_dir.py); logs rotated
            ├─ the five ports held until their service starts (supervise.PortHold)
+           ├─ zygote: imports the services' modules once, while Redis starts (libra/zygote.py; up.zygote)
            ├─ redis-server (private, persistent: RUN_DIR/redis, unless redis.url is given)
            ├─ libra serve planner | elastic | scheduler | rollout | trainer   (logs: RUN_DIR/logs/)
+           │    each forked from the zygote (as `python -m libra.cli serve NAME` would start), or,
+           │    without one, a fresh interpreter
            ├─ supervision: a service (or the private Redis) that dies is started again with backoff;
            │  a crash loop stops the run, saying why (libra/supervise.py)
            └─ progress: Trainer.WatchSteps ─▶ terminal
 ```
 Every child leads its own session and is SIGKILLed by the kernel if `libra up` dies, even by
-SIGKILL (libra/procs.py). The trainer finishing, a crash loop, Ctrl-C, SIGTERM or SIGHUP stop
+SIGKILL (libra/procs.py; a forked service when its zygote dies, which dies with `libra up`). The trainer finishing, a crash loop, Ctrl-C, SIGTERM or SIGHUP stop
 everything: SIGTERM to one service at a time in reverse start order (each drains while its peers
 are up), SIGKILL to its process group after STOP_TIMEOUT_S, all services within STOP_BUDGET_S; a
 second signal kills at once. Last, whatever still carries this start's marker (MARKER in its
@@ -262,9 +265,9 @@ def _run(config: RunConfig, printer: ProgressPrinter, signals: StopSignals, firs
     token = uuid.uuid4().hex
     env = {**os.environ, MARKER: token}
     redis, code = None, 1
-    zygote = start_zygote(config, env)  # its imports overlap Redis's start
-    children = Children(config, "", "", env, holds, zygote)  # every port released by its stop, whatever happens
+    children = Children(config, "", "", env, holds)  # every port released by its stop, whatever happens
     try:
+        children.zygote = zygote = start_zygote(config, env)  # its imports overlap Redis's start
         redis_url = config.redis.url
         if not redis_url:
             redis = PrivateRedis(run_path / "redis", log_path=run_path / "logs" / "redis.log", env=env,

@@ -248,7 +248,7 @@ def _serve(channel: socket.socket) -> _Child:
         if flags & socket.MSG_TRUNC:
             for fd in fds:
                 os.close(fd)
-            channel.send(json.dumps({"error": "spawn request truncated"}).encode())
+            _tell(channel, {"error": "spawn request truncated"})
             continue
         request = json.loads(data)
         sys.stdout.flush()
@@ -264,7 +264,14 @@ def _serve(channel: socket.socket) -> _Child:
             return _Child(request, fds[0] if fds else None, zygote_pid)
         for fd in fds:
             os.close(fd)
-        channel.send(json.dumps({"pid": pid}).encode())
+        _tell(channel, {"pid": pid})
+
+
+def _tell(channel: socket.socket, message: dict[str, Any]) -> None:
+    try:
+        channel.send(json.dumps(message).encode())
+    except OSError:  # the owner is gone: so is the reason to run
+        raise SystemExit(0) from None
 
 
 def _reap(channel: socket.socket) -> None:
@@ -275,7 +282,7 @@ def _reap(channel: socket.socket) -> None:
             return
         if pid == 0:
             return
-        channel.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+        _tell(channel, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 def _run(child: _Child) -> Any:

@@ -32,6 +32,11 @@ class HfEngine(Section):
         description="auto: a plain Llama-architecture model in float32 on CPU runs the engine's own forward pass "
                     "(libra/llama_forward.py: torch alone, transformers never imported: ~3 CPU-s less start-up per "
                     "worker), any other model transformers' own; transformers: always transformers' model")
+    prefix_cache_mib: float = Field(
+        256.0, ge=0, le=1 << 20,
+        description="MiB of KV the engine keeps of prompts and finished sequences, so that a prompt continuing "
+                    "one (an agent's next turn) prefills only its new tokens and a group's shared prompt is "
+                    "computed once (engines/hf_prefix.py; emptied whenever the weights change); 0: none")
     zygote: bool = Field(True, description="on CPU, fork the workers from one process that imported torch and the "
                                            "engine once (libra/zygote.py: ~1.5 CPU-s less start-up for each worker "
                                            "after the first, pages shared); false: each worker a fresh interpreter")

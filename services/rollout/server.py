@@ -114,6 +114,7 @@ class RolloutService(Service):
         from libra.tiny_model import load_tokenizer, stop_token_ids
         from libra.workloads.base import build_workload
 
+        self.pool.prepare()  # an engine zygote imports torch while the peers and the trainer start
         self.store = await connect_store(self.config.redis.url, self.run_id)
         self.history = HistoryWriter(self.store)
         await wait_for_peers({s: self.config.address_of(s) for s in ("planner", "scheduler", "elastic")})

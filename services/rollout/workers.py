@@ -77,6 +77,7 @@ def _hf_worker_class() -> type:
                     "--logprobs-mode", c.logprobs_mode, "--policy-version", str(self.policy_version),
                     "--threads", str(c.cpu_threads), "--prefill-ratio", str(c.engine.prefill_ratio),
                     "--prefill-wait-steps", str(c.engine.prefill_wait_steps), "--forward", c.engine.forward,
+                    "--prefix-cache-mib", str(c.engine.prefix_cache_mib),
                     *c.extra_args]
 
     return HfWorkerProcess
@@ -141,15 +142,25 @@ class WorkerPool:
         self.launcher = build_launcher(config.launch)  # where workers run: here, or Slurm steps (launch.py)
         self.zygote: Zygote | None = None  # what hf workers on CPU fork from (rollout.worker.engine.zygote)
 
-    def _zygote_for(self, process: Any) -> Zygote | None:
-        """The engine zygote for `process` (started with its environment, on the calling thread, whose
-        life it then shares: the event loop's), or None where workers start as fresh interpreters:
-        another engine, a GPU, a Slurm launch, `zygote: false`, no setpriv, or a zygote that refused."""
+    def prepare(self) -> None:
+        """Start the engine zygote now, if workers will fork from one, so that its imports overlap
+        whatever comes before the first workers (the trainer's warm start): on the event loop's
+        thread, whose life the zygote then shares."""
+        if self._forks():
+            template = worker_process_class(self.config.engine.type)(self.config, ".", 0, self.log_dir, port=0)
+            self._zygote_for(template)
+
+    def _forks(self) -> bool:
+        """Whether workers fork from a zygote: hf on CPU, launched here, `zygote: true`, setpriv."""
         engine = self.config.engine
-        if (engine.type != "hf" or not engine.zygote or engine.device != "cpu" or not procs.PARENT_DEATH
-                or not isinstance(self.launcher, LocalLauncher)):
-            return None
-        if self.zygote is not None and self.zygote.refusal is not None:
+        return (engine.type == "hf" and engine.zygote and engine.device == "cpu" and procs.PARENT_DEATH
+                and isinstance(self.launcher, LocalLauncher))
+
+    def _zygote_for(self, process: Any) -> Zygote | None:
+        """The engine zygote (started with `process`'s environment on the calling thread, whose life
+        it then shares: the event loop's), or None where workers start as fresh interpreters: not
+        `_forks`, or a zygote that refused."""
+        if not self._forks() or (self.zygote is not None and self.zygote.refusal is not None):
             return None
         if self.zygote is None:
             self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -92,12 +92,15 @@ def test_no_batching_and_a_full_engine_prefill_at_once(model_dir):
 
 
 def test_bad_admission_settings_are_refused(model_dir):
-    with pytest.raises(ValueError, match="prefill_ratio and prefill_wait_steps must be >= 0"):
+    with pytest.raises(ValueError, match="prefill_ratio, prefill_wait_steps and prefix_cache_mib must be >= 0"):
         HFEngine(model_dir, prefill_ratio=-1.0)
+    with pytest.raises(ValueError, match="prefix_cache_mib must be >= 0"):
+        HFEngine(model_dir, prefix_cache_mib=-1.0)
 
 
 def test_the_config_and_the_engine_server_default_to_the_same_admission():
     from libra.services.rollout.config import HfEngine
-    from libra.services.rollout.engines.hf_engine import PREFILL_RATIO, PREFILL_WAIT_STEPS
+    from libra.services.rollout.engines.hf_engine import PREFILL_RATIO, PREFILL_WAIT_STEPS, PREFIX_CACHE_MIB
 
     assert (HfEngine().prefill_ratio, HfEngine().prefill_wait_steps) == (PREFILL_RATIO, PREFILL_WAIT_STEPS)
+    assert HfEngine().prefix_cache_mib == PREFIX_CACHE_MIB

@@ -23,8 +23,12 @@ dropped: a load recomputes the running rows' KV cache under the new weights (`re
 next step, so every token is sampled from one version's weights attending to KV of that version
 only, and each token is stamped with the version that sampled it (`Request.token_versions`, answered
 as vLLM's `weight_versions` spans). A sequence's log-probs are then exactly what a trainer holding
-each token's version computes over the whole sequence. There is no prefix cache across requests:
-every request is prefilled under the weights current at its admission.
+each token's version computes over the whole sequence.
+A prefix cache (engines/hf_prefix.py, `prefix_cache_mib`) keeps the KV of prompts and finished
+sequences: a prompt that continues one (an agent's next turn) prefills only its new tokens, on the
+cached KV as the past, and the samples of one group sharing a prompt in one prefill compute it once.
+The cache is emptied whenever the weights change, so a prefix is only ever reused under the weights
+that computed it.
 
 The HTTP surface is the subset of vLLM's that `EngineClient` uses: token ids in and out (vLLM's
 `/inference/v1/generate`, with its per-token `weight_versions`), per-token log-probs ("processed":
@@ -49,11 +53,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from libra.services.rollout.engines.hf_prefix import PrefixCache
 from libra.services.rollout.engines.hf_sampling import sample_rows
 from libra.services.rollout.engines.hf_weights import HFWeightLoads
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 PREFILL_RATIO, PREFILL_WAIT_STEPS = 0.5, 8  # admission batching's defaults (rollout.worker.engine's are the same)
+PREFIX_CACHE_MIB = 256.0  # the prefix cache's default size (rollout.worker.engine's is the same)
 
 
 @dataclass
@@ -82,7 +88,8 @@ class HFEngine(HFWeightLoads):
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32", max_model_len: int = 2048,
                  max_num_seqs: int = 64, logprobs_mode: str = "processed_logprobs", policy_version: int = 0,
                  tensor_parallel_size: int = 1, prefill_ratio: float = PREFILL_RATIO,
-                 prefill_wait_steps: int = PREFILL_WAIT_STEPS, forward: str = "auto"):
+                 prefill_wait_steps: int = PREFILL_WAIT_STEPS, forward: str = "auto",
+                 prefix_cache_mib: float = PREFIX_CACHE_MIB):
         import torch
 
         if tensor_parallel_size != 1:
@@ -90,9 +97,9 @@ class HFEngine(HFWeightLoads):
                              f"use engine: vllm for TP > 1 (rollout.worker.engine)")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-        if prefill_ratio < 0 or prefill_wait_steps < 0:
-            raise ValueError(f"prefill_ratio and prefill_wait_steps must be >= 0, got {prefill_ratio}, "
-                             f"{prefill_wait_steps}")
+        if prefill_ratio < 0 or prefill_wait_steps < 0 or prefix_cache_mib < 0:
+            raise ValueError(f"prefill_ratio, prefill_wait_steps and prefix_cache_mib must be >= 0, got "
+                             f"{prefill_ratio}, {prefill_wait_steps}, {prefix_cache_mib}")
         if forward not in FORWARDS:
             raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
         self.device = torch.device(device)
@@ -126,6 +133,8 @@ class HFEngine(HFWeightLoads):
         self.running = 0
         self.passes = {"prefill": 0, "decode": 0}  # forward passes by kind (the /metrics counters)
         self.rows_passed = {"prefill": 0, "decode": 0}  # rows those passes carried
+        self.prefill_tokens = 0  # prompt positions computed (what the prefix cache saved is not)
+        self.prefix = PrefixCache(int(prefix_cache_mib * 2**20 // _kv_bytes_per_token(model_dir, dtype)))
         self._rows: list[Request] = []
         self._kv: list[tuple[Any, Any]] = []
         self._mask: Any = None
@@ -237,11 +246,60 @@ class HFEngine(HFWeightLoads):
         return fresh
 
     def _prefill(self, fresh: list[Request]) -> None:
+        """One pass over the new requests' prompts (each distinct prompt once), on the KV the prefix
+        cache holds for their beginnings; each prompt the cache knew nothing of is cached."""
+        import torch
+
         self.passes["prefill"] += 1
         self.rows_passed["prefill"] += len(fresh)
-        logits, kv, mask = self._forward_fresh([r.prompt for r in fresh])
+        distinct: dict[tuple[int, ...], int] = {}
+        index = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in fresh]
+        prompts = [list(p) for p in distinct]
+        hits = [self.prefix.lookup(p) for p in prompts] if self.prefix.capacity_tokens else [(0, None)] * len(prompts)
+        self.prefill_tokens += sum(len(p) - n for p, (n, _) in zip(prompts, hits))
+        if any(n for n, _ in hits):
+            logits, kv, mask = self._forward_cached(prompts, hits)
+        else:
+            logits, kv, mask = self._forward_fresh(prompts)
+        for row, (prompt, (n, _)) in enumerate(zip(prompts, hits)):
+            if self.prefix.capacity_tokens and n == 0:  # a new beginning (a first turn), not a continuation
+                self.prefix.insert(prompt, _row_kv(kv, mask, row))
+        if len(prompts) < len(fresh):
+            at = torch.tensor(index, dtype=torch.long, device=self.device)
+            logits, mask = logits.index_select(0, at), mask.index_select(0, at)
+            kv = [(k.index_select(0, at), v.index_select(0, at)) for k, v in kv]
         self._merge(fresh, kv, mask)
         self._sample(logits, offset=len(self._rows) - len(fresh))
+
+    def _forward_cached(self, prompts: list[list[int]], hits: list[tuple[int, Any]]
+                        ) -> tuple[Any, list[tuple[Any, Any]], Any]:
+        """One batched forward of the prompts' uncached ends on the cached KV of their beginnings:
+        per row [left padding, cached past | left padding, new positions], the mask marking both
+        parts, positions counting from each row's own first token."""
+        import torch
+
+        rows, past = len(prompts), max(n for n, _ in hits)
+        news = [p[n:] for p, (n, _) in zip(prompts, hits)]
+        width = max(len(n) for n in news)
+        ids = torch.zeros((rows, width), dtype=torch.long)
+        mask = torch.zeros((rows, past + width), dtype=torch.long)
+        for row, (new, (n, _)) in enumerate(zip(news, hits)):
+            ids[row, width - len(new):] = torch.tensor(new)
+            mask[row, past - n:past] = 1
+            mask[row, past + width - len(new):] = 1
+        reference = next(kv for n, kv in hits if n)
+        cache = []
+        for layer, (k0, v0) in enumerate(reference):
+            keys = k0.new_zeros((rows, k0.shape[0], past, k0.shape[2]))
+            values = v0.new_zeros((rows, v0.shape[0], past, v0.shape[2]))
+            for row, (n, kv) in enumerate(hits):
+                if n:
+                    keys[row, :, past - n:], values[row, :, past - n:] = kv[layer]
+            cache.append((keys, values))
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)[:, past:]
+        logits, kv = self._pass(ids, mask, positions, cache)
+        return logits, kv, mask
 
     def _forward_fresh(self, contexts: list[list[int]]) -> tuple[Any, list[tuple[Any, Any]], Any]:
         """One batched forward of `contexts` from an empty cache: (last logits, KV cache, mask)."""
@@ -266,6 +324,7 @@ class HFEngine(HFWeightLoads):
         trainer can reproduce. If the recompute itself fails (out of memory) the running requests are
         failed (the gateway retries their turns elsewhere) rather than continued on stale KV.
         """
+        self.prefix.clear()  # KV computed under other weights
         if not self._rows:
             return
         try:
@@ -315,6 +374,13 @@ class HFEngine(HFWeightLoads):
                 request.finish_reason = "length"
         keep = [i for i, r in enumerate(self._rows) if r.finish_reason is None]
         finished = [r for r in self._rows if r.finish_reason is not None]
+        if finished and self.prefix.capacity_tokens:  # what the next turn of each will begin with
+            for i, request in enumerate(self._rows):
+                if request.finish_reason is not None:
+                    kv = _row_kv(self._kv, self._mask, i)
+                    sequence = request.prompt + request.generated[:-1]  # the last id was never fed
+                    if kv[0][0].shape[1] == len(sequence):
+                        self.prefix.insert(sequence, kv)
         if finished:
             index = torch.tensor(keep, dtype=torch.long, device=self.device)
             self._rows = [self._rows[i] for i in keep]
@@ -326,6 +392,25 @@ class HFEngine(HFWeightLoads):
                 self._mask = self._mask[:, first:]
             for request in finished:
                 request.done(request)
+
+
+def _row_kv(kv: list[tuple[Any, Any]], mask: Any, row: int) -> list[tuple[Any, Any]]:
+    """Row `row`'s KV without its padding: per layer (keys, values) [kv_heads, its positions, head_dim]."""
+    columns = mask[row].nonzero()[:, 0]
+    return [(k[row].index_select(1, columns), v[row].index_select(1, columns)) for k, v in kv]
+
+
+def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    """Bytes of KV cache one token takes (every layer's keys and values), from the model's config."""
+    import json
+    import pathlib
+
+    config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    width = {"float32": 4, "float64": 8}.get(dtype, 2)
+    return 2 * config["num_hidden_layers"] * (config.get("num_key_value_heads") or heads) * head_dim * width
 
 
 def version_spans(token_versions: list[int]) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from libra.security.http import bearer_middleware
 from libra.services.rollout.engines.engine_auth import OPEN_PATHS, SERVED_MODEL_NAME, key_from_environment
 from libra.services.rollout.engines.hf_engine import (FORWARDS, LOGPROBS_MODES, PREFILL_RATIO, PREFILL_WAIT_STEPS,
-                                                      HFEngine, Request, version_spans)
+                                                      PREFIX_CACHE_MIB, HFEngine, Request, version_spans)
 from libra.services.rollout.engines.vllm_ext import INITIAL_VERSION_ENV
 
 
@@ -166,7 +166,12 @@ def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -
                                  f"libra:policy_version {engine.version}\n"
                                  + "".join(f'libra:forward_passes_total{{kind="{kind}"}} {count}\n'
                                            f'libra:forward_rows_total{{kind="{kind}"}} {engine.rows_passed[kind]}\n'
-                                           for kind, count in engine.passes.items()))
+                                           for kind, count in engine.passes.items())
+                                 + f"libra:prefill_tokens_total {engine.prefill_tokens}\n"
+                                 f"libra:prefix_cache_lookups_total {engine.prefix.lookups}\n"
+                                 f"libra:prefix_cache_hits_total {engine.prefix.hits}\n"
+                                 f"libra:prefix_cache_hit_tokens_total {engine.prefix.hit_tokens}\n"
+                                 f"libra:prefix_cache_tokens {engine.prefix.tokens}\n")
 
     async def pause(http: web.Request) -> web.Response:
         # vLLM's mode=keep&clear_cache=true, always: requests stay, and a weight load recomputes their KV
@@ -320,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(0: at once)")
     parser.add_argument("--prefill-wait-steps", type=int, default=PREFILL_WAIT_STEPS,
                         help="decode steps a new request waits at most before it is prefilled")
+    parser.add_argument("--prefix-cache-mib", type=float, default=PREFIX_CACHE_MIB,
+                        help="MiB of KV the prefix cache may hold (engines/hf_prefix.py); 0: none")
     parser.add_argument("--forward", default="auto", choices=FORWARDS,
                         help="auto: a plain Llama in float32 on CPU runs the engine's own forward pass "
                              "(libra/llama_forward.py), anything else transformers' model; transformers: always")
@@ -340,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     phases.done("tokenizer")
     engine = HFEngine(args.model, args.device, args.dtype, args.max_model_len, args.max_num_seqs,
                       args.logprobs_mode, args.policy_version, args.tensor_parallel_size, args.prefill_ratio,
-                      args.prefill_wait_steps, args.forward)
+                      args.prefill_wait_steps, args.forward, args.prefix_cache_mib)
     phases.done("model")
     liblog.get("libra.rollout.hf_engine").info("hf engine serving", model=args.model, device=args.device,
                                                port=args.port, version=args.policy_version, forward=engine.forward,
@@ -351,8 +358,10 @@ def main(argv: list[str] | None = None) -> int:
                     access_log=None, handle_signals=True)
     finally:
         engine.stop()
-        liblog.get("libra.rollout.hf_engine").info("hf engine stopped", passes=engine.passes,
-                                                   rows=engine.rows_passed, cpu_s=round(time.process_time(), 2))
+        liblog.get("libra.rollout.hf_engine").info(
+            "hf engine stopped", passes=engine.passes, rows=engine.rows_passed, prefill_tokens=engine.prefill_tokens,
+            prefix_hits=engine.prefix.hits, prefix_lookups=engine.prefix.lookups,
+            prefix_hit_tokens=engine.prefix.hit_tokens, cpu_s=round(time.process_time(), 2))
     return 0
 
 
