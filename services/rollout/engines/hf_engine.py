@@ -50,6 +50,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -134,6 +135,7 @@ class HFEngine(HFWeightLoads):
         self.passes = {"prefill": 0, "decode": 0}  # forward passes by kind (the /metrics counters)
         self.rows_passed = {"prefill": 0, "decode": 0}  # rows those passes carried
         self.prefill_tokens = 0  # prompt positions computed (what the prefix cache saved is not)
+        self.cpu_s = {"prefill": 0.0, "decode": 0.0, "refresh": 0.0}  # the decode thread's CPU, by what it ran
         self.prefix = PrefixCache(int(prefix_cache_mib * 2**20 // _kv_bytes_per_token(model_dir, dtype)))
         self._rows: list[Request] = []
         self._kv: list[tuple[Any, Any]] = []
@@ -189,11 +191,14 @@ class HFEngine(HFWeightLoads):
                     self._wake.clear()
                     continue
                 fresh = self._admit()
+                started = time.thread_time()
                 try:
                     if fresh:
                         self._prefill(fresh)
+                        self.cpu_s["prefill"] += time.thread_time() - started
                     elif self._rows:
                         self._decode()
+                        self.cpu_s["decode"] += time.thread_time() - started
                     else:
                         self._wake.wait(0.05)
                         self._wake.clear()
@@ -327,10 +332,12 @@ class HFEngine(HFWeightLoads):
         self.prefix.clear()  # KV computed under other weights
         if not self._rows:
             return
+        started = time.thread_time()
         try:
             _, self._kv, self._mask = self._forward_fresh([r.prompt + r.generated[:-1] for r in self._rows])
         except Exception as error:  # noqa: BLE001 - fail those requests, keep serving
             self._fail([], error)
+        self.cpu_s["refresh"] += time.thread_time() - started
 
     def _merge(self, fresh: list[Request], kv: list[tuple[Any, Any]], mask: Any) -> None:
         import torch

@@ -167,6 +167,8 @@ def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -
                                  + "".join(f'libra:forward_passes_total{{kind="{kind}"}} {count}\n'
                                            f'libra:forward_rows_total{{kind="{kind}"}} {engine.rows_passed[kind]}\n'
                                            for kind, count in engine.passes.items())
+                                 + "".join(f'libra:forward_cpu_seconds_total{{kind="{kind}"}} {seconds:.6f}\n'
+                                           for kind, seconds in engine.cpu_s.items())
                                  + f"libra:prefill_tokens_total {engine.prefill_tokens}\n"
                                  f"libra:prefix_cache_lookups_total {engine.prefix.lookups}\n"
                                  f"libra:prefix_cache_hits_total {engine.prefix.hits}\n"
@@ -360,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.stop()
         liblog.get("libra.rollout.hf_engine").info(
             "hf engine stopped", passes=engine.passes, rows=engine.rows_passed, prefill_tokens=engine.prefill_tokens,
+            pass_cpu_s={kind: round(seconds, 3) for kind, seconds in engine.cpu_s.items()},
             prefix_hits=engine.prefix.hits, prefix_lookups=engine.prefix.lookups,
             prefix_hit_tokens=engine.prefix.hit_tokens, cpu_s=round(time.process_time(), 2))
     return 0
