@@ -84,16 +84,17 @@ def test_a_next_turn_and_a_shared_prompt_sample_what_they_would_without_the_cach
         assert cached.prefill_tokens == plain.prefill_tokens == len(prompt) + 3  # the group's prompt computed once
         nexts, computed = [], []
         for engine, first in zip((cached, plain), firsts):
-            turns = [r.prompt + r.generated + tool for r in (first[0], first[3])]  # two agents' next turns
+            fresh = [9, 4, 4, 2, 8, 31, 5, 5, 40, 1]  # in the same prefill: a prompt the cache knows nothing of
+            turns = [r.prompt + r.generated + tool for r in (first[0], first[3])] + [fresh]  # two agents' next turns
             before = engine.prefill_tokens
             nexts.append(_generate(engine, turns, 6))
             computed.append(engine.prefill_tokens - before)
-        assert computed == [2 * (1 + len(tool)), sum(map(len, turns))]  # the reply's last id and the tool's
+        assert computed == [2 * (1 + len(tool)) + len(fresh), sum(map(len, turns))]  # the reply's last id, the tool's
         for a, b in zip(firsts[0] + nexts[0], firsts[1] + nexts[1]):
             assert a.generated == b.generated
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
         assert cached.prefix.hits == 2 and plain.prefix.hits == 0  # the two next turns
-        assert cached.prefix.hit_tokens == sum(len(t) - 1 - len(tool) for t in turns)
+        assert cached.prefix.hit_tokens == sum(len(t) - 1 - len(tool) for t in turns[:2])
         member = _generate(cached, [prompt], 6)[0]  # a group member arriving later: the prompt's entry
         assert cached.prefix.hits == 3 and member.generated == firsts[0][0].generated
         alone = _generate(plain, [prompt], 6)[0]  # what a group member gets when its prompt is no one else's

@@ -304,7 +304,7 @@ class HFEngine(HFWeightLoads):
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)[:, past:]
         logits, kv = self._pass(ids, mask, positions, cache)
-        return logits, kv, mask
+        return (logits, *_right_aligned(kv, mask))
 
     def _forward_fresh(self, contexts: list[list[int]]) -> tuple[Any, list[tuple[Any, Any]], Any]:
         """One batched forward of `contexts` from an empty cache: (last logits, KV cache, mask)."""
@@ -399,6 +399,20 @@ class HFEngine(HFWeightLoads):
                 self._mask = self._mask[:, first:]
             for request in finished:
                 request.done(request)
+
+
+def _right_aligned(kv: list[tuple[Any, Any]], mask: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """The KV cache and mask with each row's positions moved to the right end, in order, and the
+    columns no row then needs dropped: a cached prefill's rows are [padding, past, padding, new], as
+    wide as the longest past plus the longest new part, which every later decode step would carry.
+    (The order of a row's positions does not matter to attention: each key holds its position.)"""
+    import torch
+
+    width = int(mask.sum(1).max())
+    order = torch.sort(mask, dim=1, stable=True).indices[:, -width:]  # padding first, then the positions in order
+    gather = order[:, None, :, None]
+    return ([(k.gather(2, gather.expand(-1, k.shape[1], -1, k.shape[3])),
+              v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[3]))) for k, v in kv], mask.gather(1, order))
 
 
 def _row_kv(kv: list[tuple[Any, Any]], mask: Any, row: int) -> list[tuple[Any, Any]]:
