@@ -134,7 +134,9 @@ class Zygote:
                 socket.send_fds(self._socket, [request], [log.fileno()])
             except OSError as error:
                 raise ZygoteError(f"the zygote is gone ({error})") from error
-            if not self._replied.wait(SPAWN_TIMEOUT_S) or "pid" not in self._reply:
+            if not self._replied.wait(SPAWN_TIMEOUT_S):  # a late reply would answer the next spawn: no more
+                self.refusal = self.refusal or f"no reply to a spawn within {SPAWN_TIMEOUT_S:.0f}s"
+            if self.refusal is not None or "pid" not in self._reply:
                 raise ZygoteError(self._reply.get("error") or self.refusal or "no reply to a spawn")
             child = ForkedProcess(int(self._reply["pid"]), death_signal)
             with self._table:
@@ -253,13 +255,13 @@ def _serve(channel: socket.socket) -> _Child:
         request = json.loads(data)
         sys.stdout.flush()
         sys.stderr.flush()
+        zygote_pid = os.getpid()  # (the child checks its parent against it once its death signal is armed)
         pid = os.fork()
         if pid == 0:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for fd in (wake_r, wake_w):
                 os.close(fd)
-            zygote_pid = os.getppid()
             channel.close()
             return _Child(request, fds[0] if fds else None, zygote_pid)
         for fd in fds:
