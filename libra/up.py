@@ -150,12 +150,12 @@ class Children:
                **QUIET_ENV}
         argv = [sys.executable, "-m", "libra.cli", "serve", service, "--config", self.config_path]
         with open(self.logs / f"{service}.log", "ab") as log:
-            if self.zygote is not None:
+            if self.zygote is not None and self.fallback is None:
                 try:
                     self.procs[service] = self.zygote.spawn(argv, env, log, signal.SIGKILL)
                     return
-                except ZygoteError as error:
-                    self.fallback, self.zygote = f"{error}; services start as fresh interpreters from now on", None
+                except ZygoteError as error:  # (kept until the stop: services it forked die with it)
+                    self.fallback = f"{error}; services start as fresh interpreters from now on"
             self.procs[service] = procs.start_group(argv, signal.SIGKILL, env=env, stdout=log,
                                                     stderr=subprocess.STDOUT)
 
