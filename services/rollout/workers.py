@@ -24,7 +24,7 @@ from typing import Any
 
 from libra import log as liblog
 from libra import procs
-from libra.errors import FailedPrecondition, NotFound, Unavailable
+from libra.errors import NotFound, Unavailable
 from libra.plans import Plan
 from libra.redis_server import free_port
 from libra.services.rollout.config import WorkerConfig
@@ -40,7 +40,7 @@ HF_ENGINE_MODULES = ["torch", "safetensors.torch", "aiohttp.web", "libra.llama_f
 
 def _hf_worker_class() -> type:
     """`HfWorkerProcess`, built lazily on `VllmWorkerProcess` (same start, readiness and stop)."""
-    from libra.services.rollout.engines.vllm_worker import VllmWorkerProcess, _check_port_free
+    from libra.services.rollout.engines.vllm_worker import VllmWorkerProcess
 
     class HfWorkerProcess(VllmWorkerProcess):
         """One transformers-based engine server (engines/hf_server.py serving engines/hf_engine.py); TP 1 only."""
@@ -59,12 +59,7 @@ def _hf_worker_class() -> type:
             checks, command, environment, log and session, SIGTERM when the zygote dies. Blocks until
             the zygote forks it (its first child waits for its imports), so callers run it off their
             event loop; ZygoteError when it cannot (then `start` on the caller's thread)."""
-            if self.alive:
-                raise FailedPrecondition(f"worker {self.index} is already running (pid {self.process.pid})")
-            if not (self.model_dir / "config.json").is_file():
-                raise ValueError(f"{self.model_dir} is not a model directory (no config.json)")
-            _check_port_free(self.config.host, self.port)
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.check_startable()
             with open(self.log_path, "ab") as log:
                 self.process = zygote.spawn(self.command(), self.environment(), log, signal.SIGTERM)
             return self

@@ -41,19 +41,22 @@ quickstart's tiny model), which runs the engine's own forward pass (libra/llama_
 same logits on torch alone: a worker then never imports transformers), unless
 `rollout.worker.engine.forward: transformers`.
 
+The batch's KV layout (padding, a cached past, right-aligning) is engines/hf_kv.py; which model and
+forward pass run, engines/hf_forward.py.
+
 Runs in: the hf engine process (`python -m libra.services.rollout.engines.hf_server`, whose `main`
 builds this engine and serves it over HTTP); this module never imports the HTTP layer.
 """
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from libra.services.rollout.engines import hf_forward, hf_kv
 from libra.services.rollout.engines.hf_prefix import PrefixCache
 from libra.services.rollout.engines.hf_sampling import sample_rows
 from libra.services.rollout.engines.hf_weights import HFWeightLoads
@@ -101,24 +104,12 @@ class HFEngine(HFWeightLoads):
         if prefill_ratio < 0 or prefill_wait_steps < 0 or prefix_cache_mib < 0:
             raise ValueError(f"prefill_ratio, prefill_wait_steps and prefix_cache_mib must be >= 0, got "
                              f"{prefill_ratio}, {prefill_wait_steps}, {prefix_cache_mib}")
-        if forward not in FORWARDS:
-            raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
+        if forward not in hf_forward.FORWARDS:
+            raise ValueError(f"forward must be one of {hf_forward.FORWARDS}, got {forward!r}")
         self.device = torch.device(device)
-        self.forward, self.forward_why = _forward_of(model_dir, device, dtype, forward)
-        if self.forward == "own":
-            from libra.llama_forward import LlamaForward
-
-            self.model = LlamaForward.load(model_dir)
-            self.eos_id, self.vocab_size = self.model.eos_token_id, self.model.vocab_size
-            self._pass: Callable[..., tuple[Any, list[tuple[Any, Any]]]] = self.model
-        else:
-            from transformers import AutoModelForCausalLM
-
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device)
-            self.model.eval()
-            self.eos_id = self.model.config.eos_token_id
-            self.vocab_size = self.model.config.vocab_size
-            self._pass = functools.partial(_transformers_pass, self.model)
+        self.forward, self.forward_why = hf_forward.choose(model_dir, device, dtype, forward)
+        self.model, self._pass = hf_forward.load(self.forward, model_dir, self.device, dtype)
+        self.eos_id, self.vocab_size = hf_forward.eos_and_vocab(self.model)
         self.max_model_len, self.max_num_seqs, self.logprobs_mode = max_model_len, max_num_seqs, logprobs_mode
         self.prefill_ratio, self.prefill_wait_steps = prefill_ratio, prefill_wait_steps
         self._waiting: list[Request] = []  # taken off the queue, not yet prefilled (admission batching)
@@ -136,7 +127,7 @@ class HFEngine(HFWeightLoads):
         self.rows_passed = {"prefill": 0, "decode": 0}  # rows those passes carried
         self.prefill_tokens = 0  # prompt positions computed (what the prefix cache saved is not)
         self.cpu_s = {"prefill": 0.0, "decode": 0.0, "refresh": 0.0}  # the decode thread's CPU, by what it ran
-        self.prefix = PrefixCache(int(prefix_cache_mib * 2**20 // _kv_bytes_per_token(model_dir, dtype)))
+        self.prefix = PrefixCache(int(prefix_cache_mib * 2**20 // hf_kv.kv_bytes_per_token(model_dir, dtype)))
         self._rows: list[Request] = []
         self._kv: list[tuple[Any, Any]] = []
         self._mask: Any = None
@@ -262,13 +253,10 @@ class HFEngine(HFWeightLoads):
         prompts = [list(p) for p in distinct]
         hits = [self.prefix.lookup(p) for p in prompts] if self.prefix.capacity_tokens else [(0, None)] * len(prompts)
         self.prefill_tokens += sum(len(p) - n for p, (n, _) in zip(prompts, hits))
-        if any(n for n, _ in hits):
-            logits, kv, mask = self._forward_cached(prompts, hits)
-        else:
-            logits, kv, mask = self._forward_fresh(prompts)
+        logits, kv, mask = self._forward_prompts(prompts, hits)
         for row, (prompt, (n, _)) in enumerate(zip(prompts, hits)):
             if self.prefix.capacity_tokens and n == 0:  # a new beginning (a first turn), not a continuation
-                self.prefix.insert(prompt, _row_kv(kv, mask, row))
+                self.prefix.insert(prompt, hf_kv.row_kv(kv, mask, row))
         if len(prompts) < len(fresh):
             at = torch.tensor(index, dtype=torch.long, device=self.device)
             logits, mask = logits.index_select(0, at), mask.index_select(0, at)
@@ -276,50 +264,19 @@ class HFEngine(HFWeightLoads):
         self._merge(fresh, kv, mask)
         self._sample(logits, offset=len(self._rows) - len(fresh))
 
-    def _forward_cached(self, prompts: list[list[int]], hits: list[tuple[int, Any]]
-                        ) -> tuple[Any, list[tuple[Any, Any]], Any]:
-        """One batched forward of the prompts' uncached ends on the cached KV of their beginnings:
-        per row [left padding, cached past | left padding, new positions], the mask marking both
-        parts, positions counting from each row's own first token."""
-        import torch
-
-        rows, past = len(prompts), max(n for n, _ in hits)
-        news = [p[n:] for p, (n, _) in zip(prompts, hits)]
-        width = max(len(n) for n in news)
-        ids = torch.zeros((rows, width), dtype=torch.long)
-        mask = torch.zeros((rows, past + width), dtype=torch.long)
-        for row, (new, (n, _)) in enumerate(zip(news, hits)):
-            ids[row, width - len(new):] = torch.tensor(new)
-            mask[row, past - n:past] = 1
-            mask[row, past + width - len(new):] = 1
-        reference = next(kv for n, kv in hits if n)
-        cache = []
-        for layer, (k0, v0) in enumerate(reference):
-            keys = k0.new_zeros((rows, k0.shape[0], past, k0.shape[2]))
-            values = v0.new_zeros((rows, v0.shape[0], past, v0.shape[2]))
-            for row, (n, kv) in enumerate(hits):
-                if n:
-                    keys[row, :, past - n:], values[row, :, past - n:] = kv[layer]
-            cache.append((keys, values))
+    def _forward_prompts(self, prompts: list[list[int]], hits: list[tuple[int, Any]] | None = None
+                         ) -> tuple[Any, list[tuple[Any, Any]], Any]:
+        """One batched forward of `prompts`: (each row's last logits, KV cache, mask). With `hits`
+        (per prompt: how many of its first positions the prefix cache holds, and their KV), only the
+        rest of each prompt is computed, on that KV as the past, and each row's KV is right-aligned."""
+        hits = hits or [(0, None)] * len(prompts)
+        ids, mask, past = hf_kv.prompt_batch(prompts, hits)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)[:, past:]
-        logits, kv = self._pass(ids, mask, positions, cache)
-        return (logits, *_right_aligned(kv, mask))
-
-    def _forward_fresh(self, contexts: list[list[int]]) -> tuple[Any, list[tuple[Any, Any]], Any]:
-        """One batched forward of `contexts` from an empty cache: (last logits, KV cache, mask)."""
-        import torch
-
-        width = max(len(c) for c in contexts)
-        ids = torch.full((len(contexts), width), 0, dtype=torch.long)
-        mask = torch.zeros((len(contexts), width), dtype=torch.long)
-        for row, context in enumerate(contexts):  # left padding: every row's last token is at -1
-            ids[row, width - len(context):] = torch.tensor(context)
-            mask[row, width - len(context):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        logits, kv = self._pass(ids, mask, positions)
-        return logits, kv, mask
+        if not past:
+            return (*self._pass(ids, mask, positions), mask)
+        logits, kv = self._pass(ids, mask, positions, hf_kv.left_padded_past(hits, past))
+        return (logits, *hf_kv.right_aligned(kv, mask))
 
     def refresh_kv(self) -> None:
         """Recompute the running rows' KV cache under the weights now loaded (a weight load calls it, in
@@ -334,7 +291,7 @@ class HFEngine(HFWeightLoads):
             return
         started = time.thread_time()
         try:
-            _, self._kv, self._mask = self._forward_fresh([r.prompt + r.generated[:-1] for r in self._rows])
+            _, self._kv, self._mask = self._forward_prompts([r.prompt + r.generated[:-1] for r in self._rows])
         except Exception as error:  # noqa: BLE001 - fail those requests, keep serving
             self._fail([], error)
         self.cpu_s["refresh"] += time.thread_time() - started
@@ -346,10 +303,10 @@ class HFEngine(HFWeightLoads):
             self._rows, self._kv, self._mask = list(fresh), kv, mask
             return
         width = max(self._mask.shape[1], mask.shape[1])
-        self._kv = [(torch.cat([_pad_left(k0, width, 2), _pad_left(k1, width, 2)]),
-                     torch.cat([_pad_left(v0, width, 2), _pad_left(v1, width, 2)]))
+        self._kv = [(torch.cat([hf_kv.pad_left(k0, width, 2), hf_kv.pad_left(k1, width, 2)]),
+                     torch.cat([hf_kv.pad_left(v0, width, 2), hf_kv.pad_left(v1, width, 2)]))
                     for (k0, v0), (k1, v1) in zip(self._kv, kv)]
-        self._mask = torch.cat([_pad_left(self._mask, width, 1), _pad_left(mask, width, 1)])
+        self._mask = torch.cat([hf_kv.pad_left(self._mask, width, 1), hf_kv.pad_left(mask, width, 1)])
         self._rows.extend(fresh)
 
     def _decode(self) -> None:
@@ -384,7 +341,7 @@ class HFEngine(HFWeightLoads):
         if finished and self.prefix.capacity_tokens:  # what the next turn of each will begin with
             for i, request in enumerate(self._rows):
                 if request.finish_reason is not None:
-                    kv = _row_kv(self._kv, self._mask, i)
+                    kv = hf_kv.row_kv(self._kv, self._mask, i)
                     sequence = request.prompt + request.generated[:-1]  # the last id was never fed
                     if kv[0][0].shape[1] == len(sequence):
                         self.prefix.insert(sequence, kv)
@@ -399,39 +356,6 @@ class HFEngine(HFWeightLoads):
                 self._mask = self._mask[:, first:]
             for request in finished:
                 request.done(request)
-
-
-def _right_aligned(kv: list[tuple[Any, Any]], mask: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """The KV cache and mask with each row's positions moved to the right end, in order, and the
-    columns no row then needs dropped: a cached prefill's rows are [padding, past, padding, new], as
-    wide as the longest past plus the longest new part, which every later decode step would carry.
-    (The order of a row's positions does not matter to attention: each key holds its position.)"""
-    import torch
-
-    width = int(mask.sum(1).max())
-    order = torch.sort(mask, dim=1, stable=True).indices[:, -width:]  # padding first, then the positions in order
-    gather = order[:, None, :, None]
-    return ([(k.gather(2, gather.expand(-1, k.shape[1], -1, k.shape[3])),
-              v.gather(2, gather.expand(-1, v.shape[1], -1, v.shape[3]))) for k, v in kv], mask.gather(1, order))
-
-
-def _row_kv(kv: list[tuple[Any, Any]], mask: Any, row: int) -> list[tuple[Any, Any]]:
-    """Row `row`'s KV without its padding: per layer (keys, values) [kv_heads, its positions, head_dim]."""
-    columns = mask[row].nonzero()[:, 0]
-    return [(k[row].index_select(1, columns), v[row].index_select(1, columns)) for k, v in kv]
-
-
-def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
-    """Bytes of KV cache one token takes (every layer's keys and values), from the model's config."""
-    import json
-    import pathlib
-
-    config = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
-    config = config.get("text_config", config)
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    width = {"float32": 4, "float64": 8}.get(dtype, 2)
-    return 2 * config["num_hidden_layers"] * (config.get("num_key_value_heads") or heads) * head_dim * width
 
 
 def version_spans(token_versions: list[int]) -> list[dict[str, Any]]:
@@ -449,49 +373,3 @@ def _log() -> Any:
     from libra import log as liblog
 
     return liblog.get("libra.rollout.hf_engine")
-
-
-FORWARDS = ("auto", "transformers")
-
-
-def _forward_of(model_dir: str, device: str, dtype: str, forward: str) -> tuple[str, str]:
-    """Which forward pass runs the model, and why: "own" (llama_forward.py: a plain Llama in float32
-    on CPU, transformers never imported) under "auto" where it can, else "transformers"."""
-    if forward == "transformers":
-        return "transformers", "asked for (rollout.worker.engine.forward)"
-    from libra.llama_forward import unsupported_dir
-
-    why = unsupported_dir(model_dir, str(device), dtype)
-    return ("transformers", why) if why else ("own", "a plain Llama in float32 on CPU")
-
-
-def _transformers_pass(model: Any, ids: Any, mask: Any, positions: Any,
-                       kv: list[tuple[Any, Any]] | None = None) -> tuple[Any, list[tuple[Any, Any]]]:
-    """A transformers model called as `LlamaForward` is: (the last position's logits, the cache
-    extended by the new positions), the cache as one (keys, values) pair per layer."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=_new_cache(kv),
-                use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1, :], _cache_tensors(out.past_key_values)
-
-
-def _new_cache(kv: list[tuple[Any, Any]] | None = None) -> Any:
-    from transformers import DynamicCache
-
-    return DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
-
-
-def _cache_tensors(cache: Any) -> list[tuple[Any, Any]]:
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache))
-
-
-def _pad_left(tensor: Any, width: int, dim: int) -> Any:
-    import torch
-
-    missing = width - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([torch.zeros(shape, dtype=tensor.dtype, device=tensor.device), tensor], dim=dim)

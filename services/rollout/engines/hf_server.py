@@ -20,8 +20,9 @@ from typing import Any, Callable
 
 from libra.security.http import bearer_middleware
 from libra.services.rollout.engines.engine_auth import OPEN_PATHS, SERVED_MODEL_NAME, key_from_environment
-from libra.services.rollout.engines.hf_engine import (FORWARDS, LOGPROBS_MODES, PREFILL_RATIO, PREFILL_WAIT_STEPS,
+from libra.services.rollout.engines.hf_engine import (LOGPROBS_MODES, PREFILL_RATIO, PREFILL_WAIT_STEPS,
                                                       PREFIX_CACHE_MIB, HFEngine, Request, version_spans)
+from libra.services.rollout.engines.hf_forward import FORWARDS
 from libra.services.rollout.engines.vllm_ext import INITIAL_VERSION_ENV
 
 

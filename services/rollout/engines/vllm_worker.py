@@ -154,15 +154,20 @@ class VllmWorkerProcess:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB only; --kv-cache-memory-bytes wins
         return env
 
-    def start(self) -> "VllmWorkerProcess":
-        """Start the server in its own session, to die with the calling thread's process; its
-        output goes to `log_path`."""
+    def check_startable(self) -> None:
+        """What every start checks first (here or forked from a zygote): not running already, a model
+        directory, a free port; and the log's directory made."""
         if self.alive:
             raise FailedPrecondition(f"worker {self.index} is already running (pid {self.process.pid})")
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"{self.model_dir} is not a model directory (no config.json)")
         _check_port_free(self.config.host, self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> "VllmWorkerProcess":
+        """Start the server in its own session, to die with the calling thread's process; its
+        output goes to `log_path`."""
+        self.check_startable()
         with open(self.log_path, "ab") as log:
             self.process = procs.start_group(
                 self.command(), signal.SIGTERM, env=self.environment(), stdin=subprocess.DEVNULL,
