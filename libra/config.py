@@ -84,6 +84,9 @@ class RunConfig(Section):
                         description="names the run; Redis keys are libra:{run_id}:...")
     run_dir: str = Field("runs/quickstart", min_length=1, description="directory for weights, checkpoints, logs, plots")
     seed: int = Field(0, ge=0, description="global seed")
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="the asyncio event loop of every service and hf engine (libra/event_loop.py): auto "
+        "(uvloop where installed, else asyncio's own), uvloop (its absence fails the start), asyncio")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="state store")
     addresses: Addresses = Field(default_factory=Addresses, description="service addresses")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus metrics")
@@ -102,6 +105,16 @@ class RunConfig(Section):
                                                "colocated")
     security: SecurityConfig = Field(default_factory=SecurityConfig,
                                      description="token, TLS, listen interface and request bounds")
+
+    @field_validator("event_loop")
+    @classmethod
+    def _event_loop(cls, value: str) -> str:
+        from libra import event_loop
+
+        if value == "uvloop" and not event_loop.available():
+            raise ValueError("event_loop: uvloop, but uvloop is not installed here; pip install uvloop, or set "
+                             "event_loop: auto (asyncio's own loop where uvloop is missing)")
+        return value
 
     @model_validator(mode="after")
     def _packing_budget(self) -> "RunConfig":

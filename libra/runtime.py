@@ -27,6 +27,7 @@ import hashlib
 import signal
 from typing import Any
 
+from libra import event_loop
 from libra import log as liblog
 from libra import procs
 from libra.errors import FailedPrecondition
@@ -120,7 +121,8 @@ class RunningService:
             await self.set_health(True)
         self.ready.set()
         self._watch = asyncio.create_task(self._watch_redis(), name=f"{self.service.name}-redis-watch")
-        _log.info("serving", service=self.service.name, port=self.port)
+        _log.info("serving", service=self.service.name, port=self.port,
+                  event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
         await self.service.run()
 
     async def _watch_redis(self) -> None:
@@ -221,7 +223,7 @@ def serve(service: Service, port: int, metrics_port: int = 0) -> int:
         _log.info("stopped what the previous process of this service left running", service=service.name,
                   pids=stopped)
     try:
-        return asyncio.run(_serve(service, port, metrics_port))
+        return event_loop.run(_serve(service, port, metrics_port), getattr(config, "event_loop", "auto"))
     except FailedPrecondition as error:  # cannot start at all (port taken): say why, exit 2
         _log.error("cannot start", service=service.name, error=str(error))
         return 2

@@ -83,7 +83,7 @@ class RolloutService(Service):
         self.config, self.cfg, self.run_id = config, config.rollout, config.run_id
         self.store = None
         self.history: HistoryWriter | None = None  # turn records, written off the turn's path
-        self.pool = WorkerPool(self.cfg.worker, config.run_path / "logs" / "workers")
+        self.pool = WorkerPool(self.cfg.worker, config.run_path / "logs" / "workers", config.event_loop)
         self.weights = WeightDelivery(self.pool, config.weights, config.run_path / "weights")
         self.queue: asyncio.Queue[str] = asyncio.Queue()
         self.queued: set[str] = set()

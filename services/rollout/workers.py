@@ -48,11 +48,11 @@ def _hf_worker_class() -> type:
         engine = "hf"
 
         def __init__(self, config: WorkerConfig, model_dir: Any, index: int, log_dir: Any,
-                     port: int | None = None, tp: int = 1, policy_version: int = 0):
+                     port: int | None = None, tp: int = 1, policy_version: int = 0, event_loop: str = "auto"):
             if tp != 1:
                 raise ValueError(f"rollout.worker.engine hf runs TP 1 only, the plan asks TP {tp}; "
                                  f"use engine: vllm for TP > 1 buckets")
-            super().__init__(config, model_dir, index, log_dir, port, tp, policy_version)
+            super().__init__(config, model_dir, index, log_dir, port, tp, policy_version, event_loop)
 
         def start_forked(self, zygote: Any) -> "HfWorkerProcess":
             """`start`, forked from `zygote` (libra/zygote.py) instead of a fresh interpreter: the same
@@ -72,7 +72,7 @@ def _hf_worker_class() -> type:
                     "--logprobs-mode", c.logprobs_mode, "--policy-version", str(self.policy_version),
                     "--threads", str(c.cpu_threads), "--prefill-ratio", str(c.engine.prefill_ratio),
                     "--prefill-wait-steps", str(c.engine.prefill_wait_steps), "--forward", c.engine.forward,
-                    "--prefix-cache-mib", str(c.engine.prefix_cache_mib),
+                    "--prefix-cache-mib", str(c.engine.prefix_cache_mib), "--event-loop", self.event_loop,
                     *c.extra_args]
 
     return HfWorkerProcess
@@ -129,8 +129,9 @@ class PoolWorker:
 
 
 class WorkerPool:
-    def __init__(self, config: WorkerConfig, log_dir: pathlib.Path):
+    def __init__(self, config: WorkerConfig, log_dir: pathlib.Path, event_loop: str = "auto"):
         self.config = config
+        self.event_loop = event_loop  # the run's `event_loop`, which hf workers run too
         self.log_dir = log_dir
         self.workers: dict[str, PoolWorker] = {}
         self._next_index = 0
@@ -142,7 +143,8 @@ class WorkerPool:
         whatever comes before the first workers (the trainer's warm start): on the event loop's
         thread, whose life the zygote then shares."""
         if self._forks():
-            template = worker_process_class(self.config.engine.type)(self.config, ".", 0, self.log_dir, port=0)
+            process_class = worker_process_class(self.config.engine.type)
+            template = process_class(self.config, ".", 0, self.log_dir, port=0, event_loop=self.event_loop)
             self._zygote_for(template)
 
     def _forks(self) -> bool:
@@ -187,7 +189,8 @@ class WorkerPool:
                 port = self.config.base_port + index if self.config.base_port else free_port()
                 worker_id = f"{bucket.name}-{index}"
                 process = self.launcher.create(launcher, self.config, worker_id, model_dir=model_dir, index=index,
-                                               log_dir=self.log_dir, port=port, tp=bucket.tp, policy_version=version)
+                                               log_dir=self.log_dir, port=port, tp=bucket.tp, policy_version=version,
+                                               event_loop=self.event_loop)
                 await self._start_process(process)
                 worker = PoolWorker(worker_id, bucket.name, bucket.tp, process,
                                     EngineClient(process.base_url), version=version)

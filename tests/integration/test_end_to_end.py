@@ -94,6 +94,10 @@ def test_libra_up_trains_publishes_survives_a_dead_worker_and_resumes(tmp_path, 
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()  # this start's log; the first's is in logs.1
     assert '"event": "resumed"' in trainer_log and '"step": 4' in trainer_log  # from the step-4 checkpoint
     assert '"event": "warm start done"' not in trainer_log  # the model was not created again
+    from libra import event_loop  # every service runs the run's event loop ("auto": uvloop where installed)
+    for name in ("planner", "scheduler", "trainer", "rollout", "elastic"):
+        serving = [line for line in (run_dir / "logs" / f"{name}.log").read_text().splitlines() if '"serving"' in line]
+        assert serving and f'"event_loop": "{event_loop.chosen("auto")}"' in serving[0], (name, serving)
     assert (run_dir / "logs.1" / "trainer.log").read_text().count('"event": "warm start done"') == 1
     record = run_record.load(run_dir)  # both starts' run records, read as one (libra/telemetry)
     assert [row["step"] for row in record.steps] == list(range(1, 7)) and record.scheduler and record.decisions

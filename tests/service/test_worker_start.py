@@ -68,6 +68,8 @@ def test_workers_start_on_the_base_model_and_hold_version_1_before_they_are_hand
             assert (version, path) == (1, str(v1)) and early is not None
             assert await first.load(early, path, version) == [worker] and worker.version == 1
             assert await worker.client.policy_version() == 1
+            from libra import event_loop  # the engine serves HTTP on the run's event loop ("auto")
+            assert f'"event_loop": "{event_loop.chosen("auto")}"' in worker.process.log_path.read_text()
             turn = await worker.client.generate(PROMPT, 8, temperature=0.0)
             assert turn.logprobs == pytest.approx(trainer_logprobs(weights["sharp"], PROMPT, turn.token_ids), abs=2e-4)
             # a restarted gateway: version 1 is on disk, so nothing starts early

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from libra import event_loop
 from libra.security.http import bearer_middleware
 from libra.services.rollout.engines.engine_auth import OPEN_PATHS, SERVED_MODEL_NAME, key_from_environment
 from libra.services.rollout.engines.hf_engine import (LOGPROBS_MODES, PREFILL_RATIO, PREFILL_WAIT_STEPS,
@@ -330,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode steps a new request waits at most before it is prefilled")
     parser.add_argument("--prefix-cache-mib", type=float, default=PREFIX_CACHE_MIB,
                         help="MiB of KV the prefix cache may hold (engines/hf_prefix.py); 0: none")
+    parser.add_argument("--event-loop", default="auto", choices=event_loop.CHOICES,
+                        help="the HTTP server's asyncio loop (the run's event_loop; libra/event_loop.py)")
     parser.add_argument("--forward", default="auto", choices=FORWARDS,
                         help="auto: a plain Llama in float32 on CPU runs the engine's own forward pass "
                              "(libra/llama_forward.py), anything else transformers' model; transformers: always")
@@ -355,10 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     liblog.get("libra.rollout.hf_engine").info("hf engine serving", model=args.model, device=args.device,
                                                port=args.port, version=args.policy_version, forward=engine.forward,
                                                forward_why=engine.forward_why,
-                                               transformers="transformers" in sys.modules, **phases.seconds)
+                                               transformers="transformers" in sys.modules,
+                                               event_loop=event_loop.chosen(args.event_loop), **phases.seconds)
     try:
         web.run_app(build_app(engine, tokenizer, key), host=args.host, port=args.port, print=None,
-                    access_log=None, handle_signals=True)
+                    access_log=None, handle_signals=True, loop=event_loop.new_loop(args.event_loop))
     finally:
         engine.stop()
         liblog.get("libra.rollout.hf_engine").info(

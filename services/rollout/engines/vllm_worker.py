@@ -88,7 +88,7 @@ class VllmWorkerProcess:
     engine = "vllm"  # the rollout.worker.engine this launcher runs (workers.HfWorkerProcess: "hf")
 
     def __init__(self, config: WorkerConfig, model_dir: str | Path, index: int, log_dir: str | Path,
-                 port: int | None = None, tp: int = 1, policy_version: int = 0):
+                 port: int | None = None, tp: int = 1, policy_version: int = 0, event_loop: str = "auto"):
         if config.engine.type != self.engine:
             raise ValueError(f"{type(self).__name__} runs engine {self.engine!r}, config says {config.engine.type!r}")
         if index < 0 or tp < 1:
@@ -99,6 +99,7 @@ class VllmWorkerProcess:
         self.port = port if port is not None else config.base_port + index
         self.tp = tp
         self.policy_version = policy_version
+        self.event_loop = event_loop  # the run's (hf engines run it; vLLM chooses its own)
         self.log_path = Path(log_dir) / f"worker-{index}.log"
         self.process: subprocess.Popen | None = None
 
