@@ -119,6 +119,32 @@ class _Body(nn.Module):
         self.norm = _Norm(config["hidden_size"], config["rms_norm_eps"])
 
 
+KV_ROOM = 64
+"""Positions a layer's KV buffer keeps free after its rows' positions (`_extend`)."""
+
+
+def _extend(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`cached` [rows, heads, past, dim] followed by `new` [rows, heads, n, dim] along the positions.
+
+    A decode step adds one position to every row; concatenating would copy the whole cache at every
+    step (most of a small model's decode pass on CPU). So the result is a view of the front of a
+    buffer with KV_ROOM positions to spare, and when `cached` is such a view, ending where its
+    buffer's written positions end, `new` is written after it in place: no copy. Any other tensor
+    (a fresh prefill's, one the engine trimmed or merged, a view some other call already extended)
+    is copied into a new buffer, so an extension never writes where another view reads."""
+    past, n = cached.shape[2], new.shape[2]
+    buffer = getattr(cached, "kv_buffer", None)
+    if (buffer is None or buffer.kv_written != past or buffer.shape[2] < past + n
+            or buffer.shape[:2] != cached.shape[:2] or cached.data_ptr() != buffer.data_ptr()):
+        buffer = cached.new_empty((cached.shape[0], cached.shape[1], past + n + KV_ROOM, cached.shape[3]))
+        buffer[:, :, :past] = cached
+    buffer[:, :, past:past + n] = new
+    buffer.kv_written = past + n
+    extended = buffer[:, :, :past + n]
+    extended.kv_buffer = buffer
+    return extended
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -187,7 +213,7 @@ class LlamaForward(nn.Module):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             if cache:
-                k, v = torch.cat([cache[index][0], k], dim=2), torch.cat([cache[index][1], v], dim=2)
+                k, v = _extend(cache[index][0], k), _extend(cache[index][1], v)
             extended.append((k, v))
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=self.kv_heads != self.heads)
             x = x + attention.o_proj(o.transpose(1, 2).reshape(rows, new, -1))

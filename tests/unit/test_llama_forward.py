@@ -213,3 +213,34 @@ def test_a_config_silent_on_tying_is_read_as_transformers_reads_it():
               "num_attention_heads": 2, "rms_norm_eps": 1e-6}
     own = LlamaForward(config)
     assert (own.lm_head.weight is own.model.embed_tokens.weight) == LlamaConfig(**config).tie_word_embeddings
+
+
+def test_the_kv_cache_grows_in_place_and_never_under_another_view():
+    """`_extend` (a decode step's cache append) is `torch.cat` along the positions, written in place
+    after a buffer's last written position, and copied whenever writing in place could change what
+    another view reads: a view extended a second time, a trimmed one, a fresh tensor."""
+    from libra.llama_forward import KV_ROOM, _extend
+
+    torch.manual_seed(0)
+    base = torch.randn(2, 3, 5, 4)
+    steps = [torch.randn(2, 3, 1, 4) for _ in range(KV_ROOM + 3)]
+    cache, expected = base, base
+    pointers = set()
+    for step in steps:  # across the buffer's room: one copy when it is full
+        cache, expected = _extend(cache, step), torch.cat([expected, step], dim=2)
+        assert torch.equal(cache, expected)
+        pointers.add(cache.data_ptr())
+    assert len(pointers) == 2  # the first buffer, then one grown when its room ran out
+
+    first = _extend(base, steps[0])
+    second = _extend(first, steps[1])
+    assert second.data_ptr() == first.data_ptr()  # in place
+    kept = second.clone()
+    other = _extend(first, steps[2])  # `first` extended again: must not overwrite `second`'s position
+    assert torch.equal(other, torch.cat([first, steps[2]], dim=2)) and torch.equal(second, kept)
+    assert other.data_ptr() != first.data_ptr()
+    trimmed = second[:, :, 2:]  # the engine drops columns no row needs
+    assert torch.equal(_extend(trimmed, steps[3]), torch.cat([trimmed, steps[3]], dim=2))
+    assert torch.equal(second, kept)
+    rows = second.index_select(0, torch.tensor([1]))  # finished rows leave
+    assert torch.equal(_extend(rows, steps[4][1:]), torch.cat([rows, steps[4][1:]], dim=2))
