@@ -199,6 +199,19 @@ class CalculatorWorkload(TaggedWorkload):
         except ValueError:
             return 0.0
 
+    def warm_start_inputs(self) -> dict:
+        """Its demonstrations and corpus are this module's code (with turns' and base's) on its config's
+        fields but the prompt count, and Python's `random` (whose streams a Python version may change)."""
+        import pathlib
+        import platform
+
+        from libra import model_cache
+        from libra.workloads import base, turns
+
+        return {"code": model_cache.digest_files([pathlib.Path(__file__), base.__file__, turns.__file__]),
+                "config": self.config.model_dump(mode="json", exclude={"num_prompts"}),
+                "python": ".".join(platform.python_version_tuple()[:2])}
+
     def demonstrations(self, count: int, seed: int) -> list[list[Segment]]:
         # A stream of its own ("demo"), so demonstrations are not the prompt set itself.
         rng = random.Random(f"calculator-demo:{self.config.seed}:{seed}")

@@ -95,6 +95,35 @@ def test_the_recipe_changes_with_what_shapes_the_model_only():
     assert key(base) != key(base.model_copy(update={"workload": changed}))
 
 
+def test_a_synthetic_workload_is_keyed_by_its_code_and_config_a_data_workload_by_its_texts(monkeypatch):
+    """The calculator's texts are its code on its config: the key is made without making them (they
+    cost ~0.7 CPU-s at every start); a workload that reads data is keyed by its generated texts."""
+    from libra.services.trainer.model_state import warm_model_recipe
+    from libra.workloads.base import build_workload
+    from libra.workloads.calculator import CalculatorWorkload
+
+    config = _config()
+    workload = build_workload(config.workload)
+
+    def made(*_args):
+        raise AssertionError("the texts were generated for a synthetic workload's key")
+
+    monkeypatch.setattr(workload, "demonstrations", made)
+    recipe = warm_model_recipe(config, workload)
+    assert recipe["texts_from"]["config"]["direct_answer_fraction"] == config.workload.direct_answer_fraction
+    assert "num_prompts" not in recipe["texts_from"]["config"] and "demonstrations" not in recipe
+
+    class ReadsData(CalculatorWorkload):  # the default: no claim about where its texts come from
+        def warm_start_inputs(self):
+            return None
+
+    data = ReadsData(config.workload)
+    keyed = warm_model_recipe(config, data)
+    assert "texts_from" not in keyed and keyed["demonstrations"] and keyed["corpus"]
+    fewer = ReadsData(config.workload.model_copy(update={"max_operand": 9}))  # other texts, other key
+    assert warm_model_recipe(config, fewer)["demonstrations"] != keyed["demonstrations"]
+
+
 def test_the_warm_started_model_is_reused_from_the_cache(tmp_path, monkeypatch):
     from libra.services.trainer.model_state import base_model
 
