@@ -18,7 +18,8 @@ what travels between them is libra/weights/).
      ─▶ UpdateWeights(v, colocated=its CUDA IPC descriptor) ─▶ each engine maps (share) or copies it
      an engine refused and v not on disk: write v now ─▶ UpdateWeights(v, path); disk_every as for group
  at start: record(v) with its disk copy before rollout is up (rollout starts its workers on it),
-           deliver(v) once rollout answers
+           deliver(v) once rollout answers; a fresh run whose weights will be the base model's files:
+           first_version_from(base) links those files as weights/v1 and records v1 before any backend
 ```
 Versions never go backwards: at start the first version is one above the highest that Redis, the
 checkpoint or `weights/` knows (`first_version`), and a publish that finds Redis behind (it came
@@ -35,6 +36,8 @@ a checkpoint), so the weights never change under it.
 from __future__ import annotations
 
 import asyncio
+import os
+import pathlib
 import re
 import shutil
 import threading
@@ -115,14 +118,28 @@ class WeightPublisher:
         on_disk = [int(m.group(1)) for p in self.root.glob("v*") if (m := VERSION_DIR.match(p.name))]
         return max([await self.store.current_version(), checkpoint_version, *on_disk]) + 1
 
-    async def record(self, version: int, write: bool = True, report: PublishReport | None = None) -> str:
-        """Publish `version` in Redis (compare-and-set on the version), its disk copy written first
-        when `write`; returns the path ("" when not written)."""
-        path = ""
-        if write:
-            path, seconds = await self._write(version)
-            if report is not None:
-                report.write_seconds += seconds
+    async def first_version_from(self, model_dir: pathlib.Path) -> int | None:
+        """At the start of a fresh run (no version in Redis or `weights/`), publish the files of
+        `model_dir` as version 1, hard-linked as RUN_DIR/weights/v1 (copied where links fail), and
+        return 1; None (nothing published) when any version exists. The caller vouches that the
+        weights it will hold are those files' numbers."""
+        if await self.first_version(0) != 1:
+            return None
+        started = time.monotonic()
+        out = self.root / "v1"
+        partial = out.with_name(out.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        await asyncio.to_thread(shutil.copytree, model_dir, partial, copy_function=_link_or_copy)
+        shutil.rmtree(out, ignore_errors=True)
+        partial.rename(out)
+        self._paths[1] = str(out)
+        await self.store.raise_version(0)
+        await self.record_path_as(1, str(out))
+        _log.info("version 1 is the base model's files", path=str(out), seconds=round(time.monotonic() - started, 4))
+        return 1
+
+    async def record_path_as(self, version: int, path: str) -> None:
+        """Publish `version` in Redis with `path` (compare-and-set on the version)."""
         try:
             await self.store.publish_version(version, path)
         except Conflict:
@@ -132,6 +149,16 @@ class WeightPublisher:
             _log.warning("the policy version counter was behind this trainer's; raised it", version=version,
                          counter=current)
             await self.store.publish_version(version, path)
+
+    async def record(self, version: int, write: bool = True, report: PublishReport | None = None) -> str:
+        """Publish `version` in Redis (compare-and-set on the version), its disk copy written first
+        when `write`; returns the path ("" when not written)."""
+        path = ""
+        if write:
+            path, seconds = await self._write(version)
+            if report is not None:
+                report.write_seconds += seconds
+        await self.record_path_as(version, path)
         return path
 
     async def deliver(self, version: int, report: PublishReport | None = None) -> PublishReport:
@@ -341,3 +368,12 @@ class WeightPublisher:
             if path.name[1:].isdigit() and int(path.name[1:]) < keep_from:
                 shutil.rmtree(path, ignore_errors=True)
         self._paths = {v: p for v, p in self._paths.items() if v >= keep_from}
+
+
+def _link_or_copy(source: str, dest: str) -> str:
+    """A hard link of `source` at `dest` (no bytes written), or a copy where the file system refuses."""
+    try:
+        os.link(source, dest)
+    except OSError:
+        shutil.copy2(source, dest)
+    return dest

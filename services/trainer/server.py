@@ -2,6 +2,9 @@
 
 Start: Redis → model (create + warm start, or resume from the latest checkpoint) → write the
 weights as a new policy version → wait for rollout → deliver it → GRPO steps → reward plot → exit 0.
+A fresh run whose backend loads the base model's files unchanged (torch, one rank, weights on disk)
+publishes those files as version 1 before it imports torch, and submits the first groups as soon
+as rollout serves: the first batch is rolled out while the backend loads.
 """
 
 from __future__ import annotations
@@ -87,32 +90,67 @@ class TrainerService(Service):
         # The base model first (a copy from the model cache, no torch needed): rollout's workers start on
         # it while this process imports torch and builds its backend (~1 CPU-second on a small machine).
         await model.prepare_base(lambda detail: self.status.set(detail=detail))
-        backend = await asyncio.to_thread(make_backend, self.config)
-        if self.world > 1:  # the other ranks follow every collective call (ranks.py)
-            backend = ranks.LeaderBackend(backend, await asyncio.to_thread(ranks.join), self.world)
-        model.backend = backend
-        position = await model.load()
         rollout = self._stub(rollout_pb2_grpc.RolloutStub, "rollout")
         workload = build_workload(self.config.workload)
-        publisher = self.publisher = WeightPublisher(self.config, model.backend, self.store, rollout)
-        self.loop = GrpoLoop(self.config, self.store, rollout, model, self.status, workload.num_prompts, publisher)
+        publisher = self.publisher = WeightPublisher(self.config, None, self.store, rollout)
+        loop = GrpoLoop(self.config, self.store, rollout, model, self.status, workload.num_prompts, publisher)
+        # A fresh run whose backend loads the base model's weights as they are: those files are
+        # version 1 already, so it is published now and the first batch is rolled out while this
+        # process imports torch and loads them (the weights in memory are the same numbers).
+        early = await publisher.first_version_from(model.base_dir) if self._base_is_first_version(model) else None
+        feeding = None
+        if early is not None:
+            loop.position.version = early
+            feeding = asyncio.get_running_loop().create_task(self._feed_first_batch(loop))
+        try:
+            backend = await asyncio.to_thread(make_backend, self.config)
+            if self.world > 1:  # the other ranks follow every collective call (ranks.py)
+                backend = ranks.LeaderBackend(backend, await asyncio.to_thread(ranks.join), self.world)
+            model.backend = publisher.backend = backend
+            position = await model.load()
+            if feeding is not None:
+                await feeding
+        except BaseException:
+            if feeding is not None:
+                feeding.cancel()
+            raise
+        if early is not None:  # nothing to resume (`_base_is_first_version`): the position is the early one
+            position = loop.position
+        self.loop = loop
         self.loop.position = position
         if self.world == 1:  # hybrids join single-rank trainers (LeaderBackend.hybrid_refusal says why)
             self.elastic = self.loop.elastic = await self._elastic(model.backend)
         for record in await self.store.step_records(1):
             await self.status.add_record(P.StepRecord.FromString(record))
-        # The weights in memory become the next policy version, on disk: rollout starts (or reloads) on them.
-        version = await publisher.first_version(position.version)  # never one Redis, the checkpoint or disk had
-        await self.store.raise_version(version - 1)
-        await publisher.record(version)
-        position.version = version
+        if early is None:
+            # The weights in memory become the next policy version, on disk: rollout starts (or reloads) on them.
+            version = await publisher.first_version(position.version)  # never one Redis, the checkpoint or disk had
+            await self.store.raise_version(version - 1)
+            await publisher.record(version)
+            position.version = version
         self._prepare_optimizer(model.backend)
         await self.status.set(P.TRAINER_PHASE_WAITING_FOR_PEERS, "rollout workers, elastic coordinator")
         await wait_for_peers({"rollout": self.config.address_of("rollout"),
                               "elastic": self.config.address_of("elastic")})
         await self._register_member()
-        await publisher.deliver(version)
+        await publisher.deliver(position.version)
         await self.set_health(True)
+
+    def _base_is_first_version(self, model: ModelState) -> bool:
+        """Whether the base model's files are exactly what version 1 would be: a run with nothing to
+        resume (no checkpoint; `first_version_from` checks Redis and the weights directory), one rank,
+        the torch backend (it loads the files into float32 parameters as they are: no conversion, no
+        adapters) and weights on disk (no group to send them over before the backend holds them)."""
+        trainer = self.config.trainer
+        return (self.world == 1 and trainer.backend.type == "torch" and trainer.lora is None
+                and self.config.weights.type == "disk" and model.latest_checkpoint() is None)
+
+    async def _feed_first_batch(self, loop: GrpoLoop) -> None:
+        """Submit the first groups as soon as rollout serves (on version 1: the base model's files)."""
+        await wait_for_peers({"rollout": self.config.address_of("rollout")})
+        await loop.submit()
+        _log.info("first groups submitted while the backend loads", version=loop.position.version,
+                  groups=loop.position.data_position)
 
     def _prepare_optimizer(self, backend) -> None:
         """Make the backend's optimizer in a thread while rollout starts on the version just written:

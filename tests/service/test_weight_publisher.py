@@ -111,3 +111,35 @@ def test_group_versions_reach_the_disk_every_k_versions_in_the_background_and_on
         await publisher.close()
 
     arun(scenario())
+
+
+def test_a_fresh_run_publishes_the_base_models_files_as_version_1_and_a_later_start_does_not(tmp_path, store,
+                                                                                              run_id, arun):
+    """`first_version_from`: with no version in Redis or weights/, the base model's files become v1
+    (hard links inside the weights directory, where rollout accepts paths; Redis names them) before
+    any backend exists; once a version exists, nothing is published and the start writes its own."""
+    import os
+
+    from libra.config import RunConfig
+    from libra.services.trainer.publisher import WeightPublisher
+
+    config = RunConfig.model_validate({"run_id": run_id, "run_dir": str(tmp_path / "run")})
+    base = tmp_path / "run" / "model" / "base"
+    base.mkdir(parents=True)
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_bytes(b"weights of the base model")
+    publisher = WeightPublisher(config, None, store, Rollout())  # no backend yet: none is needed
+
+    async def scenario() -> None:
+        assert await publisher.first_version_from(base) == 1
+        v1 = tmp_path / "run" / "weights" / "v1"
+        assert sorted(p.name for p in v1.iterdir()) == ["config.json", "model.safetensors"]
+        assert os.path.samefile(v1 / "model.safetensors", base / "model.safetensors")  # linked, not written
+        latest = await store.latest_on_disk()
+        assert (latest.version, latest.path) == (1, str(v1)) and await store.current_version() == 1
+        # a restarted trainer (v1 in Redis): not fresh; its first version is 2, from its own weights
+        assert await publisher.first_version_from(base) is None and await publisher.first_version(0) == 2
+        (v1 / "model.safetensors").unlink()  # pruning a version never touches the base model
+        assert (base / "model.safetensors").read_bytes() == b"weights of the base model"
+
+    arun(scenario())
