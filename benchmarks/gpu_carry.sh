@@ -8,7 +8,7 @@
 #   .whl/        cp312 manylinux wheels, one version each: megatron-core 0.19.2 (the Megatron backend),
 #                the control plane's packages the H200 image lacks (pydantic + pydantic-core,
 #                annotated-types, typing-inspection, typing-extensions, structlog, redis-py,
-#                grpcio-reflection, grpcio-health-checking) and grpcio + protobuf at the versions
+#                grpcio-reflection, grpcio-health-checking, uvloop) and grpcio + protobuf at the versions
 #                libra/v1 was generated with (the generated code refuses an older runtime)
 #   .carry/debs/ Debian 12's redis-server 7.0 and the libraries its binary links that a CUDA image may
 #                not have (unpacked into a private prefix there, never into /)
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 WHEELS=(
     megatron-core==0.19.2
     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
-    structlog==26.1.0 redis==8.1.0
+    structlog==26.1.0 redis==8.1.0 uvloop==0.23.0
     grpcio==1.85.3 protobuf==7.36.2 grpcio-reflection==1.85.1 grpcio-health-checking==1.85.1
 )
 DEBS=(redis-server redis-tools liblzf1 libjemalloc2 libatomic1 libsystemd0 libcap2 libgcrypt20 libgpg-error0 liblz4-1
