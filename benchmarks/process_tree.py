@@ -96,8 +96,8 @@ class TreeMonitor(threading.Thread):
                 cpu = _cpu_seconds(pid)
                 if cpu is not None:
                     self.cpu_by_pid[pid] = max(cpu, self.cpu_by_pid.get(pid, 0.0))
-                    if pid not in self.names:
-                        self.names[pid] = component(pid)
+                    if self.names.get(pid, "zygote") == "zygote":  # a child just forked from a zygote
+                        self.names[pid] = component(pid)              # reads as one until it renames itself
                 p, r = _memory_kib(pid)
                 pss, rss = pss + p, rss + r
             self.peak_pss_kib, self.peak_rss_kib = max(self.peak_pss_kib, pss), max(self.peak_rss_kib, rss)
