@@ -103,17 +103,22 @@ class TrainerService(Service):
             loop.position.version = early
             feeding = asyncio.get_running_loop().create_task(self._feed_first_batch(loop))
         try:
-            backend = await asyncio.to_thread(make_backend, self.config)
-            if self.world > 1:  # the other ranks follow every collective call (ranks.py)
-                backend = ranks.LeaderBackend(backend, await asyncio.to_thread(ranks.join), self.world)
-            model.backend = publisher.backend = backend
-            position = await model.load()
-            if feeding is not None:
-                await feeding
+            await self._load_and_deliver(model, publisher, loop, early, feeding)
         except BaseException:
             if feeding is not None:
                 feeding.cancel()
             raise
+
+    async def _load_and_deliver(self, model: ModelState, publisher: WeightPublisher, loop: GrpoLoop,
+                                early: int | None, feeding: asyncio.Task | None) -> None:
+        """The rest of the start: the backend loads the base model (and resumes), the weights in
+        memory become a version (unless `early` already made the base model's files version 1),
+        rollout gets it, health turns SERVING."""
+        backend = await asyncio.to_thread(make_backend, self.config)
+        if self.world > 1:  # the other ranks follow every collective call (ranks.py)
+            backend = ranks.LeaderBackend(backend, await asyncio.to_thread(ranks.join), self.world)
+        model.backend = publisher.backend = backend
+        position = await model.load()
         if early is not None:  # nothing to resume (`_base_is_first_version`): the position is the early one
             position = loop.position
         self.loop = loop
@@ -130,6 +135,8 @@ class TrainerService(Service):
             position.version = version
         self._prepare_optimizer(model.backend)
         await self.status.set(P.TRAINER_PHASE_WAITING_FOR_PEERS, "rollout workers, elastic coordinator")
+        if feeding is not None:
+            await feeding
         await wait_for_peers({"rollout": self.config.address_of("rollout"),
                               "elastic": self.config.address_of("elastic")})
         await self._register_member()
