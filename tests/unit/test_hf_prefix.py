@@ -107,3 +107,38 @@ def test_a_next_turn_and_a_shared_prompt_sample_what_they_would_without_the_cach
     finally:
         cached.stop()
         plain.stop()
+
+
+@pytest.mark.parametrize("forward", ["auto", "transformers"])
+def test_rows_finishing_at_different_steps_and_a_later_wave_sample_what_each_samples_alone(model_dir, forward):
+    """Finished rows ride along in the batch (their samples dropped) until they are half of it or new
+    rows are merged in: every request still gets exactly the ids and log-probs it gets alone, is
+    answered at the step it finishes, and the batch is empty at the end."""
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,)).tolist() for n in (5, 9, 7, 12, 6, 10, 8, 11)]
+    lengths = [2, 9, 4, 12, 3, 7, 5, 10]
+    engine = _engine(model_dir, forward, 0)
+    done, answered = threading.Semaphore(0), []
+    requests = [Request(list(p), n, 0.0, 1.0, frozenset(), None,
+                        lambda r: (answered.append((r, len(r.generated))), done.release()))
+                for p, n in zip(prompts[:6], lengths[:6])]
+    engine.pause(True)
+    for request in requests:
+        engine.submit(request)
+    engine.pause(False)
+    for _ in range(2):  # the two shortest are answered while the others decode: a wave joins them
+        assert done.acquire(timeout=60)
+    later = [Request(list(p), n, 0.0, 1.0, frozenset(), None,
+                     lambda r: (answered.append((r, len(r.generated))), done.release()))
+             for p, n in zip(prompts[6:], lengths[6:])]
+    for request in later:
+        engine.submit(request)
+    for _ in range(len(requests) + len(later) - 2):
+        assert done.acquire(timeout=60)
+    engine.stop()
+    assert all(length == len(request.generated) == request.max_tokens for request, length in answered)  # none after
+    assert engine.running == 0 and not engine._rows
+    for request in requests + later:
+        alone = _generate(_engine(model_dir, forward, 0), [request.prompt], request.max_tokens)[0]
+        assert request.generated == alone.generated
+        assert request.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
