@@ -111,9 +111,9 @@ def test_a_next_turn_and_a_shared_prompt_sample_what_they_would_without_the_cach
 
 @pytest.mark.parametrize("forward", ["auto", "transformers"])
 def test_rows_finishing_at_different_steps_and_a_later_wave_sample_what_each_samples_alone(model_dir, forward):
-    """Finished rows ride along in the batch (their samples dropped) until they are half of it or new
-    rows are merged in: every request still gets exactly the ids and log-probs it gets alone, is
-    answered at the step it finishes, and the batch is empty at the end."""
+    """Rows leave the batch at the step they finish while others decode, and a later wave is merged
+    into the running batch: every request gets exactly the ids and log-probs it gets alone, nothing
+    is sampled for it after its answer, and the batch is empty at the end."""
     torch.manual_seed(0)
     prompts = [torch.randint(3, 200, (n,)).tolist() for n in (5, 9, 7, 12, 6, 10, 8, 11)]
     lengths = [2, 9, 4, 12, 3, 7, 5, 10]

@@ -128,8 +128,7 @@ class HFEngine(HFWeightLoads):
         self.prefill_tokens = 0  # prompt positions computed (what the prefix cache saved is not)
         self.cpu_s = {"prefill": 0.0, "decode": 0.0, "refresh": 0.0}  # the decode thread's CPU, by what it ran
         self.prefix = PrefixCache(int(prefix_cache_mib * 2**20 // hf_kv.kv_bytes_per_token(model_dir, dtype)))
-        self._rows: list[Request] = []  # the batch's rows, finished ones among them until `_compact`
-        self._dead = 0  # finished rows still in the batch
+        self._rows: list[Request] = []
         self._kv: list[tuple[Any, Any]] = []
         self._mask: Any = None
         self._thread = threading.Thread(target=self._loop, name="hf-engine-decode", daemon=True)
@@ -196,13 +195,13 @@ class HFEngine(HFWeightLoads):
                         self._wake.clear()
                 except Exception as error:  # noqa: BLE001 - fail this batch's requests, keep serving
                     self._fail(fresh, error)
-                self.running = len(self._rows) - self._dead
+                self.running = len(self._rows)
 
     def _fail(self, fresh: list[Request], error: Exception) -> None:
         """A step raised (e.g. out of memory): every request in it answers with the error."""
         _log().error("decode step failed; its requests are failed", error=f"{type(error).__name__}: {error}")
-        failed = {id(r): r for r in [*self._rows, *fresh] if r.finish_reason is None}  # (finished: answered)
-        self._rows, self._kv, self._mask, self._dead = [], [], None, 0
+        failed = {id(r): r for r in [*self._rows, *fresh]}
+        self._rows, self._kv, self._mask = [], [], None
         for request in failed.values():
             request.error = f"{type(error).__name__}: {error}"
             request.done(request)
@@ -227,16 +226,16 @@ class HFEngine(HFWeightLoads):
         wait until they are at least `prefill_ratio` times the running rows, or the oldest has
         waited `prefill_wait_steps` decode steps, and are then prefilled together (0 and 0: every
         arrival at the next step)."""
-        fresh, running = self._waiting, len(self._rows) - self._dead
-        while running + len(fresh) < self.max_num_seqs:
+        fresh = self._waiting
+        while len(self._rows) + len(fresh) < self.max_num_seqs:
             try:
                 fresh.append(self._incoming.get_nowait())
             except queue.Empty:
                 break
         if not fresh:
             return fresh
-        if (running and len(fresh) < self.prefill_ratio * running
-                and self._waited < self.prefill_wait_steps and running + len(fresh) < self.max_num_seqs):
+        if (self._rows and len(fresh) < self.prefill_ratio * len(self._rows)
+                and self._waited < self.prefill_wait_steps and len(self._rows) + len(fresh) < self.max_num_seqs):
             self._waited += 1
             return []
         self._waiting, self._waited = [], 0
@@ -288,7 +287,6 @@ class HFEngine(HFWeightLoads):
         failed (the gateway retries their turns elsewhere) rather than continued on stale KV.
         """
         self.prefix.clear()  # KV computed under other weights
-        self._compact()
         if not self._rows:
             return
         started = time.thread_time()
@@ -301,7 +299,6 @@ class HFEngine(HFWeightLoads):
     def _merge(self, fresh: list[Request], kv: list[tuple[Any, Any]], mask: Any) -> None:
         import torch
 
-        self._compact()  # (the merge copies the cache anyway)
         if not self._rows:
             self._rows, self._kv, self._mask = list(fresh), kv, mask
             return
@@ -325,22 +322,12 @@ class HFEngine(HFWeightLoads):
         self._sample(logits, offset=0)
 
     def _sample(self, logits: Any, offset: int) -> None:
-        """Sample one token for rows offset.. (the rows these logits belong to); answer finished rows.
-
-        A finished row stays in the batch, its samples dropped, until finished rows are as many as
-        running ones or new rows are merged in (`_compact`): taking it out copies every layer's cache,
-        and would do so at almost every step when turns are short, where a row carried along costs a
-        small model next to nothing and lets the next step append its KV in place."""
+        """Sample one token for rows offset.. (the rows these logits belong to); retire finished rows."""
         import torch
 
         rows = self._rows[offset:offset + logits.shape[0]]
-        live = [i for i, request in enumerate(rows) if request.finish_reason is None]
-        if len(live) < len(rows):
-            logits = logits.index_select(0, torch.tensor(live, dtype=torch.long, device=logits.device))
-        tokens, logprobs = sample_rows(logits, [rows[i] for i in live], self.logprobs_mode)
-        finished = []
-        for i, token, logprob in zip(live, tokens, logprobs):
-            request = rows[i]
+        tokens, logprobs = sample_rows(logits, rows, self.logprobs_mode)
+        for request, token, logprob in zip(rows, tokens, logprobs):
             request.generated.append(token)
             request.logprobs.append(logprob)
             request.token_versions.append(self.version)
@@ -349,40 +336,26 @@ class HFEngine(HFWeightLoads):
             elif (len(request.generated) >= request.max_tokens
                   or len(request.prompt) + len(request.generated) >= self.max_model_len):
                 request.finish_reason = "length"
-            if request.finish_reason is not None:
-                finished.append(offset + i)
-        if self.prefix.capacity_tokens:  # what the next turn of each will begin with
-            for row in finished:
-                request = self._rows[row]
-                kv = hf_kv.row_kv(self._kv, self._mask, row)
-                sequence = request.prompt + request.generated[:-1]  # the last id was never fed
-                if kv[0][0].shape[1] == len(sequence):
-                    self.prefix.insert(sequence, kv)
-        self._dead += len(finished)
-        if self._dead and 2 * self._dead >= len(self._rows):
-            self._compact()
-        for row in finished:
-            request = rows[row - offset]
-            request.done(request)
-
-    def _compact(self) -> None:
-        """Take the finished rows out of the batch, and the left columns no remaining row attends to."""
-        import torch
-
-        if not self._dead:
-            return
         keep = [i for i, r in enumerate(self._rows) if r.finish_reason is None]
-        self._dead = 0
-        if not keep:
-            self._rows, self._kv, self._mask = [], [], None
-            return
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self._rows = [self._rows[i] for i in keep]
-        self._kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self._kv]
-        self._mask = self._mask.index_select(0, index)
-        first = int((self._mask.sum(0) > 0).nonzero()[0])
-        self._kv = [(k[:, :, first:], v[:, :, first:]) for k, v in self._kv]
-        self._mask = self._mask[:, first:]
+        finished = [r for r in self._rows if r.finish_reason is not None]
+        if finished and self.prefix.capacity_tokens:  # what the next turn of each will begin with
+            for i, request in enumerate(self._rows):
+                if request.finish_reason is not None:
+                    kv = hf_kv.row_kv(self._kv, self._mask, i)
+                    sequence = request.prompt + request.generated[:-1]  # the last id was never fed
+                    if kv[0][0].shape[1] == len(sequence):
+                        self.prefix.insert(sequence, kv)
+        if finished:
+            index = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self._rows = [self._rows[i] for i in keep]
+            self._kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self._kv]
+            self._mask = self._mask.index_select(0, index)
+            if self._rows:  # drop the left columns no remaining row attends to
+                first = int((self._mask.sum(0) > 0).nonzero()[0])
+                self._kv = [(k[:, :, first:], v[:, :, first:]) for k, v in self._kv]
+                self._mask = self._mask[:, first:]
+            for request in finished:
+                request.done(request)
 
 
 def version_spans(token_versions: list[int]) -> list[dict[str, Any]]:
