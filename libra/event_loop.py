@@ -2,8 +2,9 @@
 
 uvloop (libuv's loop, a well-kept drop-in for asyncio's) where it is installed, which it is with
 Libra on Linux and macOS: every service and hf engine is a loop of small network messages (gRPC
-streams, HTTP to the engines, Redis), and on uvloop the rollout gateway, the scheduler and the
-engines spend ~6–10% less CPU per turn (docs/benchmarks.md, "Time to first learning").
+streams, HTTP to the engines, Redis); in paired quickstart runs on uvloop the rollout gateway, the
+scheduler and the engines spent ~6–10% less CPU, which the end-to-end race does not resolve from
+its noise (docs/benchmarks.md, "Time to first learning").
 `asyncio`: Python's own loop (a platform without uvloop, or to rule the loop out when debugging).
 
 Must not know: what runs on the loop.
