@@ -2,19 +2,22 @@
 # Seconds from launching the quickstart to the end of its first GRPO step (and that step's wait and
 # train times, from the trainer's log): the start-up as a user feels it, one number a run.
 #
-#   bash benchmarks/first_step.sh [RUNS] [NICE]      # NICE > 0: every thread of the rollout side
-#                                                    # (gateway, scheduler, planner, elastic, engines) reniced
+#   bash benchmarks/first_step.sh [RUNS] [NICE] [KEY=VALUE ...]
+#       NICE > 0: every thread of the rollout side (gateway, scheduler, planner, elastic, engines) reniced;
+#       KEY=VALUE: config overrides, each passed as --set (e.g. up.zygote=false)
 # Each run is `libra up --config configs/quickstart.yaml --set trainer.steps=2` in a fresh run
 # directory under /tmp; an idle machine is assumed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-3}
 NICE=${2:-0}
+SETS=()
+for override in "${@:3}"; do SETS+=(--set "$override"); done
 for run in $(seq 1 "$RUNS"); do
   OUT=$(mktemp -d /tmp/libra-first-step.XXXXXX)
   start=$(date +%s.%N)
   .venv/bin/libra up --config configs/quickstart.yaml --run-dir "$OUT/run" --fresh --set trainer.steps=2 \
-      > "$OUT/up.log" 2>&1 &
+      ${SETS[@]+"${SETS[@]}"} > "$OUT/up.log" 2>&1 &
   UP=$!
   if [ "$NICE" != 0 ]; then
     ( for _ in $(seq 1 300); do
