@@ -139,6 +139,8 @@ def test_rows_finishing_at_different_steps_and_a_later_wave_sample_what_each_sam
     assert all(length == len(request.generated) == request.max_tokens for request, length in answered)  # none after
     assert engine.running == 0 and not engine._rows
     for request in requests + later:
-        alone = _generate(_engine(model_dir, forward, 0), [request.prompt], request.max_tokens)[0]
+        solo = _engine(model_dir, forward, 0)
+        alone = _generate(solo, [request.prompt], request.max_tokens)[0]
+        solo.stop()
         assert request.generated == alone.generated
         assert request.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
