@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import os
 import pathlib
+import re
 import signal
 import time
 
@@ -33,7 +34,10 @@ from libra.redis_server import PrivateRedis
 from tests.integration.test_up_signals import Up
 
 pytestmark = pytest.mark.slow
-CHAOS_STEPS = 16
+CHAOS_STEPS = 48
+"""Room after the last fault: each fault waits until `libra up` has started its process again (1 s of
+backoff and the start), and a run of this size keeps training meanwhile, at several steps a second
+on an idle machine; with 16 steps the run had finished before Redis's restart was seen."""
 GROUPS, SAMPLES = 2, 4
 FAULTS = [("scheduler", 2), ("rollout", 4), ("trainer", 7), ("elastic", 9), ("planner", 10), ("redis", 12)]
 
@@ -135,7 +139,7 @@ def _reconcile(url: str, run_id: str) -> dict[str, int]:
 
 def test_every_service_and_redis_killed_once_the_run_completes_and_reconciles(tmp_path):
     up = Up(tmp_path, steps=CHAOS_STEPS, extra=("--set", "trainer.checkpoint_every=2"))
-    started, back_after = time.monotonic(), {}
+    started, back_after, killed_at = time.monotonic(), {}, {}
     try:
         for name, step in FAULTS:
             up.wait_for(f"step {step:>3}/{CHAOS_STEPS}", timeout=900)
@@ -143,6 +147,8 @@ def test_every_service_and_redis_killed_once_the_run_completes_and_reconciles(tm
                 assert _appendfsync(up) == "always"
             os.kill(_pid_of(up, name), signal.SIGKILL)
             killed = time.monotonic()
+            killed_at[name] = max((int(m.group(1)) for line in list(up.lines)
+                                   if (m := re.search(r"step +(\d+)/", line))), default=0)
             back_after[name] = round(up.wait_for(f"{name} started again", timeout=300) - killed)
         code = up.process.wait(900)
         up.reader.join(10)
@@ -164,7 +170,7 @@ def test_every_service_and_redis_killed_once_the_run_completes_and_reconciles(tm
     finally:
         redis.stop()
     print(f"chaos: faults injected {len(FAULTS)}, runs completed 1, {CHAOS_STEPS} steps in {seconds:.0f}s; {figures}; "
-          f"started again after (s): {back_after}")
+          f"started again after (s): {back_after}; killed after step: {killed_at}")
     assert figures["lost"] == 0 and figures["failed"] == 0, figures
     assert figures["produced"] == (figures["trained"] + figures["rejected"] + figures["failed_group"]
                                    + figures["in_flight"]), figures
