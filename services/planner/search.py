@@ -1,8 +1,8 @@
 """Allocation search of the Global Resource Planner: split a fixed GPU budget between training and
 rollout so that the step time max(T_train, T_rollout) is smallest.
 
-Owns candidate enumeration, the filters (memory, batch divisibility, whole GRPO groups per DP
-replica, min GPUs per side, node placement: `placement.py`) and pruning. Costs come from
+Owns candidate enumeration, the filters (memory; the cost-free layout rules, `layout_rules.py`:
+min GPUs per side, whole nodes, whole GRPO groups per DP replica) and pruning. Costs come from
 `cost_train` and `cost_rollout`; this module must not know about Redis, RPCs or the clock. When
 nothing passes, the error names every reason with its count, and the binding resource in numbers
 (the least GiB per GPU any layout of a side needed against what the GPU allows).
@@ -26,6 +26,7 @@ from libra.services.planner import cost_rollout, cost_train, placement
 from libra.services.planner.cost_rollout import Infeasible, OverMemory, RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
 from libra.services.planner.hardware import GpuSpec, ModelSpec
+from libra.services.planner.layout_rules import layout_filter
 from libra.services.planner.rejections import Rejections
 
 Multiset = tuple[tuple[int, int], ...]  # ((tp, instances), ...) sorted by tp
@@ -184,32 +185,6 @@ def _train_layouts(model: ModelSpec, gpu: GpuSpec, batch: int, seq_len: int, con
                     out.append((est.seconds, Layout(tp, pp, dp, mb)))
     out.sort(key=lambda item: item[0])
     return out
-
-
-def layout_filter(gpus: int, dp: int, batch: int, per_node: int, whole: bool, config: SearchConfig) -> str:
-    if gpus < config.min_train_gpus:
-        return f"fewer than min_train_gpus={config.min_train_gpus} for training"
-    if config.total_gpus - gpus < config.min_rollout_gpus:
-        return f"fewer than min_rollout_gpus={config.min_rollout_gpus} left for rollout"
-    if whole:
-        rule = placement.whole_node_rule(gpus, config.total_gpus, per_node)
-        if rule:
-            return rule
-    if batch % config.group_size:
-        return f"a batch of {batch} is not whole GRPO groups of {config.group_size}"
-    return data_parallel_rule(dp, batch, config)
-
-
-def data_parallel_rule(dp: int, batch: int, config: SearchConfig) -> str:
-    """Why `dp` replicas cannot split a batch of `batch` sequences (whole GRPO groups), or "": every
-    replica needs a group, and the groups divide evenly unless `uneven_splits_up_to` allows otherwise."""
-    groups = batch // config.group_size
-    if groups < dp:
-        return f"a DP replica would get no GRPO group of {config.group_size} in a batch of {batch}"
-    if groups % dp and config.total_gpus > config.uneven_splits_up_to:
-        return (f"a DP replica would train more groups of {config.group_size} than another "
-                f"(uneven_splits_up_to={config.uneven_splits_up_to})")
-    return ""
 
 
 class _FleetCosts:

@@ -24,8 +24,8 @@ from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.cost_train import Layout
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.rejections import Rejections
-from libra.services.planner.search import (Candidate, Multiset, SearchConfig, SearchResult, layout_filter,
-                                           rollout_instances)
+from libra.services.planner.layout_rules import layout_filter
+from libra.services.planner.search import Candidate, Multiset, SearchConfig, SearchResult, rollout_instances
 from libra.services.planner.transition import same_plan
 
 

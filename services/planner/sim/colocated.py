@@ -22,7 +22,8 @@ from libra.services.planner import cost_rollout, cost_train
 from libra.services.planner.cost_rollout import Infeasible
 from libra.services.planner.cost_train import Layout
 from libra.services.planner.hardware import GpuSpec, ModelSpec
-from libra.services.planner.search import Candidate, SearchConfig, data_parallel_rule
+from libra.services.planner.layout_rules import data_parallel_rule
+from libra.services.planner.search import Candidate, SearchConfig
 from libra.services.planner.sim.result import StepRecord
 from libra.traces.spec import Trace
 
