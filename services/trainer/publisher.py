@@ -126,13 +126,7 @@ class WeightPublisher:
         if await self.first_version(0) != 1:
             return None
         started = time.monotonic()
-        out = self.root / "v1"
-        partial = out.with_name(out.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        await asyncio.to_thread(shutil.copytree, model_dir, partial, copy_function=_link_or_copy)
-        shutil.rmtree(out, ignore_errors=True)
-        partial.rename(out)
-        self._paths[1] = str(out)
+        out = await self._put(1, lambda partial: shutil.copytree(model_dir, partial, copy_function=_link_or_copy))
         await self.store.raise_version(0)
         await self.record_path_as(1, str(out))
         _log.info("version 1 is the base model's files", path=str(out), seconds=round(time.monotonic() - started, 4))
@@ -339,15 +333,20 @@ class WeightPublisher:
     async def _write(self, version: int) -> tuple[str, float]:
         """Write the weights as RUN_DIR/weights/vN (atomically: a worker never reads half a set)."""
         started = time.monotonic()
+        out = await self._put(version, lambda partial: self.backend.save_weights(str(partial)))
+        self._prune(keep_from=version - self.config.trainer.max_staleness - 2)
+        return str(out), time.monotonic() - started
+
+    async def _put(self, version: int, fill: Any) -> pathlib.Path:
+        """RUN_DIR/weights/vN made by `fill(staging directory)` in a thread, then renamed into place."""
         out = self.root / f"v{version}"
         partial = out.with_name(out.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        await asyncio.to_thread(self.backend.save_weights, str(partial))
+        await asyncio.to_thread(fill, partial)
         shutil.rmtree(out, ignore_errors=True)
         partial.rename(out)
         self._paths[version] = str(out)
-        self._prune(keep_from=version - self.config.trainer.max_staleness - 2)
-        return str(out), time.monotonic() - started
+        return out
 
     async def _on_disk(self, version: int) -> tuple[str, float]:
         """The disk copy of a version published without one: written now, its path recorded."""
