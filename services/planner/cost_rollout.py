@@ -253,11 +253,20 @@ def _greedy(trace: Sequence[tuple[int, int]], instances: Sequence[Instance], cut
             prefill_s = prefill_s + per_token * prompt
             decode = decode + output
             context = context + prompt + output / 2.0
-            longest = max(longest, output)
+            if output > longest:  # (max() and min() written out: ~20 million calls at 4,096 GPUs)
+                longest = output
             requests = requests + 1
             mean = context / requests
-            batch = max(1, min(requests, max_seqs, int(capacity // max(mean, 1.0))))
-            steps = max(longest, -(-decode // batch))
+            batch = int(capacity // (mean if mean > 1.0 else 1.0))
+            if requests < batch:
+                batch = requests
+            if max_seqs < batch:
+                batch = max_seqs
+            if batch < 1:
+                batch = 1
+            steps = -(-decode // batch)
+            if longest > steps:
+                steps = longest
             fraction = 1.0 if moe is None else _expert_read_fraction(moe, batch)
             finish = prefill_s + steps * (weight_s * fraction + kv_s * batch * mean + fixed + per_seq * batch)
             if best_heap is None or finish < best_finish:
