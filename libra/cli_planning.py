@@ -76,7 +76,8 @@ def _simulated(args: argparse.Namespace, model, gpu, batch, options: dict):
 
     config = search_config(args.gpus, args.top_k, options)
     sim = SimConfig(staleness=args.staleness, policy=args.policy, batching="in_order")
-    return first_plan(model, gpu, config, sim, batch, ReplanSettings(sim_workers=args.sim_workers))
+    return first_plan(model, gpu, config, sim, batch, ReplanSettings(sim_workers=args.sim_workers),
+                      progress=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _check_sim_workers(value: int) -> None:
@@ -175,10 +176,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
         every = max(1, args.steps // 10)
         report = lambda r: print(f"  step {r.step:4d}  t={r.time_s:9,.0f}s  step {r.interval_s:6.1f}s  "  # noqa: E731
                                  f"rollout {r.rollout_s:6.1f}s  train {r.train_s:6.1f}s") if r.step % every == 0 else None
+        note = lambda line: print(line, flush=True)  # noqa: E731 - the first plan's choice, as it goes
         with checkpoint.stop_on_signals() if checkpoint is not None else contextlib.nullcontext():
             if design is not None:
                 print(design.describe())
-                played = sim_design.simulate_design(design, trace, args.steps, progress=report, checkpoint=checkpoint)
+                played = sim_design.simulate_design(design, trace, args.steps, progress=report, checkpoint=checkpoint,
+                                                    notes=note)
                 result, extra = played.result, played.lines()
             else:
                 replan = ReplanSettings(sim_workers=args.sim_workers if args.sim_workers is not None else 1)
@@ -187,7 +190,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
                                                  SimConfig(staleness=1 if args.staleness is None else args.staleness,
                                                            max_workers=args.max_workers),
                                                  replan, progress=report, group_size=group_size,
-                                                 checkpoint=checkpoint), []
+                                                 checkpoint=checkpoint, notes=note), []
     except Stopped as stopped:  # SIGTERM/SIGINT with --checkpoint: saved, not lost
         print(f"libra sim: {stopped}", file=sys.stderr)
         return EXIT_STOPPED

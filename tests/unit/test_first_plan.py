@@ -100,3 +100,17 @@ def test_the_splits_around_the_searchs_choice_are_ranked_too():
     assert _scaled(((8, 3),), 20, {4: 0, 8: 0}) == ((4, 1), (8, 2))  # the rest to the widest that fits
     chosen = first_plan(MODEL, GPU, config, SimConfig(), trace.steps[0], SETTINGS)
     assert any(c.layout.gpus != best.layout.gpus for c, _ in chosen.ranked)
+
+
+def test_the_choice_reports_its_progress_a_line_per_replay():
+    """At cluster scale the choice takes a minute of CPU: `progress` hears the search, each replay
+    as it ends (its seconds per step, its plan) and the choice, in that order."""
+    config = SearchConfig(total_gpus=8, group_size=4, exact_multiset_limit=64)
+    trace = synthetic.drifting(4, 8, 4, seed=0, drift=0.0)
+    lines: list[str] = []
+    chosen = first_plan(MODEL, GPU, config, SimConfig(), trace.steps[0], SETTINGS, progress=lines.append)
+    replays = [line for line in lines if line.startswith("  replay ")]
+    assert lines[0].startswith("first plan: the closed-form search on step 0's batch of 32 trajectories")
+    assert len(replays) == len(chosen.ranked) and replays[0].startswith(f"  replay 1/{len(chosen.ranked)}:")
+    assert {line.rsplit("per step  ", 1)[1] for line in replays} == {c.describe() for c, _ in chosen.ranked}
+    assert lines[-1].startswith(f"first plan: {chosen.chosen.describe()} ({chosen.ranked[0][1]:.1f}s per step; ")

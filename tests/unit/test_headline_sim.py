@@ -80,6 +80,11 @@ def test_libra_sim_runs_each_config(key, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "trajectories/s" in done.stdout and "busy GPU fraction per pool" in done.stdout
     assert "throughput ceiling of these batches" in done.stdout
+    if key in "cd":  # the first plan chosen by replays: each reported as it ends, before the first step
+        lines = done.stdout.splitlines()
+        first = lines.index(next(line for line in lines if line.startswith("first plan: train ")))
+        assert any(line.startswith("  replay 1/") for line in lines[:first])
+        assert first < lines.index(next(line for line in lines if line.startswith("  step    0")))
     written = json.loads(out.read_text())
     assert written["run"] == f"headline-{key}"
     assert 0 < written["trajectories_per_s"] <= written["ceiling_trajectories_per_s"] or written["rejected"]

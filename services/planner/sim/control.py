@@ -23,7 +23,7 @@ Controllers see only what the real planner would see: finished steps' facts, nev
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from libra.services.planner.config import ReplanSettings
 from libra.services.planner.hardware import GpuSpec, ModelSpec
@@ -56,9 +56,11 @@ class SearchOnce:
     the replanner's settings (rank: simulate) and the replay's `SimConfig`, else the search's best."""
 
     def __init__(self, name: str, model: ModelSpec, gpu: GpuSpec, config: SearchConfig,
-                 settings: ReplanSettings | None = None, sim: "SimConfig | None" = None):
+                 settings: ReplanSettings | None = None, sim: "SimConfig | None" = None,
+                 progress: Callable[[str], None] | None = None):
         self.name, self.model, self.gpu, self.config = name, model, gpu, config
         self.settings, self.sim = settings, sim
+        self.progress = progress  # told how the first plan's choice goes (rank.first_plan)
         self.reason = ""
         self.first = None  # rank.FirstPlan, when simulated
 
@@ -66,7 +68,8 @@ class SearchOnce:
         if self.settings is not None and self.settings.rank == "simulate" and self.sim is not None:
             from libra.services.planner.sim.rank import first_plan  # (rank imports the simulator, which imports us)
 
-            self.first = first_plan(self.model, self.gpu, self.config, self.sim, trace.steps[0], self.settings)
+            self.first = first_plan(self.model, self.gpu, self.config, self.sim, trace.steps[0], self.settings,
+                                    self.progress)
             self.reason = f"step 0's batch: {self.first.reason}"
             return self.first.chosen
         result = search(self.model, self.gpu, trace.pairs(0), self.config)
@@ -83,8 +86,8 @@ class SearchOnce:
 
 
 def static(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, settings: ReplanSettings | None = None,
-           sim: "SimConfig | None" = None) -> SearchOnce:
-    return SearchOnce("static", model, gpu, config, settings, sim)
+           sim: "SimConfig | None" = None, progress: Callable[[str], None] | None = None) -> SearchOnce:
+    return SearchOnce("static", model, gpu, config, settings, sim, progress)
 
 
 def homogeneous_tp2(model: ModelSpec, gpu: GpuSpec, config: SearchConfig) -> SearchOnce:
@@ -95,8 +98,8 @@ class Online(SearchOnce):
     """Starts like `static` (or from `first`), then lets the `Replanner` decide after every step."""
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, config: SearchConfig, settings: ReplanSettings,
-                 sim: "SimConfig", first: Candidate | None = None):
-        super().__init__("online", model, gpu, config, settings, sim)
+                 sim: "SimConfig", first: Candidate | None = None, progress: Callable[[str], None] | None = None):
+        super().__init__("online", model, gpu, config, settings, sim, progress)
         self.given = first
         self.replanner: Replanner | None = None
         self.trace: Trace | None = None

@@ -128,14 +128,15 @@ def design_of(config: "RunConfig", max_workers: int = 256) -> Design:
     return Design(config.run_id, model, gpu, planner, search, sim, config.planner.replan)
 
 
-def controller_of(design: Design) -> control.Controller:
+def controller_of(design: Design, notes: Callable[[str], None] | None = None) -> control.Controller:
+    """The design's plan controller; `notes` is told how the first plan's choice goes (rank.first_plan)."""
     if design.planner == "colocated":
         return Colocated(design.model, design.gpu, design.search)
     # replays (the first plan's ranking, online's decisions) batch in order, as the planner service plays them
     replay = design.sim.model_copy(update={"batching": "in_order", "steps": 0})
     if design.planner == "online":
-        return control.Online(design.model, design.gpu, design.search, design.replan, replay)
-    return control.static(design.model, design.gpu, design.search, design.replan, replay)
+        return control.Online(design.model, design.gpu, design.search, design.replan, replay, progress=notes)
+    return control.static(design.model, design.gpu, design.search, design.replan, replay, progress=notes)
 
 
 def trace_batches(steps: int) -> int:
@@ -161,17 +162,18 @@ def trace_drift(drift: float, steps: int) -> float:
 
 def simulate_design(design: Design, trace: Trace, steps: int = 0,
                     progress: Callable[[StepRecord], None] | None = None,
-                    checkpoint: Checkpoint | None = None) -> DesignRun:
+                    checkpoint: Checkpoint | None = None, notes: Callable[[str], None] | None = None) -> DesignRun:
     """Train `steps` steps (0: one per batch) on `trace` under the design; a trace the design cannot
     run raises `InvalidArgument` naming why. With `checkpoint`, the run saves itself as it goes and,
-    where the checkpoint's file exists, goes on from it (checkpoint.py)."""
+    where the checkpoint's file exists, goes on from it (checkpoint.py). `notes` is told how the
+    first plan's choice goes (a minute of CPU at cluster scale), `progress` of each step."""
     if trace.batch % design.search.group_size:
         raise InvalidArgument(f"the trace's batch of {trace.batch} is not a whole number of GRPO groups of "
                               f"{design.search.group_size} (trainer.group_size)")
     sim = design.sim.model_copy(update={"steps": steps})
     try:
         simulator, result = Simulator.run_or_resume(
-            lambda: Simulator(design.model, design.gpu, trace, controller_of(design), design.search, sim),
+            lambda: Simulator(design.model, design.gpu, trace, controller_of(design, notes), design.search, sim),
             progress, checkpoint, design.replan.sim_workers)
     except Infeasible as error:
         raise InvalidArgument(f"{design.name}: {design.search.total_gpus} GPUs cannot run {design.model.name} on "

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 from libra.errors import InvalidArgument
 from libra.services.planner.cost_rollout import RolloutEfficiency
@@ -119,7 +120,7 @@ class FirstPlan:
 
 
 def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimConfig, batch: Sequence[TrajectorySpec],
-               settings: ReplanSettings) -> FirstPlan:
+               settings: ReplanSettings, progress: Callable[[str], None] | None = None) -> FirstPlan:
     """The plan for a run's start, chosen as the replanner chooses later ones (evaluate.by_simulation).
 
     The closed-form search on the first batch prunes: its best `settings.shortlist` + 1 distinct
@@ -129,8 +130,14 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
     `config`'s efficiencies (the uncalibrated defaults a run starts with); the fastest per step in
     the pipeline, once filled, is chosen (ties: the search's order). The closed form ranks one
     synchronous step and knows every length in advance, so its own best is often not the fastest
-    asynchronous plan (docs/benchmarks.md, the headline)."""
+    asynchronous plan (docs/benchmarks.md, the headline).
+
+    `progress`, if given, is told what is being done as it goes (a line per replay when they are
+    played here, one after the other): at cluster scale the choice takes a minute of CPU."""
+    say = progress or (lambda line: None)
+    started = time.process_time()
     lengths = pairs(batch)
+    say(f"first plan: the closed-form search on step 0's batch of {len(lengths):,} trajectories")
     wide = config.model_copy(update={"distinct_splits": True, "fleets_per_split": 2, "top_k": settings.shortlist + 1})
     result = search(model, gpu, lengths, wide)
     candidates = [result.best] + shortlist(result, model, gpu, lengths, wide, result.best, settings.shortlist,
@@ -142,8 +149,19 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
     ranker = SimRanker(model, gpu, config, sim, settings.sim_window_steps, settings.sim_warmup_steps,
                        workers=settings.sim_workers)
     window = ranker.repeated(batch)
+    say(f"first plan: {len(candidates)} candidate plans replayed on that batch, {len(window.steps)} steps each"
+        + (f", in {ranker.workers} processes" if ranker.workers > 1 else "")
+        + f" ({time.process_time() - started:.1f} CPU-s so far)")
+    plays = [Replay(candidate, config.rollout, config.train) for candidate in candidates]
     try:
-        replays = ranker.play_all(window, [Replay(candidate, config.rollout, config.train) for candidate in candidates])
+        if ranker.workers > 1:
+            replays = ranker.play_all(window, plays)
+        else:  # one at a time, each reported as it ends
+            replays = []
+            for index, play in enumerate(plays, start=1):
+                replays.append(ranker.play_all(window, [play])[0])
+                say(f"  replay {index}/{len(plays)}: {replays[-1].per_step_s:8.1f}s per step  "
+                    f"{play.plan.describe()}")
     finally:
         ranker.close()
     played = sorted(((replay.per_step_s, index, candidate)
@@ -161,6 +179,8 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
         reason = (f"the fastest of {len(ranked)} plans simulated on the batch: {per_step:.1f}s per step "
                   f"against {searched_s:.1f}s for the closed form's best ({result.best.describe()}): "
                   f"{chosen.describe()}")
+    say(f"first plan: {chosen.describe()} ({per_step:.1f}s per step; "
+        f"{time.process_time() - started + ranker.worker_cpu_s:.1f} CPU-s to choose)")
     return FirstPlan(chosen, result.best, ranked, reason, ranker.worker_cpu_s, ranker.workers)
 
 

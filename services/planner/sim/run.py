@@ -55,20 +55,22 @@ def build_trace(source: str, steps: int, prompts: int, group_size: int, seed: in
 
 
 def make_controller(planner: str, model: ModelSpec, gpu: GpuSpec, config: SearchConfig,
-                    replan: ReplanSettings | None = None, sim: SimConfig | None = None) -> control.Controller:
+                    replan: ReplanSettings | None = None, sim: SimConfig | None = None,
+                    notes: Callable[[str], None] | None = None) -> control.Controller:
     if planner == "static":
-        return control.static(model, gpu, config, replan or ReplanSettings(), sim or SimConfig())
+        return control.static(model, gpu, config, replan or ReplanSettings(), sim or SimConfig(), notes)
     if planner == "tp2":
         return control.homogeneous_tp2(model, gpu, config)
     if planner == "online":
-        return control.Online(model, gpu, config, replan or ReplanSettings(), sim or SimConfig())
+        return control.Online(model, gpu, config, replan or ReplanSettings(), sim or SimConfig(), progress=notes)
     raise InvalidArgument(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
 
 
 def simulate(model: ModelSpec, gpu: GpuSpec, gpus: int, trace: Trace, planner: str, policy: str,
              sim: SimConfig | None = None, replan: ReplanSettings | None = None,
              progress: Callable[[StepRecord], None] | None = None, group_size: int = 8,
-             search_options: dict | None = None, checkpoint: Checkpoint | None = None) -> SimResult:
+             search_options: dict | None = None, checkpoint: Checkpoint | None = None,
+             notes: Callable[[str], None] | None = None) -> SimResult:
     """Run one simulation (with `checkpoint`: saved as it goes, and continued from its file if there is
     one); every bad-input path ends in `InvalidArgument` naming the cause."""
     if gpus < 2:
@@ -84,7 +86,8 @@ def simulate(model: ModelSpec, gpu: GpuSpec, gpus: int, trace: Trace, planner: s
         raise InvalidArgument(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     try:
         return Simulator.run_or_resume(
-            lambda: Simulator(model, gpu, trace, make_controller(planner, model, gpu, config, replan, sim), config, sim),
+            lambda: Simulator(model, gpu, trace, make_controller(planner, model, gpu, config, replan, sim, notes), config,
+                              sim),
             progress, checkpoint, replan.sim_workers if replan is not None else None)[1]
     except Infeasible as error:
         raise InvalidArgument(f"{gpus} GPUs cannot run {model.name} on {gpu.name} for this trace: {error}") from None
