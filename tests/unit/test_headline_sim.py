@@ -113,6 +113,12 @@ def test_libra_sim_prints_and_writes_the_replanners_decisions(tmp_path):
     assert len(lines) == len(decisions)
     assert [line.split(": ", 2)[2] for line in lines] == [d["reason"] for d in decisions]
     assert len(applied) == len(json.loads(out.read_text())["plan_changes"])
+    # as they happen, the decisions that replayed (the others decide in no time): a line each
+    evaluated = [d for d in decisions if "simulated on the last" in d["reason"]]
+    live = [line for line in quiet.stdout.splitlines() if line.startswith("  decision after step ")]
+    assert evaluated and len(live) == len(evaluated), quiet.stdout
+    assert [int(line.split()[3].rstrip(":")) for line in live] == [d["step"] for d in evaluated]
+    assert all(" replays, " in line and "CPU-s" in line for line in live)
 
 
 def test_libra_sim_refuses_flags_the_config_sets():

@@ -23,6 +23,7 @@ Controllers see only what the real planner would see: finished steps' facts, nev
 from __future__ import annotations
 
 from dataclasses import dataclass
+import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from libra.services.planner.config import ReplanSettings
@@ -63,6 +64,11 @@ class SearchOnce:
         self.progress = progress  # told how the first plan's choice goes (rank.first_plan)
         self.reason = ""
         self.first = None  # rank.FirstPlan, when simulated
+
+    def __getstate__(self) -> dict:
+        """What a checkpoint keeps (sim/checkpoint.py): all but `progress`, a caller's callback (often
+        a lambda, which pickle refuses), needed only while the first plan is chosen."""
+        return {**self.__dict__, "progress": None}
 
     def initial(self, trace: Trace) -> Candidate:
         if self.settings is not None and self.settings.rank == "simulate" and self.sim is not None:
@@ -124,6 +130,8 @@ class Online(SearchOnce):
 
     def after_step(self, record: StepRecord) -> PlanChange | None:
         assert self.replanner is not None and self.trace is not None, "initial() first"
+        ranker = self.replanner.ranker
+        plays, cpu = getattr(ranker, "plays", 0), time.process_time() + getattr(ranker, "worker_cpu_s", 0.0)
         rejected = self.replanner.observe_step(StepObservation(
             record.step, record.interval_s, record.rollout_s, record.train_s, record.queue_depth,
             record.active_rollouts, 0, list(record.lengths), record.sequences, self.trace.steps[record.step]))
@@ -133,6 +141,11 @@ class Online(SearchOnce):
         decision = self.replanner.consider(record.time_s)
         if decision.record or decision.applied:
             self.decisions.append((record.step, decision.applied, decision.reason))
+            played = getattr(ranker, "plays", 0) - plays
+            if self.progress is not None and played:  # a decision that replayed: minutes at cluster scale
+                spent = time.process_time() + getattr(ranker, "worker_cpu_s", 0.0) - cpu
+                self.progress(f"  decision after step {record.step}: {'MOVE' if decision.applied else 'keep'} "
+                              f"({played} replays, {spent:.1f} CPU-s; --decisions prints why)")
         if decision.applied and decision.chosen is not None:
             self.changes.append(PlanChange(decision.chosen, decision.downtime_s,
                                            decision.reason))
