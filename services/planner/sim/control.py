@@ -22,8 +22,8 @@ Controllers see only what the real planner would see: finished steps' facts, nev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from libra.services.planner.config import ReplanSettings
@@ -61,13 +61,14 @@ class SearchOnce:
                  progress: Callable[[str], None] | None = None):
         self.name, self.model, self.gpu, self.config = name, model, gpu, config
         self.settings, self.sim = settings, sim
-        self.progress = progress  # told how the first plan's choice goes (rank.first_plan)
+        self.progress = progress  # told how the first plan's choice goes (rank.first_plan), and online each decision
         self.reason = ""
         self.first = None  # rank.FirstPlan, when simulated
 
     def __getstate__(self) -> dict:
         """What a checkpoint keeps (sim/checkpoint.py): all but `progress`, a caller's callback (often
-        a lambda, which pickle refuses), needed only while the first plan is chosen."""
+        a lambda, which pickle refuses; a run resumed from a checkpoint reports its steps, not its
+        decisions as they are taken: `--decisions` and the JSON still hold them)."""
         return {**self.__dict__, "progress": None}
 
     def initial(self, trace: Trace) -> Candidate:
