@@ -94,7 +94,8 @@ def test_plan_simulate_ranks_the_shortlist_on_the_simulator_and_keeps_the_batchs
     assert "in 1 process;" in alone.stdout and [line for line in alone.stdout.splitlines() if line.startswith("  #")] \
         == ranked  # the default replays side by side (one process per core): the same ranking
     progress = alone.stderr.splitlines()  # the choice as it goes, apart from the answer on stdout
-    assert progress[0].startswith("first plan: the closed-form search") and progress[-1].startswith(f"first plan: {chosen}")
+    assert progress[0].startswith("first plan: the closed-form search")
+    assert progress[-1].startswith(f"first plan: {chosen}")
     assert sum(line.startswith("  replay ") for line in progress) == len(ranked)
     bad = libra("plan", "--trace", path, "--gpus", "16", "--simulate", "--staleness", "99")
     assert refused(bad, "--staleness must be in 0..64")
