@@ -77,7 +77,7 @@ def _simulated(args: argparse.Namespace, model, gpu, batch, options: dict):
     config = search_config(args.gpus, args.top_k, options)
     sim = SimConfig(staleness=args.staleness, policy=args.policy, batching="in_order")
     return first_plan(model, gpu, config, sim, batch, ReplanSettings(sim_workers=args.sim_workers),
-                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+                      notes=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _check_sim_workers(value: int) -> None:

@@ -43,7 +43,7 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from libra import log as liblog
 from libra.config import RunConfig
@@ -337,7 +337,7 @@ class WeightPublisher:
         self._prune(keep_from=version - self.config.trainer.max_staleness - 2)
         return str(out), time.monotonic() - started
 
-    async def _put(self, version: int, fill: Any) -> pathlib.Path:
+    async def _put(self, version: int, fill: Callable[[pathlib.Path], object]) -> pathlib.Path:
         """RUN_DIR/weights/vN made by `fill(staging directory)` in a thread, then renamed into place."""
         out = self.root / f"v{version}"
         partial = out.with_name(out.name + ".partial")

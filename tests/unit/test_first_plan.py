@@ -103,12 +103,12 @@ def test_the_splits_around_the_searchs_choice_are_ranked_too():
 
 
 def test_the_choice_reports_its_progress_a_line_per_replay():
-    """At cluster scale the choice takes a minute of CPU: `progress` hears the search, each replay
+    """At cluster scale the choice takes a minute of CPU: `notes` hears the search, each replay
     as it ends (its seconds per step, its plan) and the choice, in that order."""
     config = SearchConfig(total_gpus=8, group_size=4, exact_multiset_limit=64)
     trace = synthetic.drifting(4, 8, 4, seed=0, drift=0.0)
     lines: list[str] = []
-    chosen = first_plan(MODEL, GPU, config, SimConfig(), trace.steps[0], SETTINGS, progress=lines.append)
+    chosen = first_plan(MODEL, GPU, config, SimConfig(), trace.steps[0], SETTINGS, notes=lines.append)
     replays = [line for line in lines if line.startswith("  replay ")]
     assert lines[0].startswith("first plan: the closed-form search on step 0's batch of 32 trajectories")
     assert len(replays) == len(chosen.ranked) and replays[0].startswith(f"  replay 1/{len(chosen.ranked)}:")

@@ -58,25 +58,25 @@ class SearchOnce:
 
     def __init__(self, name: str, model: ModelSpec, gpu: GpuSpec, config: SearchConfig,
                  settings: ReplanSettings | None = None, sim: "SimConfig | None" = None,
-                 progress: Callable[[str], None] | None = None):
+                 notes: Callable[[str], None] | None = None):
         self.name, self.model, self.gpu, self.config = name, model, gpu, config
         self.settings, self.sim = settings, sim
-        self.progress = progress  # told how the first plan's choice goes (rank.first_plan), and online each decision
+        self.notes = notes  # told, a line at a time, how the first plan's choice goes and (online) each decision
         self.reason = ""
         self.first = None  # rank.FirstPlan, when simulated
 
     def __getstate__(self) -> dict:
-        """What a checkpoint keeps (sim/checkpoint.py): all but `progress`, a caller's callback (often
+        """What a checkpoint keeps (sim/checkpoint.py): all but `notes`, a caller's callback (often
         a lambda, which pickle refuses; a run resumed from a checkpoint reports its steps, not its
         decisions as they are taken: `--decisions` and the JSON still hold them)."""
-        return {**self.__dict__, "progress": None}
+        return {**self.__dict__, "notes": None}
 
     def initial(self, trace: Trace) -> Candidate:
         if self.settings is not None and self.settings.rank == "simulate" and self.sim is not None:
             from libra.services.planner.sim.rank import first_plan  # (rank imports the simulator, which imports us)
 
             self.first = first_plan(self.model, self.gpu, self.config, self.sim, trace.steps[0], self.settings,
-                                    self.progress)
+                                    notes=self.notes)
             self.reason = f"step 0's batch: {self.first.reason}"
             return self.first.chosen
         result = search(self.model, self.gpu, trace.pairs(0), self.config)
@@ -93,8 +93,8 @@ class SearchOnce:
 
 
 def static(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, settings: ReplanSettings | None = None,
-           sim: "SimConfig | None" = None, progress: Callable[[str], None] | None = None) -> SearchOnce:
-    return SearchOnce("static", model, gpu, config, settings, sim, progress)
+           sim: "SimConfig | None" = None, notes: Callable[[str], None] | None = None) -> SearchOnce:
+    return SearchOnce("static", model, gpu, config, settings, sim, notes)
 
 
 def homogeneous_tp2(model: ModelSpec, gpu: GpuSpec, config: SearchConfig) -> SearchOnce:
@@ -105,8 +105,8 @@ class Online(SearchOnce):
     """Starts like `static` (or from `first`), then lets the `Replanner` decide after every step."""
 
     def __init__(self, model: ModelSpec, gpu: GpuSpec, config: SearchConfig, settings: ReplanSettings,
-                 sim: "SimConfig", first: Candidate | None = None, progress: Callable[[str], None] | None = None):
-        super().__init__("online", model, gpu, config, settings, sim, progress)
+                 sim: "SimConfig", first: Candidate | None = None, notes: Callable[[str], None] | None = None):
+        super().__init__("online", model, gpu, config, settings, sim, notes)
         self.given = first
         self.replanner: Replanner | None = None
         self.trace: Trace | None = None
@@ -131,8 +131,7 @@ class Online(SearchOnce):
 
     def after_step(self, record: StepRecord) -> PlanChange | None:
         assert self.replanner is not None and self.trace is not None, "initial() first"
-        ranker = self.replanner.ranker
-        plays, cpu = getattr(ranker, "plays", 0), time.process_time() + getattr(ranker, "worker_cpu_s", 0.0)
+        plays, cpu = self._replays_so_far()
         rejected = self.replanner.observe_step(StepObservation(
             record.step, record.interval_s, record.rollout_s, record.train_s, record.queue_depth,
             record.active_rollouts, 0, list(record.lengths), record.sequences, self.trace.steps[record.step]))
@@ -142,16 +141,21 @@ class Online(SearchOnce):
         decision = self.replanner.consider(record.time_s)
         if decision.record or decision.applied:
             self.decisions.append((record.step, decision.applied, decision.reason))
-            played = getattr(ranker, "plays", 0) - plays
-            if self.progress is not None and played:  # a decision that replayed: minutes at cluster scale
-                spent = time.process_time() + getattr(ranker, "worker_cpu_s", 0.0) - cpu
-                self.progress(f"  decision after step {record.step}: {'MOVE' if decision.applied else 'keep'} "
-                              f"({played} replays, {spent:.1f} CPU-s; --decisions prints why)")
+            plays_now, cpu_now = self._replays_so_far()
+            if self.notes is not None and plays_now > plays:  # a decision that replayed: minutes at cluster scale
+                self.notes(f"  decision after step {record.step}: {'MOVE' if decision.applied else 'keep'} "
+                           f"({plays_now - plays} replays, {cpu_now - cpu:.1f} CPU-s; --decisions prints why)")
         if decision.applied and decision.chosen is not None:
             self.changes.append(PlanChange(decision.chosen, decision.downtime_s,
                                            decision.reason))
             return self.changes[-1]
         return None
+
+    def _replays_so_far(self) -> tuple[int, float]:
+        """Replays the replanner has played, and the CPU seconds of this process and its replay workers."""
+        ranker = self.replanner.ranker if self.replanner is not None else None
+        return (ranker.plays if ranker is not None else 0,
+                time.process_time() + (ranker.worker_cpu_s if ranker is not None else 0.0))
 
     @property
     def worker_cpu_s(self) -> float:

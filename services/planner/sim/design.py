@@ -135,8 +135,8 @@ def controller_of(design: Design, notes: Callable[[str], None] | None = None) ->
     # replays (the first plan's ranking, online's decisions) batch in order, as the planner service plays them
     replay = design.sim.model_copy(update={"batching": "in_order", "steps": 0})
     if design.planner == "online":
-        return control.Online(design.model, design.gpu, design.search, design.replan, replay, progress=notes)
-    return control.static(design.model, design.gpu, design.search, design.replan, replay, progress=notes)
+        return control.Online(design.model, design.gpu, design.search, design.replan, replay, notes=notes)
+    return control.static(design.model, design.gpu, design.search, design.replan, replay, notes=notes)
 
 
 def trace_batches(steps: int) -> int:

@@ -120,7 +120,7 @@ class FirstPlan:
 
 
 def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimConfig, batch: Sequence[TrajectorySpec],
-               settings: ReplanSettings, progress: Callable[[str], None] | None = None) -> FirstPlan:
+               settings: ReplanSettings, notes: Callable[[str], None] | None = None) -> FirstPlan:
     """The plan for a run's start, chosen as the replanner chooses later ones (evaluate.by_simulation).
 
     The closed-form search on the first batch prunes: its best `settings.shortlist` + 1 distinct
@@ -132,9 +132,9 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
     synchronous step and knows every length in advance, so its own best is often not the fastest
     asynchronous plan (docs/benchmarks.md, the headline).
 
-    `progress`, if given, is told what is being done as it goes (a line per replay when they are
+    `notes`, if given, is told what is being done as it goes (a line per replay when they are
     played here, one after the other): at cluster scale the choice takes a minute of CPU."""
-    say = progress or (lambda line: None)
+    say = notes or (lambda line: None)
     started = time.process_time()
     lengths = pairs(batch)
     say(f"first plan: the closed-form search on step 0's batch of {len(lengths):,} trajectories")

@@ -62,7 +62,7 @@ def make_controller(planner: str, model: ModelSpec, gpu: GpuSpec, config: Search
     if planner == "tp2":
         return control.homogeneous_tp2(model, gpu, config)
     if planner == "online":
-        return control.Online(model, gpu, config, replan or ReplanSettings(), sim or SimConfig(), progress=notes)
+        return control.Online(model, gpu, config, replan or ReplanSettings(), sim or SimConfig(), notes=notes)
     raise InvalidArgument(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
 
 
