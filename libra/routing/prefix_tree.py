@@ -63,9 +63,10 @@ class Tree:
         return self.edges.get(f"{node}/{sig}", -1)
 
     def add_child(self, node: int, sig: str) -> int:
-        found = self.edges.get(f"{node}/{sig}", -1)
+        key = f"{node}/{sig}"
+        found = self.edges.get(key, -1)
         if found < 0:
-            found = self.edges[f"{node}/{sig}"] = len(self.visits)
+            found = self.edges[key] = len(self.visits)
             self.visits.append(0)
             self.means.append(0.0)
             self.p90s.append(-1)
@@ -195,11 +196,30 @@ class PrefixForest:
         return tree.pruned(max(1, self.max_tree_nodes // 2)) if len(tree) > self.max_tree_nodes else tree
 
     def _walk_insert(self, tree: Tree, signatures: list[str], remaining_after: list[int]) -> None:
+        """`Tree.observe` at the root, then `add_child` and `observe` along the path, inlined (once
+        per node of a finished trajectory's path, in two trees)."""
+        edges, visits, means, p90s, windows, size = tree.edges, tree.visits, tree.means, tree.p90s, tree.windows, \
+            self.window
         node = 0
-        tree.observe(node, remaining_after[0], self.window)
-        for sig, remaining in zip(signatures, remaining_after[1:]):
-            node = tree.add_child(node, sig)
-            tree.observe(node, remaining, self.window)
+        for depth, remaining in enumerate(remaining_after):
+            if depth:
+                key = f"{node}/{signatures[depth - 1]}"
+                child = edges.get(key, -1)
+                if child < 0:
+                    child = edges[key] = len(visits)
+                    visits.append(0)
+                    means.append(0.0)
+                    p90s.append(-1)
+                    windows.append(array("q"))
+                node = child
+            window, seen = windows[node], visits[node]
+            if len(window) < size:
+                window.append(remaining)
+            else:
+                window[seen % size] = remaining
+            visits[node] = seen + 1
+            means[node] += (remaining - means[node]) / (seen + 1)
+            p90s[node] = -1
 
     def lookup(self, prompt_id: str, signatures: list[str],
                walk: Walk | None = None) -> tuple[NodeStats | None, str | None, int]:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 
 from libra.errors import InvalidArgument
 from libra.traces import files, synthetic
-from libra.traces.spec import Trace, TrajectorySpec, TurnSpec, check
+from libra.traces.spec import Pairs, Trace, TrajectorySpec, TurnSpec, check, pairs
 
 
 def test_the_synthetic_trace_is_deterministic_by_seed():
@@ -169,3 +170,14 @@ def test_a_batch_copy_names_its_batch_and_its_original():
     assert [files.copy_of(s.trajectory_id) for step in trace.steps for s in step] == [
         (0, "g0-s1"), (1, "g1-s0"), (2, "g0-s1")]
     assert files.copy_of("g0-s1") is None  # not a copy
+
+
+def test_pairs_built_when_read_are_the_length_pairs_of_every_copy():
+    specs = (TrajectorySpec("a", "p", 0, 10, (TurnSpec(5, "calc", "success", 3, 0.1), TurnSpec(7)), copies=3),
+             TrajectorySpec("b", "q", 0, 4, (TurnSpec(2),)))
+    lazy = Pairs(specs)
+    assert len(lazy) == 4 and lazy._pairs is None  # its length costs no expansion
+    assert list(lazy) == pairs(specs) == [(13, 12)] * 3 + [(4, 2)]
+    assert lazy[-1] == (4, 2) and lazy[1:3] == [(13, 12)] * 2
+    assert list(pickle.loads(pickle.dumps(lazy))) == pairs(specs)  # a simulation's checkpoint holds its records
+    assert specs[0].output_tokens == 12 and specs[0].payload_tokens == 3

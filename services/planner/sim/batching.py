@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from libra.services.planner.sim.instance import SimulationError
-from libra.traces.spec import Trace, TrajectorySpec, pairs
+from libra.traces.spec import Pairs, Trace, TrajectorySpec
 
 Batching = Literal["in_order", "first_complete"]
 
@@ -40,8 +40,8 @@ class Batch:
     lags: tuple[tuple[int, int], ...]  # (versions behind the trainer, trajectories)
 
     @property
-    def lengths(self) -> list[tuple[int, int]]:
-        return pairs(self.specs)
+    def lengths(self) -> Pairs:
+        return Pairs(self.specs)
 
     @property
     def mean_tokens(self) -> float:
