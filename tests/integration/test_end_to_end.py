@@ -147,6 +147,7 @@ async def _check_state(redis_url: str, run_id: str, steps: int) -> None:
         assert {t.bucket for t in turns} == {"short", "long"}
         assert all(t.batch >= 1 for t in turns)  # each turn's mean batch over its span, itself included
         assert all(t.gap_seconds > 0 for t in turns)  # each turn's time since its trajectory's previous one
+        assert all(0 < t.route_seconds <= t.gap_seconds for t in turns)  # of it, the wait for the route
         assert all(t.trajectory_id.startswith("g") and "-s" in t.trajectory_id for t in turns)  # whose turn
         assert all(t.worker_id for t in turns) and len({t.worker_id for t in turns}) >= 2  # which engine served it
         places: dict[str, list[int]] = {}
