@@ -67,7 +67,6 @@ from libra.services.planner import cost_rollout  # noqa: E402
 from libra.services.planner.calibration import Calibration  # noqa: E402
 from libra.services.planner.cost_rollout import RolloutEfficiency  # noqa: E402
 from libra.services.planner.cost_train import Layout, TrainEfficiency  # noqa: E402
-from libra.services.planner import gaps  # noqa: E402
 from libra.services.planner.gaps import GapSampler, ReplySampler  # noqa: E402
 from libra.services.planner.hardware import ModelSpec  # noqa: E402
 from libra.services.planner.search import Candidate, SearchConfig  # noqa: E402
@@ -81,9 +80,6 @@ LABELS = {"step_s": "step time (s)", "turn_p50_s": "turn latency p50 (s)", "turn
           "busy_train": "busy fraction, training", "busy_rollout": "busy fraction, rollout workers"}
 PLAN = re.compile(r"train (\d+) GPU tp(\d+) pp(\d+) dp(\d+) \| (.*)$")
 BUCKET = re.compile(r"tp(\d+)x(\d+)")
-GAP_S = 0.0005  # answers of one scheduler write resume at the gateway within this (87% of successive ones)
-
-
 
 
 def tiny_model(config) -> ModelSpec:
@@ -95,7 +91,7 @@ def tiny_model(config) -> ModelSpec:
 
 
 # ---- calibrate and replay -----------------------------------------------------------------------
-def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma", cycles: bool = False) -> Calibration:
+def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma") -> Calibration:
     """The planner's calibration fed the run's history, record by record, as core.py feeds it.
     how: "ewma": the run config's settings (the online planner's: an EWMA that follows the last few
     samples); "mean": each estimator a plain mean of every sample of the run (alpha 1/n, with
@@ -105,9 +101,8 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma", 
         settings = settings.model_copy(update={"alpha": 1e-9, "min_samples": 10_000, "turn_window": 1e9})
     cal = Calibration(model, CPU_CORE, RolloutEfficiency(), TrainEfficiency(), settings)
     for turn in run.turns:
-        gap = turn.get("gap_seconds", 0.0) - (turn.get("route_seconds", 0.0) if cycles else 0.0)
         cal.observe_turn(max(1, turn["tp"]), turn["prompt_tokens"], turn["output_tokens"], turn["seconds"],
-                         turn["batch"], max(0.0, gap), turn["turn_number"])
+                         turn["batch"], turn.get("gap_seconds", 0.0), turn["turn_number"])
     overheads = trainer_overheads(run)
     for step in run.steps:
         lengths = list(zip(step["prompt_lengths"], step["output_lengths"]))
@@ -144,24 +139,7 @@ class RunBuckets(Simulator):
         self.rollout.policy = make_policy(self.routing, self.run_buckets)
 
 
-def route_cycles(turns: list[dict]) -> list[float]:
-    """The scheduler's answer cycles as the run's turns show them: the Routes answered in one write
-    come back within GAP_S of one another; the shortest wait among them is that cycle's length (the
-    last Route in came as the cycle before it ended)."""
-    answered = sorted((t["timestamp"] - t["seconds"], t["route_seconds"]) for t in turns if t.get("route_seconds"))
-    cycles, group = [], []
-    for at, wait in answered:
-        if group and at - group[-1][0] > GAP_S:
-            cycles.append(min(w for _, w in group))
-            group = []
-        group.append((at, wait))
-    if group:
-        cycles.append(min(w for _, w in group))
-    return cycles
-
-
-def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True,
-           cycles: bool = False) -> tuple[dict[str, float], dict]:
+def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[str, float], dict]:
     """The run replayed in the calibrated simulator: predicted figures and how it was calibrated
     (`turn_gap=False`: the gap between turns left out, to show what that term changes)."""
     config, trainer = run.config, run.config.trainer
@@ -170,11 +148,8 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True,
     batch = trainer.groups_per_step * trainer.group_size
     workers = sum(b.replicas for b in config.planner.buckets)
     layout = Layout(1, 1, 1, trainer.micro_batch_size)
-    cal = calibrate(run, model, layout, how, cycles)
+    cal = calibrate(run, model, layout, how)
     rollout = cal.rollout_efficiency()
-    measured_cycles = route_cycles(run.turns) if cycles else []
-    if measured_cycles:
-        rollout = rollout.model_copy(update={"route_cycle_quantiles": gaps.quantiles(measured_cycles)})
     if not turn_gap:
         rollout = rollout.model_copy(update={"turn_gap_s": 0.0, "first_gap_quantiles": (), "turn_gap_quantiles": ()})
     train_overhead = cal.train_efficiency().step_overhead_s  # in the simulated step; not in a busy fraction
@@ -289,9 +264,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="ewma: the online planner's settings (default); mean: each estimator over the whole run")
     parser.add_argument("--no-turn-gap", action="store_true",
                         help="replay without the calibrated gap between turns (what that term changes)")
-    parser.add_argument("--route-cycles", action="store_true",
-                        help="route the simulated turns in the scheduler's answer cycles, measured from the runs' "
-                             "route waits (turn records' route_seconds), the gaps less those waits")
     args = parser.parse_args(argv)
     keep = pathlib.Path(args.keep_runs)
     index = keep / "runs.json"
@@ -301,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     per_run, by_design = [], {}
     for entry in entries:
         run = load(keep, entry)
-        predicted, notes = replay(run, how=args.calibration, turn_gap=not args.no_turn_gap, cycles=args.route_cycles)
+        predicted, notes = replay(run, how=args.calibration, turn_gap=not args.no_turn_gap)
         real = measured(run)
         per_run.append({"run": run.name, "predicted": predicted, "measured": real, **notes})
         print(json.dumps({"run": run.name, **{f: [round(predicted[f], 3), round(real[f], 3)] for f in FIGURES},

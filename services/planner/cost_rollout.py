@@ -69,14 +69,8 @@ class RolloutEfficiency(Section):
                                                  "(request_s) at the probabilities of gaps.GAP_PROBS: the simulator "
                                                  "charges each turn request_s times a draw (empty: request_s); "
                                                  "the calibration measures them")
-    route_cycle_quantiles: tuple[float, ...] = Field((), description="seconds of one cycle of the scheduler's "
-                                                     "answers (the Routes that came during a cycle are answered "
-                                                     "together at the end of the next) at the probabilities of "
-                                                     "gaps.GAP_PROBS: the simulator routes turns in such cycles, "
-                                                     "the gaps' quantiles then being the rest of the gap (empty: "
-                                                     "each turn routed at the end of its own gap)")
 
-    @field_validator("first_gap_quantiles", "turn_gap_quantiles", "request_quantiles", "route_cycle_quantiles")
+    @field_validator("first_gap_quantiles", "turn_gap_quantiles", "request_quantiles")
     @classmethod
     def _gap_quantiles(cls, value: tuple[float, ...], info) -> tuple[float, ...]:
         return gaps.check_quantiles(value, info.field_name)

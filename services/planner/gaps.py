@@ -140,24 +140,6 @@ class GapSampler:
         return draw(values, f"{trajectory_id}/{turn}") if values else self.mean_s
 
 
-class CycleSampler:
-    """The scheduler's answer cycles in the simulator: each cycle's seconds a draw from the
-    calibrated quantiles, the n-th cycle keyed by n (the simulator is deterministic, so is n)."""
-
-    def __init__(self, values: Sequence[float]):
-        self.values = tuple(values)
-        self.cycles = 0
-
-    @classmethod
-    def of(cls, efficiency) -> "CycleSampler | None":
-        """None without calibrated cycles (each turn is routed at the end of its own gap)."""
-        return cls(efficiency.route_cycle_quantiles) if efficiency.route_cycle_quantiles else None
-
-    def draw(self) -> float:
-        self.cycles += 1
-        return draw(self.values, f"route-cycle/{self.cycles}")
-
-
 class Replies:
     """The last REPLY_WINDOW turns' engine features (the turn fit's first four terms and the
     collectives' seconds) and measured seconds: their time beyond the engine, against whichever

@@ -254,36 +254,3 @@ def test_with_a_calibrated_distribution_each_turn_draws_its_own_gap():
     assert statistics.fmean(drawn_back) == pytest.approx(statistics.fmean(back), abs=0.03)
     # the same gaps on average (the engines' batches differ a little once the trajectories spread out)
     assert statistics.fmean(drawn) == pytest.approx(statistics.fmean(alike), abs=0.03)
-
-
-def test_the_scheduler_answers_routes_in_cycles():
-    """`route_cycle_quantiles` (the scheduler applies what came, saves it and answers it in one write):
-    a Route that finds the scheduler idle is answered when its cycle ends; Routes that come during a
-    cycle wait for it and are answered together at the end of the next. A lone trajectory of three
-    turns waits one cycle before each; four released together: one cycle for the first, two for the
-    other three, which then reach their engine at the same moment."""
-    lone = (TurnSpec(50, "search", "success", 20, 0.5), TurnSpec(40, "search", "success", 20, 0.5), TurnSpec(30))
-    config = SearchConfig(total_gpus=2, group_size=1)
-    cycled = config.model_copy(update={"rollout": RolloutEfficiency(route_cycle_quantiles=(1.5,) * len(GAP_PROBS))})
-    trace = Trace(((TrajectorySpec("t0", "p0", 0, 200, lone),),))  # one batch: nothing else asks for routes
-    plan = search(MODEL, GPU, trace.pairs(0), config).best
-    spans = [sim_run.run_plan(MODEL, GPU, trace, plan, c).steps[0].rollout_s for c in (config, cycled)]
-    assert spans[1] == pytest.approx(spans[0] + 3 * 1.5, abs=1e-6), spans
-
-    together = Trace(tuple(tuple(TrajectorySpec(f"t{b}-{i}", f"p{b}", b, 200, (TurnSpec(30),)) for i in range(4))
-                           for b in range(2)))
-    arrivals: list[tuple[float, str]] = []
-
-    class Watched(Simulator):  # records when each turn is routed
-        def _setup(self):
-            super()._setup()
-            route = self.rollout.route
-
-            def watched(unit):
-                arrivals.append((self.events.now, unit.spec.trajectory_id))
-                return route(unit)
-            self.rollout.route = watched
-    four = cycled.model_copy(update={"group_size": 4})
-    Watched(MODEL, GPU, together, control.static(MODEL, GPU, four), four, SimConfig(policy="load_balance")).run()
-    first = [(round(t, 6), tid) for t, tid in arrivals if tid.startswith("t0-")]
-    assert first == [(1.5, "t0-0"), (3.0, "t0-1"), (3.0, "t0-2"), (3.0, "t0-3")], first

@@ -49,7 +49,7 @@ from typing import Callable
 from libra.errors import InvalidArgument
 from libra.routing.config import RoutingConfig
 from libra.routing.registry import make_policy
-from libra.services.planner.gaps import CycleSampler, GapSampler, ReplySampler
+from libra.services.planner.gaps import GapSampler, ReplySampler
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.preflight import to_plan
 from libra.services.planner.search import Candidate, SearchConfig
@@ -134,8 +134,7 @@ class Simulator:
         self.events = Events()
         self.rollout = Rollout(self.events, None, self.config.turn_budget_tokens, on_finish=self._finished,
                                gaps=GapSampler.of(self.search_config.rollout),
-                               replies=ReplySampler.of(self.search_config.rollout),
-                               cycles=CycleSampler.of(self.search_config.rollout))
+                               replies=ReplySampler.of(self.search_config.rollout))
         self.usage = Usage(self.config.colocated)
         self.feeder = feeder(self.config.batching, self.trace, self.config.staleness)
         if hasattr(self.instance_model, "on_start"):  # the version of each trajectory's first token

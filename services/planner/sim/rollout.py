@@ -37,13 +37,13 @@ from typing import Callable, Sequence
 
 from libra.errors import FailedPrecondition, InvalidArgument
 from libra.routing.policy import Policy, Turn, Worker
-from libra.services.planner.gaps import CycleSampler, GapSampler, ReplySampler
+from libra.services.planner.gaps import GapSampler, ReplySampler
 from libra.services.planner.sim.instance import Group, Instance, InstanceModel, SimulationError, Unit
 from libra.services.planner.sim.result import RolloutResult
 from libra.services.planner.sim.simple import SimpleModel
 from libra.traces.spec import TrajectorySpec, check_spec
 
-TOOL, DONE, UP, FINISH, PARKED, ANSWER = "tool", "done", "up", "finish", "parked", "answer"
+TOOL, DONE, UP, FINISH, PARKED = "tool", "done", "up", "finish", "parked"
 NONE: frozenset[str] = frozenset()
 
 
@@ -76,11 +76,9 @@ class Rollout:
 
     def __init__(self, events: Events, policy: Policy | None, turn_budget_tokens: int,
                  on_finish: Callable[[Unit], None] | None = None, gaps: GapSampler | None = None,
-                 replies: ReplySampler | None = None, cycles: CycleSampler | None = None):
+                 replies: ReplySampler | None = None):
         self.events, self.policy, self.turn_budget_tokens = events, policy, turn_budget_tokens
-        self.gaps, self.replies, self.cycles = gaps, replies, cycles
-        self.asked: list[Unit] = []  # Routes that came during the scheduler's cycle in progress
-        self.answering = False  # a cycle is in progress (its ANSWER event is queued)
+        self.gaps, self.replies = gaps, replies
         self.on_finish = on_finish
         self.instances: dict[str, Instance] = {}
         self.running: dict[str, set[Unit]] = {}  # instance -> the units whose turn it runs or queues
@@ -170,12 +168,7 @@ class Rollout:
             if item.alive and version == item.version:
                 self.done(item)
         elif kind == TOOL:
-            if self.cycles is not None:
-                self.ask(item)
-            else:
-                self.route(item)
-        elif kind == ANSWER:
-            self.answer(item)
+            self.route(item)
         elif kind == UP:
             self.up(item)
         elif kind == PARKED:
@@ -190,33 +183,9 @@ class Rollout:
         unit = self.new_unit(spec)
         if self.gaps is not None:
             self.events.push(self.events.now + self.gaps.draw(spec.trajectory_id, 0), TOOL, unit)
-        elif self.cycles is not None:
-            self.ask(unit)
         else:
             self.route(unit)
         return unit
-
-    def ask(self, unit: Unit) -> None:
-        """The gateway asks the scheduler for the turn's route. The scheduler answers in cycles (it
-        applies what came, saves it, answers it in one write): a Route that finds it idle starts a
-        cycle and is answered at its end; one that comes during a cycle waits for it to end and is
-        answered at the end of the next, with every other Route that came meanwhile (so turns reach
-        their engines together, as in the real runs)."""
-        if self.answering:
-            self.asked.append(unit)
-            return
-        self.answering = True
-        self.events.push(self.events.now + self.cycles.draw(), ANSWER, [unit])
-
-    def answer(self, units: list[Unit]) -> None:
-        """A cycle ends: its Routes are routed now; those that came during it start the next."""
-        self.answering = False
-        for unit in units:
-            self.route(unit)
-        if self.asked:
-            waiting, self.asked = self.asked, []
-            self.answering = True
-            self.events.push(self.events.now + self.cycles.draw(), ANSWER, waiting)
 
     def new_unit(self, spec: TrajectorySpec) -> Unit:
         """A trajectory released now, before its first turn (its whole prompt to prefill)."""
