@@ -7,6 +7,7 @@ trajectory's time split into turns, gaps and tools, simulated against measured.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 
 from kept_runs import Loaded, percentile
@@ -264,3 +265,22 @@ def shared_deviation(run: Loaded, fitted: list[float]) -> dict[str, float | None
             **{f"own_{k}": corr([(t.get(k, 0), t["seconds"] - f) for t, f in zip(run.turns, fitted)])
                for k in ("prompt_tokens", "output_tokens", "batch", "turn_number")},
             "deviation_sd_s": round(statistics.pstdev(t["seconds"] - f for t, f in zip(run.turns, fitted)), 4)}
+
+
+def answer_waves(run: Loaded, within_s: float = 0.0005) -> dict[str, float]:
+    """Whether the run's turns reach their engines in waves: the share of turns whose route answer
+    came within `within_s` of another turn's (the answers of one scheduler write resume together at
+    the gateway), beside the share Poisson arrivals at the same rate would give; the route wait's
+    share of the gaps and its median (turn records' route_seconds; absent in runs recorded before)."""
+    starts = sorted(t["timestamp"] - t["seconds"] for t in run.turns)
+    if len(starts) < 2 or starts[-1] <= starts[0]:
+        return {}
+    near = sum(bisect.bisect_right(starts, s + within_s) - bisect.bisect_left(starts, s - within_s) > 1
+               for s in starts) / len(starts)
+    rate = len(starts) / (starts[-1] - starts[0])
+    out = {"answers_together": round(near, 3), "if_poisson": round(1 - math.exp(-2 * within_s * rate), 3)}
+    routes = [t["route_seconds"] for t in run.turns if t.get("route_seconds")]
+    gaps = sum(t.get("gap_seconds", 0.0) for t in run.turns if t.get("route_seconds"))
+    if routes and gaps > 0:
+        out.update(route_share_of_gap=round(sum(routes) / gaps, 3), route_p50_s=round(statistics.median(routes), 4))
+    return out

@@ -37,8 +37,9 @@ Per run, with nothing taken from the run but what the planner could know:
 Prints one JSON line per run (both sides of every figure, the turn fit's terms and the EWMAs,
 turns per bucket measured and simulated, training seconds measured and simulated, and turn
 seconds per generated token by the worker's batch beside the calibrated cost model's decode step,
-the mean batch a turn ran in, simulated and measured, and the median turn as the calibrated turn
-model predicts each measured turn at its measured batch: the model without the simulator's dynamics),
+the mean batch a turn ran in, simulated and measured, the median turn as the calibrated turn
+model predicts each measured turn at its measured batch: the model without the simulator's dynamics,
+and whether the turns reached their engines in waves, `answer_waves`),
 a table per design (median over its runs: predicted, measured, their ratio, within 10% or not),
 and a plot of predicted / measured per figure and design against the 10% band. What the misses point to is in docs/benchmarks.md.
 """
@@ -60,8 +61,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from headline_cpu import DESIGNS  # noqa: E402
 from kept_runs import Loaded, load, measured, percentile, trainer_overheads  # noqa: E402
-from sim_probes import (CPU_CORE, TimedEngines, fitted_turns, in_flight_share, per_token,  # noqa: E402
-                        shared_deviation, trajectory_time)
+from sim_probes import (CPU_CORE, TimedEngines, answer_waves, fitted_turns, in_flight_share,  # noqa: E402
+                        per_token, shared_deviation, trajectory_time)
 from libra.routing.registry import make_policy  # noqa: E402
 from libra.services.planner import cost_rollout  # noqa: E402
 from libra.services.planner.calibration import Calibration  # noqa: E402
@@ -206,6 +207,7 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
                                  round(statistics.fmean(t["batch"] for t in run.turns), 1)],
              "turn_p50_fitted_s": round(percentile(fitted, 50), 4),
              "turn_deviation_correlation": shared_deviation(run, fitted),
+             "answer_waves": answer_waves(run),
              "trajectory_time": trajectory_time(run, specs, engines.by_trajectory, GapSampler.of(rollout))}
     return predicted, notes
 

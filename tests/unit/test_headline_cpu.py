@@ -152,3 +152,21 @@ def test_shared_deviation_tells_a_slow_moment_from_a_slow_trajectory():
     assert shared["other_bucket_within_20ms"] > 0.8  # (the slow moments here are the whole machine's)
     assert abs(shared["other_trajectories_100_to_200ms_apart"]) < 0.2  # each moment its own
     assert shared["share_overlapping_training"] is None  # no training step: nothing to correlate
+
+
+def test_answer_waves_tells_routes_answered_together_from_a_stream():
+    """Turns whose routes come back in groups (one scheduler write answering several) show as answered
+    together far more often than arrivals at the same rate spread as a Poisson stream; evenly spread
+    answers do not. The route wait's share of the gaps and its median come from route_seconds."""
+    from types import SimpleNamespace
+
+    def turn(start: float, route: float = 0.0) -> dict:
+        return {"timestamp": start + 0.05, "seconds": 0.05, "route_seconds": route, "gap_seconds": 0.02}
+    waves = [turn(i * 0.04 + 0.00005 * k, 0.015) for i in range(100) for k in range(8)]  # 8 answers at once
+    spread = [turn(i * 0.005) for i in range(800)]  # the same rate, one answer every 5 ms
+    together = sim_probes.answer_waves(SimpleNamespace(turns=waves))
+    alone = sim_probes.answer_waves(SimpleNamespace(turns=spread))
+    assert together["answers_together"] == 1.0 and alone["answers_together"] == 0.0
+    assert together["if_poisson"] == pytest.approx(alone["if_poisson"], rel=0.02) and 0.1 < alone["if_poisson"] < 0.3
+    assert together["route_share_of_gap"] == pytest.approx(0.75) and together["route_p50_s"] == 0.015
+    assert "route_share_of_gap" not in alone  # runs recorded before route_seconds
