@@ -198,9 +198,8 @@ class PrefixForest:
     def _walk_insert(self, tree: Tree, signatures: list[str], remaining_after: list[int]) -> None:
         """`Tree.observe` at the root, then `add_child` and `observe` along the path, inlined (once
         per node of a finished trajectory's path, in two trees)."""
-        edges, visits, means, p90s, windows, size = tree.edges, tree.visits, tree.means, tree.p90s, tree.windows, \
-            self.window
-        node = 0
+        edges, visits, means, p90s, windows = tree.edges, tree.visits, tree.means, tree.p90s, tree.windows
+        size, node = self.window, 0
         for depth, remaining in enumerate(remaining_after):
             if depth:
                 key = f"{node}/{signatures[depth - 1]}"

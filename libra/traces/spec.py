@@ -117,7 +117,6 @@ class Pairs(Sequence):
         return iter(self._built())
 
 
-
 def check(trace: Trace) -> Trace:
     """Validate lengths, latencies, outcomes and batch sizes; the error names the first bad entry."""
     if not trace.steps or not trace.steps[0]:

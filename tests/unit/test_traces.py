@@ -173,6 +173,8 @@ def test_a_batch_copy_names_its_batch_and_its_original():
 
 
 def test_pairs_built_when_read_are_the_length_pairs_of_every_copy():
+    """A simulated step's lengths (`Pairs`): the same pairs as `pairs()`, one per copy, expanded only
+    when read, and kept through a pickle (a simulation's checkpoint)."""
     specs = (TrajectorySpec("a", "p", 0, 10, (TurnSpec(5, "calc", "success", 3, 0.1), TurnSpec(7)), copies=3),
              TrajectorySpec("b", "q", 0, 4, (TurnSpec(2),)))
     lazy = Pairs(specs)
