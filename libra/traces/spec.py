@@ -116,6 +116,18 @@ class Pairs(Sequence):
     def __iter__(self):
         return iter(self._built())
 
+    def __eq__(self, other) -> bool:  # the same pairs, as a list of them would compare
+        if isinstance(other, Pairs):
+            return self.specs == other.specs or self._built() == other._built()
+        if isinstance(other, (list, tuple)):
+            return self._built() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  (a sequence that compares by value, as a list)
+
+    def __repr__(self) -> str:
+        return f"Pairs({len(self)} sequences of {len(self.specs)} specs)"
+
 
 def check(trace: Trace) -> Trace:
     """Validate lengths, latencies, outcomes and batch sizes; the error names the first bad entry."""

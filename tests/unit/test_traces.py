@@ -182,4 +182,5 @@ def test_pairs_built_when_read_are_the_length_pairs_of_every_copy():
     assert list(lazy) == pairs(specs) == [(13, 12)] * 3 + [(4, 2)]
     assert lazy[-1] == (4, 2) and lazy[1:3] == [(13, 12)] * 2
     assert list(pickle.loads(pickle.dumps(lazy))) == pairs(specs)  # a simulation's checkpoint holds its records
+    assert lazy == Pairs(specs) == pairs(specs) and lazy != Pairs(specs[:1]) and lazy != "pairs"  # step records compare
     assert specs[0].output_tokens == 12 and specs[0].payload_tokens == 3
