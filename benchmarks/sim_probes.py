@@ -95,6 +95,31 @@ def in_flight_share(intervals: list[tuple[float, float]], span: float) -> float:
     return covered / span if span > 0 else 0.0
 
 
+def busy_periods(intervals: list[tuple[float, float]], start: float, end: float) -> list[float]:
+    """A worker's busy periods within [start, end] (the stretches with a request in flight, the
+    intervals merged where they overlap or touch), each one's seconds: how often it went idle, and
+    for how long it stayed busy in between."""
+    periods: list[float] = []
+    low = high = None
+    for a, b in sorted((max(a, start), min(b, end)) for a, b in intervals):
+        if b <= a:
+            continue
+        if high is None or a > high:
+            if high is not None:
+                periods.append(high - low)
+            low, high = a, b
+        else:
+            high = max(high, b)
+    if high is not None:
+        periods.append(high - low)
+    return periods
+
+
+def period_summary(periods: list[float], steps: int) -> list[float]:
+    """[busy periods per training step, their median in ms]."""
+    return [round(len(periods) / max(1, steps), 2), round(statistics.median(periods) * 1e3, 1) if periods else 0.0]
+
+
 class TimedEngines:
     """Timed engines, named into the run's own buckets in the order the simulator creates them."""
 

@@ -39,7 +39,8 @@ turns per bucket measured and simulated, training seconds measured and simulated
 seconds per generated token by the worker's batch beside the calibrated cost model's decode step,
 the mean batch a turn ran in, simulated and measured, the median turn as the calibrated turn
 model predicts each measured turn at its measured batch: the model without the simulator's dynamics,
-and whether the turns reached their engines in waves, `answer_waves`),
+whether the turns reached their engines in waves, `answer_waves`, and how often each worker went
+idle, `busy_periods`),
 a table per design (median over its runs: predicted, measured, their ratio, within 10% or not),
 and a plot of predicted / measured per figure and design against the 10% band. What the misses point to is in docs/benchmarks.md.
 """
@@ -61,8 +62,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from headline_cpu import DESIGNS  # noqa: E402
 from kept_runs import Loaded, load, measured, percentile, trainer_overheads  # noqa: E402
-from sim_probes import (CPU_CORE, TimedEngines, answer_waves, fitted_turns, in_flight_share,  # noqa: E402
-                        per_token, shared_deviation, trajectory_time)
+from sim_probes import (CPU_CORE, TimedEngines, answer_waves, busy_periods, fitted_turns,  # noqa: E402
+                        in_flight_share, per_token, period_summary, shared_deviation, trajectory_time)
 from libra.routing.registry import make_policy  # noqa: E402
 from libra.services.planner import cost_rollout  # noqa: E402
 from libra.services.planner.calibration import Calibration  # noqa: E402
@@ -208,8 +209,22 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
              "turn_p50_fitted_s": round(percentile(fitted, 50), 4),
              "turn_deviation_correlation": shared_deviation(run, fitted),
              "answer_waves": answer_waves(run),
+             "busy_periods": measured_periods(run, len(records), engines, span),
              "trajectory_time": trajectory_time(run, specs, engines.by_trajectory, GapSampler.of(rollout))}
     return predicted, notes
+
+
+def measured_periods(run: Loaded, steps: int, engines: TimedEngines, span: float) -> dict[str, list[list[float]]]:
+    """Per worker, [busy periods per step, their median ms]: the simulated engines' over the replay,
+    the run's workers' from its turn records (route answer to reply) over its RL phase."""
+    first = run.record.steps[0]
+    start, end = first["t"] - first["scalars"]["time/step_s"], run.record.steps[-1]["t"]
+    by_worker: dict[str, list[tuple[float, float]]] = {}
+    for t in run.turns:
+        by_worker.setdefault(t.get("worker_id", ""), []).append((t["timestamp"] - t["seconds"], t["timestamp"]))
+    return {"simulated": [period_summary(busy_periods(e.held, 0.0, span), steps) for e in engines.engines],
+            "measured": [period_summary(busy_periods(held, start, end), len(run.record.steps))
+                         for _, held in sorted(by_worker.items())]}
 
 
 def _group_order(spec) -> tuple:

@@ -170,3 +170,12 @@ def test_answer_waves_tells_routes_answered_together_from_a_stream():
     assert together["if_poisson"] == pytest.approx(alone["if_poisson"], rel=0.02) and 0.1 < alone["if_poisson"] < 0.3
     assert together["route_share_of_gap"] == pytest.approx(0.75) and together["route_p50_s"] == 0.015
     assert "route_share_of_gap" not in alone  # runs recorded before route_seconds
+
+
+def test_busy_periods_merge_overlapping_requests_and_count_the_idle_gaps():
+    """A worker's busy stretches: requests that overlap or touch are one stretch, clipped to the span;
+    the summary is stretches per training step and their median in ms."""
+    held = [(0.0, 0.05), (0.02, 0.08), (0.08, 0.1), (0.2, 0.25), (0.9, 1.2)]
+    assert sim_probes.busy_periods(held, 0.0, 1.0) == pytest.approx([0.1, 0.05, 0.1])  # the last clipped at 1.0
+    assert sim_probes.busy_periods([], 0.0, 1.0) == [] and sim_probes.busy_periods([(2.0, 3.0)], 0.0, 1.0) == []
+    assert sim_probes.period_summary([0.1, 0.05, 0.1], 2) == [1.5, 100.0]
