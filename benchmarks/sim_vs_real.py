@@ -97,12 +97,19 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma") 
     """The planner's calibration fed the run's history, record by record, as core.py feeds it.
     how: "ewma": the run config's settings (the online planner's: an EWMA that follows the last few
     samples); "mean": each estimator a plain mean of every sample of the run (alpha 1/n, with
-    min_samples above any run's count)."""
+    min_samples above any run's count). The turns recorded before the first training step are left
+    out: they run once a run, while the engines and the gateway start (their first turns waited
+    0.4-0.5 s to be routed on the GPU machine's CPUs, and the engines' first passes are slow), and the
+    figures compared leave the first step out too (`replay`); in a whole-run mean they would be charged
+    to every step (a synchronous step waits for its slowest trajectory)."""
     settings = run.config.planner.replan.calibration
     if how == "mean":
         settings = settings.model_copy(update={"alpha": 1e-9, "min_samples": 10_000, "turn_window": 1e9})
     cal = Calibration(model, CPU_CORE, RolloutEfficiency(), TrainEfficiency(), settings)
+    first_step = min((s["timestamp"] for s in run.steps), default=float("inf"))
     for turn in run.turns:
+        if turn["timestamp"] < first_step:
+            continue  # the start-up's (below)
         cal.observe_turn(max(1, turn["tp"]), turn["prompt_tokens"], turn["output_tokens"], turn["seconds"],
                          turn["batch"], turn.get("gap_seconds", 0.0), turn["turn_number"])
     overheads = trainer_overheads(run)
