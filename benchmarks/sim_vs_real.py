@@ -100,8 +100,8 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma") 
     min_samples above any run's count). The turns recorded before the first training step are left
     out: they run once a run, while the engines and the gateway start (their first turns waited
     0.4-0.5 s to be routed on the GPU machine's CPUs, and the engines' first passes are slow), and the
-    figures compared leave the first step out too (`replay`); in a whole-run mean they would be charged
-    to every step (a synchronous step waits for its slowest trajectory)."""
+    step time compared leaves the first step out too (`replay`); in a whole-run mean they would be
+    charged to every step (a synchronous step waits for its slowest trajectory)."""
     settings = run.config.planner.replan.calibration
     if how == "mean":
         settings = settings.model_copy(update={"alpha": 1e-9, "min_samples": 10_000, "turn_window": 1e9})
