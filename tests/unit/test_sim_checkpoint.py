@@ -79,6 +79,26 @@ def test_a_run_stopped_part_way_goes_on_from_its_checkpoint_exactly(tmp_path, st
     assert resumed.result.cpu_s > 0 and resumed.result.wall_s > 0
 
 
+def test_a_resumed_run_tells_its_decisions_as_they_are_taken(tmp_path, whole):
+    """`notes` (what `libra sim` prints as it goes) is not in a checkpoint; a resumed run is given it
+    again: the decisions after the resume that replayed are told, the first plan's choice (made
+    before the checkpoint) is not told again."""
+    checkpoint = Checkpoint(tmp_path / "run.pkl", key="test run", every_s=0)
+    with pytest.raises(Stopped):
+        sim_design.simulate_design(design(), trace(), STEPS, progress=stop_after(1), checkpoint=checkpoint)
+    lines: list[str] = []
+    resumed = sim_design.simulate_design(design(), trace(), STEPS, checkpoint=Checkpoint(checkpoint.path, key="test run"),
+                                         notes=lines.append)
+    assert figures(resumed) == whole
+    uninterrupted: list[str] = []
+    sim_design.simulate_design(design(), trace(), STEPS, notes=uninterrupted.append)
+
+    def decisions(told: list[str]) -> list[str]:  # "  decision after step 4: keep (6 replays", CPU-s left out
+        return [line.split(",")[0] for line in told if line.startswith("  decision after step")]
+    assert decisions(lines) and decisions(lines) == decisions(uninterrupted)  # every one is after step 1
+    assert any("first plan" in line for line in uninterrupted) and not any("first plan" in line for line in lines)
+
+
 def test_a_resumed_run_replays_in_the_workers_it_is_given(tmp_path, whole):
     """Saved with its replays in this process, resumed with two worker processes: the same run."""
     checkpoint = Checkpoint(tmp_path / "run.pkl", key="k", every_s=0)

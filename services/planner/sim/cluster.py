@@ -119,12 +119,15 @@ class Simulator:
 
     @classmethod
     def run_or_resume(cls, make: Callable[[], "Simulator"], progress: Callable[[StepRecord], None] | None = None,
-                      checkpoint: Checkpoint | None = None,
-                      replay_workers: int | None = None) -> tuple["Simulator", SimResult]:
+                      checkpoint: Checkpoint | None = None, replay_workers: int | None = None,
+                      notes: Callable[[str], None] | None = None) -> tuple["Simulator", SimResult]:
         """`make()`'s simulator run to its end, or, where `checkpoint` names a file, the saved one's run
-        continued; with its result."""
+        continued; with its result. A resumed run's controller is given `notes` again (a checkpoint
+        keeps no callback), so its decisions from there on are told as they are taken."""
         if checkpoint is not None and checkpoint.path.exists():
             simulator = cls.resume(checkpoint.path, checkpoint.key, replay_workers)
+            if notes is not None and hasattr(simulator.controller, "notes"):
+                simulator.controller.notes = notes
         else:
             simulator = make()
         return simulator, simulator.run(progress, checkpoint)

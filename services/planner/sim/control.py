@@ -67,8 +67,8 @@ class SearchOnce:
 
     def __getstate__(self) -> dict:
         """What a checkpoint keeps (sim/checkpoint.py): all but `notes`, a caller's callback (often
-        a lambda, which pickle refuses; a run resumed from a checkpoint reports its steps, not its
-        decisions as they are taken: `--decisions` and the JSON still hold them)."""
+        a lambda, which pickle refuses); `Simulator.run_or_resume` gives a resumed run's controller
+        its caller's `notes` again."""
         return {**self.__dict__, "notes": None}
 
     def initial(self, trace: Trace) -> Candidate:

@@ -174,7 +174,7 @@ def simulate_design(design: Design, trace: Trace, steps: int = 0,
     try:
         simulator, result = Simulator.run_or_resume(
             lambda: Simulator(design.model, design.gpu, trace, controller_of(design, notes), design.search, sim),
-            progress, checkpoint, design.replan.sim_workers)
+            progress, checkpoint, design.replan.sim_workers, notes)
     except Infeasible as error:
         raise InvalidArgument(f"{design.name}: {design.search.total_gpus} GPUs cannot run {design.model.name} on "
                               f"{design.gpu.name} for this trace: {error}") from None
