@@ -57,10 +57,16 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
+def rl_phase(run: Loaded) -> tuple[float, float]:
+    """The run's RL phase: the first step's start to the last step's end (record clock)."""
+    steps = run.record.steps
+    return steps[0]["t"] - steps[0]["scalars"]["time/step_s"], steps[-1]["t"]
+
+
 def measured(run: Loaded) -> dict[str, float]:
     steps = run.record.steps
     ends = [s["t"] for s in steps]
-    start = ends[0] - steps[0]["scalars"]["time/step_s"]
+    start, _ = rl_phase(run)
     span = ends[-1] - start
     lat = [t["seconds"] for t in run.turns]
     return {"step_s": statistics.fmean(b - a for a, b in zip(ends, ends[1:])),

@@ -86,13 +86,7 @@ class Timed:
 def in_flight_share(intervals: list[tuple[float, float]], span: float) -> float:
     """The share of [0, span] covered by the intervals: the time a worker had a request in flight,
     as the gateway counts it (sent to reply received) and the measured busy fraction samples it."""
-    covered, reach = 0.0, 0.0
-    for start, end in sorted(intervals):
-        start, end = max(start, reach), min(end, span)
-        if end > start:
-            covered += end - start
-        reach = max(reach, end)
-    return covered / span if span > 0 else 0.0
+    return sum(busy_periods(intervals, 0.0, span)) / span if span > 0 else 0.0
 
 
 def busy_periods(intervals: list[tuple[float, float]], start: float, end: float) -> list[float]:

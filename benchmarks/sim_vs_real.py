@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from headline_cpu import DESIGNS  # noqa: E402
-from kept_runs import Loaded, load, measured, percentile, trainer_overheads  # noqa: E402
+from kept_runs import Loaded, load, measured, percentile, rl_phase, trainer_overheads  # noqa: E402
 from sim_probes import (CPU_CORE, TimedEngines, answer_waves, busy_periods, fitted_turns,  # noqa: E402
                         in_flight_share, per_token, period_summary, shared_deviation, trajectory_time)
 from libra.routing.registry import make_policy  # noqa: E402
@@ -224,8 +224,7 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
 def measured_periods(run: Loaded, steps: int, engines: TimedEngines, span: float) -> dict[str, list[list[float]]]:
     """Per worker, [busy periods per step, their median ms]: the simulated engines' over the replay,
     the run's workers' from its turn records (route answer to reply) over its RL phase."""
-    first = run.record.steps[0]
-    start, end = first["t"] - first["scalars"]["time/step_s"], run.record.steps[-1]["t"]
+    start, end = rl_phase(run)
     by_worker: dict[str, list[tuple[float, float]]] = {}
     for t in run.turns:
         by_worker.setdefault(t.get("worker_id", ""), []).append((t["timestamp"] - t["seconds"], t["timestamp"]))

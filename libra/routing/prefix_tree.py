@@ -196,29 +196,11 @@ class PrefixForest:
         return tree.pruned(max(1, self.max_tree_nodes // 2)) if len(tree) > self.max_tree_nodes else tree
 
     def _walk_insert(self, tree: Tree, signatures: list[str], remaining_after: list[int]) -> None:
-        """`Tree.observe` at the root, then `add_child` and `observe` along the path, inlined (once
-        per node of a finished trajectory's path, in two trees)."""
-        edges, visits, means, p90s, windows = tree.edges, tree.visits, tree.means, tree.p90s, tree.windows
-        size, node = self.window, 0
-        for depth, remaining in enumerate(remaining_after):
-            if depth:
-                key = f"{node}/{signatures[depth - 1]}"
-                child = edges.get(key, -1)
-                if child < 0:
-                    child = edges[key] = len(visits)
-                    visits.append(0)
-                    means.append(0.0)
-                    p90s.append(-1)
-                    windows.append(array("q"))
-                node = child
-            window, seen = windows[node], visits[node]
-            if len(window) < size:
-                window.append(remaining)
-            else:
-                window[seen % size] = remaining
-            visits[node] = seen + 1
-            means[node] += (remaining - means[node]) / (seen + 1)
-            p90s[node] = -1
+        node = 0
+        tree.observe(node, remaining_after[0], self.window)
+        for sig, remaining in zip(signatures, remaining_after[1:]):
+            node = tree.add_child(node, sig)
+            tree.observe(node, remaining, self.window)
 
     def lookup(self, prompt_id: str, signatures: list[str],
                walk: Walk | None = None) -> tuple[NodeStats | None, str | None, int]:

@@ -41,9 +41,12 @@ def trace():
     return sim_design.design_trace("r2e", STEPS, 16, 8, 0, 1.0)
 
 
+TOLD: list[str] = []  # what the uninterrupted run below told as it went (its `notes`)
+
+
 @pytest.fixture(scope="module")
 def whole():
-    run = sim_design.simulate_design(design(), trace(), STEPS)
+    run = sim_design.simulate_design(design(), trace(), STEPS, notes=TOLD.append)
     assert [c.step for c in run.result.plan_changes] == [2, 5]  # the cases cover what they claim
     return figures(run)
 
@@ -90,13 +93,11 @@ def test_a_resumed_run_tells_its_decisions_as_they_are_taken(tmp_path, whole):
     resumed = sim_design.simulate_design(design(), trace(), STEPS, checkpoint=Checkpoint(checkpoint.path, key="test run"),
                                          notes=lines.append)
     assert figures(resumed) == whole
-    uninterrupted: list[str] = []
-    sim_design.simulate_design(design(), trace(), STEPS, notes=uninterrupted.append)
 
     def decisions(told: list[str]) -> list[str]:  # "  decision after step 4: keep (6 replays", CPU-s left out
         return [line.split(",")[0] for line in told if line.startswith("  decision after step")]
-    assert decisions(lines) and decisions(lines) == decisions(uninterrupted)  # every one is after step 1
-    assert any("first plan" in line for line in uninterrupted) and not any("first plan" in line for line in lines)
+    assert decisions(lines) and decisions(lines) == decisions(TOLD)  # every one is after step 1
+    assert any("first plan" in line for line in TOLD) and not any("first plan" in line for line in lines)
 
 
 def test_a_resumed_run_replays_in_the_workers_it_is_given(tmp_path, whole):

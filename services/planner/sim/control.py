@@ -151,26 +151,31 @@ class Online(SearchOnce):
             return self.changes[-1]
         return None
 
+    @property
+    def _ranker(self):
+        """The replanner's ranker (None before `initial`, or without one)."""
+        return self.replanner.ranker if self.replanner is not None else None
+
     def _replays_so_far(self) -> tuple[int, float]:
         """Replays the replanner has played, and the CPU seconds of this process and its replay workers."""
-        ranker = self.replanner.ranker if self.replanner is not None else None
+        ranker = self._ranker
         return (ranker.plays if ranker is not None else 0,
                 time.process_time() + (ranker.worker_cpu_s if ranker is not None else 0.0))
 
     @property
     def worker_cpu_s(self) -> float:
-        ranker = self.replanner.ranker if self.replanner is not None else None
+        ranker = self._ranker
         return super().worker_cpu_s + (ranker.worker_cpu_s if ranker is not None else 0.0)
 
     def close(self) -> None:
         """Stop the replanner's replay workers, if any."""
-        if self.replanner is not None and self.replanner.ranker is not None:
-            self.replanner.ranker.close()
+        if self._ranker is not None:
+            self._ranker.close()
 
     def set_replay_workers(self, workers: int) -> None:
         """Replay in `workers` processes from now on (a resumed run on another machine; the same results)."""
-        if self.replanner is not None and self.replanner.ranker is not None:
-            self.replanner.ranker.set_workers(workers)
+        if self._ranker is not None:
+            self._ranker.set_workers(workers)
 
 
 class Scripted:

@@ -88,7 +88,7 @@ def simulate(model: ModelSpec, gpu: GpuSpec, gpus: int, trace: Trace, planner: s
         return Simulator.run_or_resume(
             lambda: Simulator(model, gpu, trace, make_controller(planner, model, gpu, config, replan, sim, notes), config,
                               sim),
-            progress, checkpoint, replan.sim_workers if replan is not None else None)[1]
+            progress, checkpoint, replan.sim_workers if replan is not None else None, notes)[1]
     except Infeasible as error:
         raise InvalidArgument(f"{gpus} GPUs cannot run {model.name} on {gpu.name} for this trace: {error}") from None
 
