@@ -13,7 +13,7 @@ import statistics
 from kept_runs import Loaded, percentile
 from libra.services.planner import cost_rollout
 from libra.services.planner.calibration import Calibration
-from libra.services.planner.gaps import GapSampler, ReplySampler
+from libra.services.planner.gaps import GapSampler
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.sim.engines import CostModelEngines
 from libra.traces import files
@@ -33,9 +33,8 @@ class Timed:
     mean number of sequences the engine ran meanwhile (the batch a real turn record carries)."""
 
     def __init__(self, inner, latencies: list[float], batches: list[float],
-                 by_trajectory: dict[str, float] | None = None, replies: ReplySampler | None = None):
+                 by_trajectory: dict[str, float] | None = None):
         object.__setattr__(self, "_inner", inner)
-        object.__setattr__(self, "_replies", replies)  # the simulator's draws of each turn's way back
         object.__setattr__(self, "_by_trajectory", {} if by_trajectory is None else by_trajectory)
         object.__setattr__(self, "_arrived", {})
         object.__setattr__(self, "_latencies", latencies)
@@ -64,10 +63,7 @@ class Timed:
         arrived = self._arrived.pop(id(unit), None)
         if arrived is not None:
             span = self._inner.last - arrived[0]
-            back = self._inner.request_s  # + the way back, as the rollout loop charges it
-            if self._replies is not None:
-                back *= self._replies.factor(unit.spec.trajectory_id, unit.turn)
-            latency = span + back
+            latency = span + self._inner.request_s * unit.reply  # + the way back, as the rollout loop charges it
             self._latencies.append(latency)
             self.held.append((arrived[0], arrived[0] + latency))
             tid = unit.spec.trajectory_id
@@ -117,10 +113,8 @@ def period_summary(periods: list[float], steps: int) -> list[float]:
 class TimedEngines:
     """Timed engines, named into the run's own buckets in the order the simulator creates them."""
 
-    def __init__(self, inner: CostModelEngines, buckets: list[str] | None = None,
-                 replies: ReplySampler | None = None):
+    def __init__(self, inner: CostModelEngines, buckets: list[str] | None = None):
         self.inner, self.latencies, self.batches, self.engines, self.buckets = inner, [], [], [], buckets
-        self.replies = replies
         self.by_trajectory: dict[str, float] = {}  # trajectory id -> its turns' seconds, route to reply
 
     def holds(self, tp: int) -> bool:
@@ -133,7 +127,7 @@ class TimedEngines:
         if self.buckets and len(self.engines) < len(self.buckets):
             bucket = self.buckets[len(self.engines)]
         engine = Timed(self.inner.instance(wid, bucket, tp, replicas, up_at), self.latencies, self.batches,
-                       self.by_trajectory, self.replies)
+                       self.by_trajectory)
         self.engines.append(engine)
         return engine
 

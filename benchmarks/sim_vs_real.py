@@ -54,6 +54,7 @@ import re
 import statistics
 import sys
 from collections import Counter
+from typing import Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -69,7 +70,7 @@ from libra.services.planner import cost_rollout  # noqa: E402
 from libra.services.planner.calibration import Calibration  # noqa: E402
 from libra.services.planner.cost_rollout import RolloutEfficiency  # noqa: E402
 from libra.services.planner.cost_train import Layout, TrainEfficiency  # noqa: E402
-from libra.services.planner.gaps import GapSampler, ReplySampler  # noqa: E402
+from libra.services.planner.gaps import GapSampler  # noqa: E402
 from libra.services.planner.hardware import ModelSpec  # noqa: E402
 from libra.services.planner.search import Candidate, SearchConfig  # noqa: E402
 from libra.services.planner.sim import control  # noqa: E402
@@ -93,7 +94,8 @@ def tiny_model(config) -> ModelSpec:
 
 
 # ---- calibrate and replay -----------------------------------------------------------------------
-def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma") -> Calibration:
+def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma",
+              moment_s: float | None = None) -> Calibration:
     """The planner's calibration fed the run's history, record by record, as core.py feeds it.
     how: "ewma": the run config's settings (the online planner's: an EWMA that follows the last few
     samples); "mean": each estimator a plain mean of every sample of the run (alpha 1/n, with
@@ -105,13 +107,17 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma") 
     settings = run.config.planner.replan.calibration
     if how == "mean":
         settings = settings.model_copy(update={"alpha": 1e-9, "min_samples": 10_000, "turn_window": 1e9})
+    if moment_s is not None:
+        settings = settings.model_copy(update={"moment_window_s": moment_s})
     cal = Calibration(model, CPU_CORE, RolloutEfficiency(), TrainEfficiency(), settings)
     first_step = min((s["timestamp"] for s in run.steps), default=float("inf"))
     for turn in run.turns:
         if turn["timestamp"] < first_step:
             continue  # the start-up's (below)
         cal.observe_turn(max(1, turn["tp"]), turn["prompt_tokens"], turn["output_tokens"], turn["seconds"],
-                         turn["batch"], turn.get("gap_seconds", 0.0), turn["turn_number"])
+                         turn["batch"], turn.get("gap_seconds", 0.0), turn["turn_number"],
+                         worker=turn.get("worker_id", ""), end_s=turn["timestamp"],
+                         trajectory=turn.get("trajectory_id", ""))
     overheads = trainer_overheads(run)
     for step in run.steps:
         lengths = list(zip(step["prompt_lengths"], step["output_lengths"]))
@@ -148,48 +154,39 @@ class RunBuckets(Simulator):
         self.rollout.policy = make_policy(self.routing, self.run_buckets)
 
 
-def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[str, float], dict]:
+def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True, moments: bool = True,
+           seeds: Sequence[int] = (0,), moment_s: float | None = None) -> tuple[dict[str, float], dict]:
     """The run replayed in the calibrated simulator: predicted figures and how it was calibrated
-    (`turn_gap=False`: the gap between turns left out, to show what that term changes)."""
+    (`turn_gap=False`: the gap between turns left out, to show what that term changes;
+    `moments=False`: every turn's draws its own, the calibrated correlations left out). With several
+    draw `seeds` each figure is the mean of the replays, and the notes give its least and greatest
+    (`seed_range`); the other notes are the first seed's. `moment_s`: the calibration's
+    moment_window_s instead of the run config's."""
     config, trainer = run.config, run.config.trainer
     model = tiny_model(config)
     steps = len(run.record.steps)
     batch = trainer.groups_per_step * trainer.group_size
     workers = sum(b.replicas for b in config.planner.buckets)
     layout = Layout(1, 1, 1, trainer.micro_batch_size)
-    cal = calibrate(run, model, layout, how)
+    cal = calibrate(run, model, layout, how, moment_s)
     rollout = cal.rollout_efficiency()
     if not turn_gap:
         rollout = rollout.model_copy(update={"turn_gap_s": 0.0, "first_gap_quantiles": (), "turn_gap_quantiles": ()})
+    if not moments:
+        rollout = rollout.model_copy(update={"first_gap_correlation": 0.0, "gap_correlation": 0.0,
+                                             "reply_correlation": 0.0})
     train_overhead = cal.train_efficiency().step_overhead_s  # in the simulated step; not in a busy fraction
     search = SearchConfig(total_gpus=1 + workers, group_size=trainer.group_size, tp_choices=(1,),
                           rollout=rollout, train=cal.train_efficiency())
     first = Candidate(layout, ((1, workers),), 0.0, 0.0)
     changes = plans(run, first) if config.planner.mode == "online" else {}
     publish = statistics.median(s["scalars"].get("time/publish_s", 0.0) for s in run.record.steps)
-    colocated = trainer.max_staleness == 0
-    sim = SimConfig(staleness=trainer.max_staleness, policy=config.scheduler.policy.type,
-                    per_worker_cap_tokens=config.scheduler.per_worker_cap_tokens,
-                    turn_budget_tokens=config.rollout.max_new_tokens, sync_gbps=100_000.0, sync_latency_s=publish,
-                    colocated=colocated, host_gbps=10_000.0, batching="in_order" if colocated else "first_complete",
-                    core_replicas=config.elastic.core_replicas if changes else 0, steps=steps,
-                    max_in_flight=config.rollout.max_concurrent_trajectories)
-    specs = sorted(files.read(run.trace), key=_group_order)
-    trace = files.batches(specs, steps + steps // 10 + 2, batch, str(run.trace))
-    own = [b for b in config.planner.buckets for _ in range(b.replicas)]
-    engines = TimedEngines(CostModelEngines(model, CPU_CORE, (1,), search.rollout),
-                           None if changes else [b.name for b in own], ReplySampler.of(search.rollout))
-    kind = Simulator if changes else type("Run", (RunBuckets,), {"run_buckets": [
-        (b.name, b.max_tokens) for b in config.planner.buckets]})
-    simulator = kind(model, CPU_CORE, trace, control.Scripted(first, changes), search, sim, engines)
-    result = simulator.run()
+    seeds = list(seeds) or [0]
+    plays = [_play(run, model, search, first, changes, publish, train_overhead, steps, batch, seed) for seed in seeds]
+    predicted = {f: statistics.fmean(p[0][f] for p in plays) for f in FIGURES}
+    _, simulator, result, engines, specs = plays[0]
     records = result.steps
     span = records[-1].time_s
-    lat = engines.latencies
-    predicted = {"step_s": statistics.fmean(r.interval_s for r in records[1:]),
-                 "turn_p50_s": percentile(lat, 50), "turn_p90_s": percentile(lat, 90),
-                 "busy_train": sum(r.train_s - train_overhead for r in records) / span,
-                 "busy_rollout": statistics.fmean(in_flight_share(e.held, span) for e in engines.engines)}
     snap = cal.snapshot()
     fitted = fitted_turns(run, cal, model)
     notes = {"slowdowns": {k: v["slowdown"] for k, v in snap["estimators"].items()},
@@ -217,8 +214,43 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True) -> tuple[dict[
              "turn_deviation_correlation": shared_deviation(run, fitted),
              "answer_waves": answer_waves(run),
              "busy_periods": measured_periods(run, len(records), engines, span),
-             "trajectory_time": trajectory_time(run, specs, engines.by_trajectory, GapSampler.of(rollout))}
+             "trajectory_time": trajectory_time(run, specs, engines.by_trajectory, GapSampler.of(rollout)),
+             "moments": {"window_s": rollout.moment_s, "first_gap": rollout.first_gap_correlation,
+                         "later_gap": rollout.gap_correlation, "reply": rollout.reply_correlation}}
+    if len(plays) > 1:
+        notes["seed_range"] = {f: [round(min(p[0][f] for p in plays), 4), round(max(p[0][f] for p in plays), 4)]
+                               for f in FIGURES}
     return predicted, notes
+
+
+def _play(run: Loaded, model: ModelSpec, search: SearchConfig, first: Candidate, changes: dict, publish: float,
+          train_overhead: float, steps: int, batch: int, seed: int) -> tuple:
+    """One replay of the run with the draws of `seed`: (figures, simulator, result, engines, specs)."""
+    config, trainer = run.config, run.config.trainer
+    colocated = trainer.max_staleness == 0
+    sim = SimConfig(draw_seed=seed, staleness=trainer.max_staleness, policy=config.scheduler.policy.type,
+                    per_worker_cap_tokens=config.scheduler.per_worker_cap_tokens,
+                    turn_budget_tokens=config.rollout.max_new_tokens, sync_gbps=100_000.0, sync_latency_s=publish,
+                    colocated=colocated, host_gbps=10_000.0, batching="in_order" if colocated else "first_complete",
+                    core_replicas=config.elastic.core_replicas if changes else 0, steps=steps,
+                    max_in_flight=config.rollout.max_concurrent_trajectories)
+    specs = sorted(files.read(run.trace), key=_group_order)
+    trace = files.batches(specs, steps + steps // 10 + 2, batch, str(run.trace))
+    own = [b for b in config.planner.buckets for _ in range(b.replicas)]
+    engines = TimedEngines(CostModelEngines(model, CPU_CORE, (1,), search.rollout),
+                           None if changes else [b.name for b in own])
+    kind = Simulator if changes else type("Run", (RunBuckets,), {"run_buckets": [
+        (b.name, b.max_tokens) for b in config.planner.buckets]})
+    simulator = kind(model, CPU_CORE, trace, control.Scripted(first, changes), search, sim, engines)
+    result = simulator.run()
+    records = result.steps
+    span = records[-1].time_s
+    lat = engines.latencies
+    predicted = {"step_s": statistics.fmean(r.interval_s for r in records[1:]),
+                 "turn_p50_s": percentile(lat, 50), "turn_p90_s": percentile(lat, 90),
+                 "busy_train": sum(r.train_s - train_overhead for r in records) / span,
+                 "busy_rollout": statistics.fmean(in_flight_share(e.held, span) for e in engines.engines)}
+    return predicted, simulator, result, engines, specs
 
 
 def measured_periods(run: Loaded, steps: int, engines: TimedEngines, span: float) -> dict[str, list[list[float]]]:
@@ -287,7 +319,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="ewma: the online planner's settings (default); mean: each estimator over the whole run")
     parser.add_argument("--no-turn-gap", action="store_true",
                         help="replay without the calibrated gap between turns (what that term changes)")
+    parser.add_argument("--independent-draws", action="store_true",
+                        help="replay with every turn's draws its own (the calibrated correlations of a moment "
+                             "left out: what that term changes)")
+    parser.add_argument("--draw-seeds", type=int, default=1,
+                        help="replay each run with this many seeds of the draws; each figure their mean")
+    parser.add_argument("--moment-window-s", type=float, default=None,
+                        help="the calibration's moment window (default: the run config's "
+                             "planner.replan.calibration.moment_window_s)")
     args = parser.parse_args(argv)
+    if args.draw_seeds < 1:
+        parser.error(f"--draw-seeds must be >= 1, got {args.draw_seeds}")
     keep = pathlib.Path(args.keep_runs)
     index = keep / "runs.json"
     if not index.exists():
@@ -296,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     per_run, by_design = [], {}
     for entry in entries:
         run = load(keep, entry)
-        predicted, notes = replay(run, how=args.calibration, turn_gap=not args.no_turn_gap)
+        predicted, notes = replay(run, how=args.calibration, turn_gap=not args.no_turn_gap,
+                                  moments=not args.independent_draws, seeds=range(args.draw_seeds),
+                                  moment_s=args.moment_window_s)
         real = measured(run)
         per_run.append({"run": run.name, "predicted": predicted, "measured": real, **notes})
         print(json.dumps({"run": run.name, **{f: [round(predicted[f], 3), round(real[f], 3)] for f in FIGURES},

@@ -9,7 +9,7 @@ divides the configured efficiency:
 
     calibrated_efficiency = clip(base_efficiency / slowdown, 1e-4, 1)
 
-Five estimators:
+Six estimators:
 
     turns     (every measured turn: a least-squares fit of     -> RolloutEfficiency.prefill_mfu,
                the turn model's five terms, `turnfit.py`; the     decode_bw, step_overhead_s,
@@ -25,6 +25,9 @@ Five estimators:
                tool calls, as the gateway measures them: a mean      (the mean), first_gap_quantiles,
                with the turn fit's forgetting, and the recent       turn_gap_quantiles
                ones, first turns apart, `gaps.GapWindows`)
+    moments   (how the gaps and the times beyond the engine of   -> RolloutEfficiency.moment_s,
+               turns that come back together on one engine, or     first_gap_correlation,
+               start together, correlate: `gaps.MomentWindows`)    gap_correlation, reply_correlation
 
 `pipeline` calibrates the simulator the replanner ranks plans with (`sim/rank.py`): a batch's
 rollout span (its first trajectory released to its last finished) is what the asynchronous
@@ -60,7 +63,7 @@ from libra.configbase import Section
 from libra.services.planner import cost_rollout, cost_train
 from libra.services.planner.cost_rollout import Infeasible, RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
-from libra.services.planner.gaps import GapWindows, Replies
+from libra.services.planner.gaps import GapWindows, MomentWindows, Replies
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.turnfit import TERMS, ForgettingMean, TurnFit
 
@@ -83,6 +86,10 @@ class CalibrationSettings(Section):
     prior_turns: float = Field(0.05, ge=1e-6, le=1e6, description="turns' worth of evidence holding each term of "
                                "the turn fit at its base value (a ridge: it decides only what the turns cannot tell "
                                "apart; larger biases the fit towards the base)")
+    moment_window_s: float = Field(0.02, ge=0, le=10, description="replies on one engine (and trajectory "
+                                   "releases) this close in time are one moment: the calibration measures how their "
+                                   "gaps and times beyond the engine correlate, and the simulator draws them so "
+                                   "(gaps.Moments; 0: every turn its own draws)")
 
 
 class Ewma:
@@ -156,7 +163,7 @@ class Comparison:
 
 @dataclass
 class Calibration:
-    """The four estimators, the efficiencies they imply and the predicted-vs-measured record."""
+    """The estimators, the efficiencies they imply and the predicted-vs-measured record."""
 
     model: ModelSpec
     gpu: GpuSpec
@@ -173,6 +180,7 @@ class Calibration:
         self.gap = ForgettingMean(b.turn_gap_s, self.settings.turn_window)
         self.gaps = GapWindows(self.settings.turn_window)
         self.replies = Replies(self.settings.turn_window)
+        self.moments = MomentWindows(self.settings.turn_window, self.settings.moment_window_s)
         self.turns = Comparison(alpha=self.settings.alpha)
         self.steps = Comparison(alpha=self.settings.alpha)
         self._instances: dict[int, cost_rollout.Instance] = {}
@@ -189,7 +197,8 @@ class Calibration:
                                     "step_per_seq_s": min(1.0, per_seq * pipeline),
                                     "request_s": min(60.0, request * pipeline),
                                     "turn_gap_s": min(600.0, self.gap.value()),
-                                    **self.gaps.efficiency(), **self.replies.efficiency(fit)})
+                                    **self.gaps.efficiency(), **self.replies.efficiency(fit),
+                                    **self.moments.efficiency(fit)})
 
     def train_efficiency(self) -> TrainEfficiency:
         b = self.base_train
@@ -200,11 +209,13 @@ class Calibration:
 
     # -- samples ---------------------------------------------------------------------------
     def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1,
-                     gap_s: float = 0.0, turn_number: int = 0) -> str | None:
+                     gap_s: float = 0.0, turn_number: int = 0, *, worker: str = "", end_s: float = 0.0,
+                     trajectory: str = "") -> str | None:
         """One measured turn on a TP-`tp` instance of `batch` running sequences, `gap_s` seconds after
         its trajectory's previous turn or start (outside tool calls; 0: not measured), the
-        `turn_number`th of its trajectory (1: the first; 0: not reported); returns why it was
-        rejected, or None."""
+        `turn_number`th of its trajectory (1: the first; 0: not reported), served by `worker` with its
+        reply back at `end_s` (wall-clock seconds; with the trajectory's id, they place it in a moment:
+        gaps.MomentWindows); returns why it was rejected, or None."""
         reason = (_bad_numbers(seconds=seconds, prompt=prompt, output=output, tp=tp, batch=batch)
                   or _bad_numbers(seconds=gap_s))
         if reason is None and output + prompt == 0:
@@ -234,6 +245,7 @@ class Calibration:
         self.turns.add(sum(ci * xi for ci, xi in zip(c, x)) + comm, seconds)
         self.fit.add(x, max(0.0, seconds - comm), 1.0 / batch)  # its share of the engine's steps
         self.replies.add(x, comm, seconds)
+        self.moments.add(worker, end_s, seconds, gap_s, turn_number, trajectory, x, comm)
         return None
 
     def observe_train(self, layout: Layout, lengths: Sequence[tuple[int, int]], seconds: float,
@@ -306,6 +318,7 @@ class Calibration:
                 "turn_gap": self.gap.state(),
                 "turn_gaps": self.gaps.state(),
                 "replies": self.replies.state(),
+                "moments": self.moments.state(),
                 "turns": [self.turns.predicted_s, self.turns.measured_s, self.turns.samples],
                 "steps": [self.steps.predicted_s, self.steps.measured_s, self.steps.samples],
                 "rejected": dict(self.rejected)}
@@ -315,7 +328,8 @@ class Calibration:
             if name in self.estimators:
                 e = self.estimators[name]
                 e.mean, e.var, e.samples, e.resets, e.pending = row[0], row[1], int(row[2]), int(row[3]), list(row[4])
-        parts = {"turn_fit": self.fit, "turn_gap": self.gap, "turn_gaps": self.gaps, "replies": self.replies}
+        parts = {"turn_fit": self.fit, "turn_gap": self.gap, "turn_gaps": self.gaps, "replies": self.replies,
+                 "moments": self.moments}
         for key in parts.keys() & state.keys():  # (a state from before a part existed lacks it)
             parts[key].restore(state[key])
         for name in ("turns", "steps"):

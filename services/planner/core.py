@@ -64,7 +64,9 @@ class HistoryFeeder:
         for record in turns:
             tp = record.tp or bucket_tp.get(record.bucket) or 1
             reason = replanner.observe_turn(tp, record.prompt_tokens, record.output_tokens, record.seconds,
-                                            record.batch or 1, record.gap_seconds, record.turn_number)
+                                            record.batch or 1, record.gap_seconds, record.turn_number,
+                                            worker=record.worker_id, end_s=record.timestamp,
+                                            trajectory=record.trajectory_id)
             if reason:
                 fed.rejected.append(("turn", reason))
                 continue

@@ -69,6 +69,17 @@ class RolloutEfficiency(Section):
                                                  "(request_s) at the probabilities of gaps.GAP_PROBS: the simulator "
                                                  "charges each turn request_s times a draw (empty: request_s); "
                                                  "the calibration measures them")
+    moment_s: float = Field(0.0, ge=0, le=60, description="seconds within which replies on one engine (and "
+                            "trajectory releases) are one moment, whose draws of the quantiles above are "
+                            "correlated as below (gaps.Moments; 0: every turn its own draws); the calibration "
+                            "sets it")
+    first_gap_correlation: float = Field(0.0, ge=0, le=1, description="correlation of the first gaps of "
+                                         "trajectories released in one moment (0: independent); the calibration "
+                                         "measures it")
+    gap_correlation: float = Field(0.0, ge=0, le=1, description="the same for the gaps before later turns "
+                                   "whose previous turns came back from one engine in one moment")
+    reply_correlation: float = Field(0.0, ge=0, le=1, description="the same for the draws of request_quantiles "
+                                     "of replies that came back from one engine in one moment")
 
     @field_validator("first_gap_quantiles", "turn_gap_quantiles", "request_quantiles")
     @classmethod

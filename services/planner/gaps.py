@@ -25,18 +25,35 @@ more than a constant says (on the CPU headline runs: a standard deviation of 0.0
 group waits for its slowest trajectory. `Replies` keeps the recent turns' features and seconds;
 the calibration exports the distribution of their time beyond the fitted engine time (floored at
 0) relative to its mean (`RolloutEfficiency.request_quantiles`), and the simulator charges each
-turn `request_s` times its own draw (`ReplySampler`). What independent draws leave out: on those
-runs the turns of one engine deviate together at a moment (docs/benchmarks.md, "Simulator against
-reality"); the spread is right, its timing is not.
+turn `request_s` times its own draw (`ReplySampler`).
+
+Draws are not independent where the turns are not (`Moments`). On the CPU headline runs a batch's
+trajectories move through their turns together: the replies of one decode step come back together,
+their next routes are answered by one scheduler write, and their time beyond the engine deviates
+together (rank correlations 0.8-0.9 between replies within 20 ms on one engine, 0.99 between the
+first gaps of trajectories released together). Independent draws spread such turns apart, so a
+simulated engine always has some trajectory in a turn where a real one idles between turns (its
+busy fraction 1.20-1.23x the measured; docs/benchmarks.md, "Simulator against reality"). The
+calibration measures, per kind, the correlation between consecutive samples of one *moment*, each
+placed by a time that does not depend on its own value: the reply factors of turns sent to one
+engine within `moment_s` of each other (placed where their routes were answered), the gaps before
+the turns whose previous turns came back from one engine within `moment_s` (placed at that engine
+and reply), the first gaps of trajectories released within `moment_s` of each other. The simulator
+draws a moment's samples from a Gaussian copula of that correlation rho between two of its samples:
+each draw is Phi(sqrt(rho) z_moment + sqrt(1 - rho) z_own), z_moment shared by the moment and z_own
+the turn's own (both hashes, as above), so every marginal distribution stays the calibrated one. A
+moment lasts while samples keep coming within `moment_s` of the previous one at its place. With
+correlation 0 (the default, and what an uncalibrated run has) every turn draws on its own, as before.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 import statistics
 from collections import deque
-from typing import Sequence
+from typing import Hashable, Sequence
 
 GAP_PROBS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
 MIN_SAMPLES = 50  # of each kind, before quantiles replace the mean
@@ -44,13 +61,96 @@ MAX_WINDOW = 4096  # samples kept of each kind
 REPLY_WINDOW = 1024  # turns kept for the distribution of the time beyond the engine's
 
 
-def draw(values: Sequence[float], key: str) -> float:
-    """A draw from quantiles `values` at GAP_PROBS, its uniform a hash of `key` (module docstring)."""
+def uniform(key: str) -> float:
+    """A uniform in [0, 1): a hash of `key` (module docstring)."""
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    u = int.from_bytes(digest, "big") / 18446744073709551616.0  # uniform in [0, 1)
+    return int.from_bytes(digest, "big") / 18446744073709551616.0
+
+
+def at(values: Sequence[float], u: float) -> float:
+    """Quantiles `values` at GAP_PROBS, read at probability `u` (linear between them)."""
     i = min(len(GAP_PROBS) - 2, bisect.bisect_right(GAP_PROBS, u) - 1)
     p0, p1 = GAP_PROBS[i], GAP_PROBS[i + 1]
     return values[i] + (values[i + 1] - values[i]) * (u - p0) / (p1 - p0)
+
+
+def draw(values: Sequence[float], key: str) -> float:
+    """A draw from quantiles `values` at GAP_PROBS, its uniform a hash of `key` (module docstring)."""
+    return at(values, uniform(key))
+
+
+_NORMAL = statistics.NormalDist()
+
+
+class Moments:
+    """The simulator's side of correlated draws (module docstring): the moment in progress at each
+    place, and a turn's uniform given its moment's. Deterministic: the simulator's events run in a
+    fixed order, and every uniform is a hash."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self.last: dict[Hashable, tuple[float, float]] = {}  # place -> (time of its last sample, z_moment)
+
+    def uniform(self, key: str, rho: float, place: Hashable | None, now: float) -> float:
+        """The uniform of the sample named `key` taken at `place` at time `now` (not earlier than the
+        place's previous sample), correlated `rho` with each other sample of its moment there: its
+        normal score is sqrt(rho) z_moment + sqrt(1 - rho) z_own (place None, or rho or the window
+        0: its own uniform)."""
+        own = uniform(key)
+        if place is None or rho <= 0.0 or self.window_s <= 0.0:
+            return own
+        last = self.last.get(place)
+        if last is not None and now - last[0] <= self.window_s:
+            shared = last[1]
+        else:
+            shared = _NORMAL.inv_cdf(min(max(uniform(key + "/moment"), 1e-12), 1 - 1e-12))
+        self.last[place] = (now, shared)
+        if rho >= 1.0:
+            return _NORMAL.cdf(shared)
+        z = math.sqrt(rho) * shared + math.sqrt(1.0 - rho) * _NORMAL.inv_cdf(min(max(own, 1e-12), 1 - 1e-12))
+        return _NORMAL.cdf(z)
+
+
+def moment_correlation(samples: Sequence[tuple[Hashable, float, float]], window_s: float) -> float | None:
+    """The correlation of the Gaussian copula (module docstring) between the values of consecutive
+    samples at one place within `window_s` of each other, from `samples` of (place, time, value):
+    their rank correlation rho_s, as 2 sin(pi rho_s / 6), floored at 0 (a negative one is drawn as
+    none). None with fewer than MIN_SAMPLES such pairs, or when the values do not vary."""
+    if window_s <= 0:
+        return None
+    by_place: dict[Hashable, list[tuple[float, float]]] = {}
+    for place, time, value in samples:
+        by_place.setdefault(place, []).append((time, value))
+    xs: list[float] = []
+    ys: list[float] = []
+    for rows in by_place.values():
+        rows.sort(key=lambda row: row[0])  # by time alone: samples at one time stay in their order, not by value
+        for (t0, v0), (t1, v1) in zip(rows, rows[1:]):
+            if t1 - t0 <= window_s:
+                xs.append(v0)
+                ys.append(v1)
+    if len(xs) < MIN_SAMPLES:
+        return None
+    rx, ry = _ranks(xs), _ranks(ys)
+    if min(rx) == max(rx) or min(ry) == max(ry):
+        return None
+    rank = statistics.correlation(rx, ry)
+    return max(0.0, min(1.0, 2.0 * math.sin(math.pi * rank / 6.0)))
+
+
+def _ranks(values: Sequence[float]) -> list[float]:
+    """Ranks from 1, ties at their mean rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2.0 + 1.0
+        i = j + 1
+    return ranks
 
 
 def quantiles(samples: Sequence[float], probs: Sequence[float] = GAP_PROBS) -> tuple[float, ...]:
@@ -121,23 +221,38 @@ class GapWindows:
 
 
 class GapSampler:
-    """Each turn's gap in the simulator: a draw from the quantiles, or the mean without them."""
+    """Each turn's gap in the simulator: a draw from the quantiles, or the mean without them; the
+    draws of one moment correlated as calibrated (`Moments`)."""
 
-    def __init__(self, mean_s: float, first: Sequence[float] = (), later: Sequence[float] = ()):
+    def __init__(self, mean_s: float, first: Sequence[float] = (), later: Sequence[float] = (),
+                 moment_s: float = 0.0, first_rho: float = 0.0, later_rho: float = 0.0, seed: int = 0):
         self.mean_s = mean_s
         self.first, self.later = (tuple(first), tuple(later)) if first and later else ((), ())
+        self.rho = (first_rho, later_rho)
+        self.moments = Moments(moment_s)
+        self.salt = f"#{seed}" if seed else ""  # (seed 0: the keys of every earlier run)
 
     @classmethod
-    def of(cls, efficiency) -> "GapSampler | None":
-        """The sampler a `RolloutEfficiency` calls for; None when every gap is 0 (the fast path)."""
+    def of(cls, efficiency, seed: int = 0) -> "GapSampler | None":
+        """The sampler a `RolloutEfficiency` calls for, its draws seeded by `seed`; None when every
+        gap is 0 (the fast path)."""
         if not efficiency.turn_gap_s and not efficiency.turn_gap_quantiles:
             return None
-        return cls(efficiency.turn_gap_s, efficiency.first_gap_quantiles, efficiency.turn_gap_quantiles)
+        return cls(efficiency.turn_gap_s, efficiency.first_gap_quantiles, efficiency.turn_gap_quantiles,
+                   efficiency.moment_s, efficiency.first_gap_correlation, efficiency.gap_correlation, seed)
 
-    def draw(self, trajectory_id: str, turn: int) -> float:
-        """The gap before turn `turn` (0: the first) of the trajectory."""
+    def draw(self, trajectory_id: str, turn: int, place: Hashable | None = None, now: float = 0.0) -> float:
+        """The gap before turn `turn` (0: the first) of the trajectory, drawn at time `now` where its
+        moment is: for a first turn its release (any place, the same for all), for a later one the
+        engine its previous turn came back from (None: its own draw)."""
         values = self.first if turn == 0 else self.later
-        return draw(values, f"{trajectory_id}/{turn}") if values else self.mean_s
+        if not values:
+            return self.mean_s
+        key = f"{trajectory_id}/{turn}{self.salt}"
+        rho = self.rho[turn > 0]
+        if rho <= 0.0 or place is None:
+            return draw(values, key)
+        return at(values, self.moments.uniform(key, rho, (turn > 0, place), now))
 
 
 class Replies:
@@ -175,16 +290,82 @@ class Replies:
 
 
 class ReplySampler:
-    """Each turn's time outside the engine in the simulator: request_s times a draw (mean ~1)."""
+    """Each turn's time outside the engine in the simulator: request_s times a draw (mean ~1); the
+    draws of replies that come back together on one engine correlated as calibrated (`Moments`)."""
 
-    def __init__(self, factors: Sequence[float]):
+    def __init__(self, factors: Sequence[float], moment_s: float = 0.0, rho: float = 0.0, seed: int = 0):
         self.factors = tuple(factors)
+        self.rho = rho
+        self.moments = Moments(moment_s)
+        self.salt = f"#{seed}" if seed else ""
 
     @classmethod
-    def of(cls, efficiency) -> "ReplySampler | None":
-        """None without a calibrated distribution (every turn gets request_s)."""
-        return cls(efficiency.request_quantiles) if efficiency.request_quantiles else None
+    def of(cls, efficiency, seed: int = 0) -> "ReplySampler | None":
+        """Its draws seeded by `seed`; None without a calibrated distribution (every turn gets request_s)."""
+        if not efficiency.request_quantiles:
+            return None
+        return cls(efficiency.request_quantiles, efficiency.moment_s, efficiency.reply_correlation, seed)
 
-    def factor(self, trajectory_id: str, turn: int) -> float:
-        """The factor on request_s of turn `turn` (0: the first) of the trajectory."""
-        return draw(self.factors, f"{trajectory_id}/{turn}/reply")
+    def factor(self, trajectory_id: str, turn: int, place: Hashable | None = None, now: float = 0.0) -> float:
+        """The factor on request_s of turn `turn` (0: the first) of the trajectory, sent to engine
+        `place` at time `now` (None: its own draw)."""
+        key = f"{trajectory_id}/{turn}/reply{self.salt}"
+        if self.rho <= 0.0 or place is None:
+            return draw(self.factors, key)
+        return at(self.factors, self.moments.uniform(key, self.rho, place, now))
+
+
+class MomentWindows:
+    """The calibration's side of correlated draws (module docstring): the recent samples of each
+    kind with the place and time of their moment, and the trajectories' last turns (where a later
+    turn's gap began)."""
+
+    def __init__(self, window: float, moment_s: float):
+        size = int(min(MAX_WINDOW, max(1, window)))
+        self.moment_s = moment_s
+        self.first: deque[tuple[str, float, float]] = deque(maxlen=size)  # ("", released at, gap)
+        self.later: deque[tuple[str, float, float]] = deque(maxlen=size)  # (previous engine, its reply at, gap)
+        self.replies: deque[tuple] = deque(maxlen=int(min(REPLY_WINDOW, max(1, window))))  # (engine, sent at, *row)
+        self.previous: dict[str, tuple[str, float]] = {}  # trajectory -> (engine, reply at) of its last turn
+
+    def add(self, worker: str, end_s: float, seconds: float, gap_s: float, turn_number: int, trajectory: str,
+            x: Sequence[float], comm_s: float) -> None:
+        """One measured turn: served by `worker`, its reply back at `end_s` (wall-clock seconds) after
+        `seconds`, `gap_s` after its trajectory's previous turn (or its release); a turn that names
+        no worker or time is not placed in a moment."""
+        if not worker or end_s <= 0:
+            return
+        self.replies.append((worker, end_s - seconds, x[0], x[1], x[2], x[3], comm_s, seconds))  # at its start
+        if gap_s > 0 and turn_number == 1:
+            self.first.append(("", end_s - seconds - gap_s, gap_s))
+        elif gap_s > 0 and turn_number > 1 and trajectory in self.previous:
+            engine, at_s = self.previous[trajectory]
+            self.later.append((engine, at_s, gap_s))
+        if trajectory:
+            self.previous.pop(trajectory, None)  # (re-inserted last: the oldest go first)
+            self.previous[trajectory] = (worker, end_s)
+            if len(self.previous) > 4 * MAX_WINDOW:
+                del self.previous[next(iter(self.previous))]
+
+    def efficiency(self, c: Sequence[float]) -> dict:
+        """The RolloutEfficiency fields measured under the turn fit `c` (each correlation once it has
+        MIN_SAMPLES pairs; {} while none has: the configured ones stand)."""
+        if self.moment_s <= 0:
+            return {}
+        beyond = [(r[0], r[1], max(0.0, r[7] - r[6] - sum(ci * xi for ci, xi in zip(c[:4], r[2:6]))))
+                  for r in self.replies]
+        found = {name: moment_correlation(samples, self.moment_s)
+                 for name, samples in (("first_gap_correlation", self.first), ("gap_correlation", self.later),
+                                       ("reply_correlation", beyond))}
+        found = {name: round(rho, 6) for name, rho in found.items() if rho is not None}
+        return {"moment_s": self.moment_s, **found} if found else {}
+
+    def state(self) -> dict:
+        return {"first": [[p, round(t, 6), round(g, 6)] for p, t, g in self.first],
+                "later": [[p, round(t, 6), round(g, 6)] for p, t, g in self.later],
+                "replies": [[r[0], *(float(f"{v:.9g}") for v in r[1:])] for r in self.replies]}
+
+    def restore(self, state: dict) -> None:
+        self.first.extend((str(p), float(t), float(g)) for p, t, g in state.get("first", ()))
+        self.later.extend((str(p), float(t), float(g)) for p, t, g in state.get("later", ()))
+        self.replies.extend((str(r[0]), *(float(v) for v in r[1:])) for r in state.get("replies", ()))

@@ -135,10 +135,11 @@ class Replanner:
         return None
 
     def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1,
-                     gap_s: float = 0.0, turn_number: int = 0) -> str | None:
-        """One measured turn on a TP-`tp` instance (calibrates the turn model and the gap between turns)."""
+                     gap_s: float = 0.0, turn_number: int = 0, **moment) -> str | None:
+        """One measured turn on a TP-`tp` instance (calibrates the turn model and the gap between turns;
+        `moment`: Calibration.observe_turn's worker, end_s and trajectory)."""
         return self.calibration.observe_turn(tp, prompt, output, seconds, batch, gap_s,  # counts its rejections
-                                             turn_number)
+                                             turn_number, **moment)
 
     def adopt(self, candidate: Candidate | None) -> None:
         """The plan in force changed outside `consider` (e.g. a resumed planner)."""

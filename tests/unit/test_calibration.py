@@ -278,3 +278,65 @@ def test_a_turns_time_beyond_the_fitted_engine_time_is_exported_as_a_factor_on_r
     other = calibration()
     other.restore(cal.state())
     assert other.rollout_efficiency().request_quantiles == pytest.approx(factors, rel=1e-3)
+
+
+def waves(cal: Calibration, shared: bool, placed: bool = True, count: int = 120) -> None:
+    """Three-turn trajectories released eight at a time onto alternate workers, a wave every second.
+    With `shared` a wave's turns move together: its first gaps are one (one scheduler write answers
+    them), each turn is sent at one moment, takes the same time beyond the engine and comes back
+    together, and the gaps after it are one; else every turn draws its own gap and time beyond
+    the engine. `placed`: the records name their worker, reply time and trajectory."""
+    rng = random.Random(5)
+
+    def own() -> tuple[float, float, float]:  # (first gap, later gap, time beyond the engine)
+        return rng.uniform(0.05, 0.5), rng.uniform(0.001, 0.05), rng.uniform(0.0, 0.1)
+
+    prompt, output, batch = 400, 20, 8
+    engine = measured_on(TRUTH, prompt, output, batch)
+    for w in range(count):
+        wave = [own() for _ in range(3)]
+        clock = [1000.0 + w] * 8  # each trajectory's time: released together
+        for k in range(3):
+            for j in range(8):
+                first, gap, beyond = wave[k] if shared else own()
+                wait = first if k == 0 else gap
+                seconds = engine + beyond
+                clock[j] += wait + seconds
+                moment = dict(worker=f"w{w % 2}", end_s=clock[j], trajectory=f"t{w}-{j}") if placed else {}
+                assert cal.observe_turn(1, prompt, output, seconds, batch, gap_s=wait, turn_number=k + 1,
+                                        **moment) is None
+
+
+def test_turns_that_come_back_together_are_measured_to_deviate_together_and_kept_over_a_restart():
+    """With each turn record's worker, reply time and trajectory, the calibration finds how the draws
+    of one moment correlate: the gaps and the time beyond the engine of turns that came back
+    together on one worker, the first gaps of trajectories released together. Turns that deviate
+    on their own measure ~0; turns reported without those fields leave the correlations at 0 (every
+    turn its own draws, as before). The measure survives a restart."""
+    cal = calibration()
+    waves(cal, shared=True)
+    r = cal.rollout_efficiency()
+    assert r.moment_s == 0.02
+    assert r.first_gap_correlation > 0.95 and r.gap_correlation > 0.95 and r.reply_correlation > 0.9
+    other = calibration()
+    other.restore(cal.state())
+    again = other.rollout_efficiency()
+    assert (again.first_gap_correlation, again.gap_correlation, again.reply_correlation) == pytest.approx(
+        (r.first_gap_correlation, r.gap_correlation, r.reply_correlation))
+    alone = calibration()
+    waves(alone, shared=False)
+    r = alone.rollout_efficiency()
+    assert r.first_gap_correlation < 0.3 and r.gap_correlation < 0.3 and r.reply_correlation < 0.3
+    unplaced = calibration()
+    waves(unplaced, shared=True, placed=False)
+    r = unplaced.rollout_efficiency()
+    assert (r.moment_s, r.first_gap_correlation, r.gap_correlation, r.reply_correlation) == (0.0, 0.0, 0.0, 0.0)
+    assert r.turn_gap_quantiles  # the distributions themselves are measured all the same
+    off = calibration(moment_window_s=0.0)
+    waves(off, shared=True)
+    assert off.rollout_efficiency().gap_correlation == 0.0
+    old = cal.state()
+    del old["moments"]  # a state saved before moments existed
+    before = calibration()
+    before.restore(old)
+    assert before.rollout_efficiency().gap_correlation == 0.0

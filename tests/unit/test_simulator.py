@@ -254,3 +254,42 @@ def test_with_a_calibrated_distribution_each_turn_draws_its_own_gap():
     assert statistics.fmean(drawn_back) == pytest.approx(statistics.fmean(back), abs=0.03)
     # the same gaps on average (the engines' batches differ a little once the trajectories spread out)
     assert statistics.fmean(drawn) == pytest.approx(statistics.fmean(alike), abs=0.03)
+
+
+def test_with_calibrated_correlations_trajectories_released_together_move_together():
+    """The draws of one moment correlated as calibrated (gaps.Moments): with correlation 1 the
+    trajectories of a batch, released together onto one engine with the same turns, draw the same
+    first gap, reply factors and later gaps, so they end together, while batches still differ from
+    one another as much as independent draws make them; with correlation 0 each draws its own."""
+    turns = (TurnSpec(20, "search", "success", 10, 0.5), TurnSpec(20, "search", "success", 10, 0.5), TurnSpec(10))
+    trace = Trace(tuple(tuple(TrajectorySpec(f"t{b}-{i}", f"p{b}", b, 100, turns) for i in range(4))
+                        for b in range(30)))
+    config = SearchConfig(total_gpus=2, group_size=4)
+    uniform = tuple(0.1 * p for p in GAP_PROBS)  # uniform on [0, 0.1]
+
+    class Timed(Simulator):  # each trajectory's time from its start to its end, by batch
+        def _finished(self, unit):
+            self.durations = getattr(self, "durations", {})
+            self.durations.setdefault(unit.spec.step, []).append(self.events.now - unit.released_s)
+            super()._finished(unit)
+
+    def durations(rho: float) -> dict[int, list[float]]:
+        rollout = RolloutEfficiency(turn_gap_s=0.05, first_gap_quantiles=uniform, turn_gap_quantiles=uniform,
+                                    request_s=0.05, request_quantiles=tuple(2.0 * p for p in GAP_PROBS),
+                                    moment_s=0.01, first_gap_correlation=rho, gap_correlation=rho,
+                                    reply_correlation=rho)
+        searched = config.model_copy(update={"rollout": rollout})
+        simulator = Timed(MODEL, GPU, trace, control.static(MODEL, GPU, searched), searched,
+                          SimConfig(policy="load_balance", sync_latency_s=0.0, sync_gbps=100_000.0, staleness=0))
+        simulator.run()
+        assert len(simulator.rollout.instances) == 1
+        return simulator.durations
+
+    def within(batches) -> float:  # the mean spread of a batch's durations
+        return statistics.fmean(max(d) - min(d) for d in batches.values())
+
+    together, apart = durations(1.0), durations(0.0)
+    assert within(together) < 1e-9 < 0.05 < within(apart)
+    means = [statistics.fmean(d) for d in together.values()]
+    assert statistics.pstdev(means) > 0.03  # batches differ: the moments' own draws
+    assert statistics.fmean(means) == pytest.approx(statistics.fmean(x for d in apart.values() for x in d), rel=0.15)

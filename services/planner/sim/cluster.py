@@ -136,8 +136,8 @@ class Simulator:
         self.wall_s, self.cpu_s = 0.0, 0.0  # of the parts of the run before this process's (a resumed run)
         self.events = Events()
         self.rollout = Rollout(self.events, None, self.config.turn_budget_tokens, on_finish=self._finished,
-                               gaps=GapSampler.of(self.search_config.rollout),
-                               replies=ReplySampler.of(self.search_config.rollout))
+                               gaps=GapSampler.of(self.search_config.rollout, self.config.draw_seed),
+                               replies=ReplySampler.of(self.search_config.rollout, self.config.draw_seed))
         self.usage = Usage(self.config.colocated)
         self.feeder = feeder(self.config.batching, self.trace, self.config.staleness)
         if hasattr(self.instance_model, "on_start"):  # the version of each trajectory's first token

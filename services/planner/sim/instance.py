@@ -41,6 +41,7 @@ class Unit:
     carried: int = 0  # tokens a newer policy counts for this turn on its worker (routed by an older one)
     released_s: float = 0.0
     seq: int = 0
+    reply: float = 1.0  # the current turn's time outside the engine, a factor on request_s (drawn when routed)
 
     @property
     def final(self) -> float:

@@ -11,11 +11,13 @@ runs), called exactly as the rollout gateway calls it:
 
 A turn's reply reaches the gateway the instance's `request_s` after its last token (the time a turn
 spends outside the engine: HTTP, the routing call; 0 unless calibrated; with a calibrated
-distribution, `request_s` times each turn's own draw: `gaps.ReplySampler`), before the tool runs or
-the trajectory finishes. Every turn, the first included, is routed a gap after the trajectory's
-previous turn and tool call ended (or its start): the gateway's time between turns (routing,
-reports, records), each turn's drawn from the calibrated distribution or the mean (`gaps.py`; none
-unless calibrated). A turn prefills its whole context where its KV cache is not (new trajectory, or
+distribution, `request_s` times the turn's draw, taken as it is sent: `gaps.ReplySampler`), before
+the tool runs or the trajectory finishes. Every turn, the first included, is routed a gap after the
+trajectory's previous turn and tool call ended (or its start): the gateway's time between turns
+(routing, reports, records), each turn's drawn from the calibrated distribution or the mean
+(`gaps.py`; none unless calibrated). Draws are correlated within a moment as calibrated
+(`gaps.Moments`): the reply factors of turns sent to one engine together, the gaps after turns that
+came back from one engine together, the first gaps of trajectories released together. A turn prefills its whole context where its KV cache is not (new trajectory, or
 moved), only the tool payload where it stays. A turn that no serving instance can hold waits
 ("parked") until one that can comes up. The loop owns the instances in force and the routing
 counters; it does not own the clock's other events (releases, training: `cluster.py`) nor the speed
@@ -182,7 +184,7 @@ class Rollout:
         """A trajectory starts now: route its first turn (a gap later)."""
         unit = self.new_unit(spec)
         if self.gaps is not None:
-            self.events.push(self.events.now + self.gaps.draw(spec.trajectory_id, 0), TOOL, unit)
+            self.events.push(self.events.now + self.gaps.draw(spec.trajectory_id, 0, "", self.events.now), TOOL, unit)
         else:
             self.route(unit)
         return unit
@@ -229,6 +231,8 @@ class Rollout:
         if unit.kv_on != instance.wid:
             unit.prefill = unit.context  # no prefix cache there: the whole context again
         unit.kv_on = unit.worker = instance.wid
+        if self.replies is not None:  # drawn as the turn is sent: the turns sent together are one moment
+            unit.reply = self.replies.factor(spec.trajectory_id, unit.turn, instance.wid, self.events.now)
         instance.advance(self.events.now)
         instance.enqueue(unit)
         instance.routed += 1
@@ -253,7 +257,7 @@ class Rollout:
             unit.carried = 0
         spec, k = unit.spec, unit.turn
         turn = spec.turns[k]
-        back = instance.request_s * self.replies.factor(spec.trajectory_id, k) if self.replies else instance.request_s
+        back = instance.request_s * unit.reply
         unit.context = unit.final
         unit.turn_left = 0.0
         self.tokens += turn.output_tokens * unit.copies
@@ -263,7 +267,7 @@ class Rollout:
             unit.context += turn.payload_tokens
             unit.turn, unit.turn_left = k + 1, float(spec.turns[k + 1].output_tokens)
             unit.prefill = float(turn.payload_tokens)
-            gap = self.gaps.draw(spec.trajectory_id, k + 1) if self.gaps is not None else 0.0
+            gap = self.gaps.draw(spec.trajectory_id, k + 1, instance.wid, now) if self.gaps is not None else 0.0
             self.events.push(now + back + turn.latency_s + gap, TOOL, unit)
         elif back > 0:
             self.events.push(now + back, FINISH, unit)

@@ -41,6 +41,9 @@ class SimConfig(Section):
                                                                     "rollout.max_concurrent_trajectories: the "
                                                                     "rest wait, in release order, for a place; "
                                                                     "0: no limit)")
+    draw_seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of the calibrated draws (each turn's gap and "
+                           "time outside the engine: gaps.py); a run with another seed draws them afresh, to show "
+                           "how much a figure owes to them (0: the draws of every earlier run)")
     steps: int = Field(0, ge=0, le=1_000_000, description="training steps to simulate (0: one per batch of the "
                                                           "trace; first_complete needs spare batches to replace "
                                                           "the groups it rejects)")
