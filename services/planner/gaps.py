@@ -30,8 +30,8 @@ turn `request_s` times its own draw (`ReplySampler`).
 Draws are not independent where the turns are not (`Moments`). On the CPU headline runs a batch's
 trajectories move through their turns together: the replies of one decode step come back together,
 their next routes are answered by one scheduler write, and their time beyond the engine deviates
-together (rank correlations 0.8-0.9 between replies within 20 ms on one engine, 0.99 between the
-first gaps of trajectories released together). Independent draws spread such turns apart, so a
+together (rank correlations 0.87-0.97 between consecutive samples of one kind within 20 ms, as
+measured below). Independent draws spread such turns apart, so a
 simulated engine always has some trajectory in a turn where a real one idles between turns (its
 busy fraction 1.20-1.23x the measured; docs/benchmarks.md, "Simulator against reality"). The
 calibration measures, per kind, the correlation between consecutive samples of one *moment*, each
