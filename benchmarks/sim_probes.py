@@ -193,11 +193,13 @@ def gap_percentiles(run: Loaded) -> dict[str, list[float]]:
     return {f"p{q}": [round(percentile(first, q), 4), round(percentile(later, q), 4)] for q in (50, 99)}
 
 
-def fitted_turns(run: Loaded, cal: Calibration, model: ModelSpec) -> list[float]:
+def fitted_turns(run: Loaded, cal: Calibration, model: ModelSpec, engine_batch: bool = True) -> list[float]:
     """Each measured turn's seconds as the calibrated turn model predicts them at the turn's own
-    measured batch: the model alone, without the simulator's dynamics (which set the batch there)."""
+    measured batch (the engine's, where it reported one and `engine_batch`; else the requests in
+    flight on its worker): the model alone, without the simulator's dynamics (which set the batch there)."""
     engine = cost_rollout.instance(model, CPU_CORE, 1, cal.rollout_efficiency())
-    return [turn_seconds(engine, t["prompt_tokens"], t["output_tokens"], t["batch"]) for t in run.turns]
+    return [turn_seconds(engine, t["prompt_tokens"], t["output_tokens"],
+                         (t.get("engine_batch", 0.0) if engine_batch else 0.0) or t["batch"]) for t in run.turns]
 
 
 def turn_seconds(engine, prompt: float, output: float, batch: float) -> float:

@@ -11,7 +11,9 @@ Per run, with nothing taken from the run but what the planner could know:
 
 1. Calibrate: every turn record of the history goes to the planner's own `Calibration.observe_turn`
    (the turn fit: prefill and decode efficiency, the per-pass and per-row overheads, the time
-   outside the engine), every step record to `observe_train` (training MFU), as the online
+   outside the engine, at the engine's own batch where the record has it, `engine_batch`; the
+   draws' correlations within a moment: gaps.MomentWindows), every step record to `observe_train`
+   (training MFU), as the online
    planner feeds them (services/planner/core.py), with the run's calibration settings (the fit
    remembers the last `turn_window` turns, the training MFU is an EWMA; `--calibration mean`:
    every turn and step of the run alike instead). The cost model needs a model and a
@@ -22,7 +24,9 @@ Per run, with nothing taken from the run but what the planner could know:
    order) through `cluster.Simulator` with the run's plan (the trainer and the rollout workers it
    had; for an online run, each plan the planner applied, from the step it was applied), staleness,
    routing policy, per-worker cap and turn budget; the synchronous design (max_staleness 0) is
-   played as the simulator plays it (colocated: rollout, then training, then the reload).
+   played as the simulator plays it (colocated: rollout, then training, then the reload). With
+   `--draw-seeds N` each run is replayed N times with other draws (SimConfig.draw_seed) and each
+   figure is their mean.
 3. Compare, predicted (simulated) against measured, over the RL phase (first step's start to the
    last step's end): mean step time (steps 2..N: the first includes the workers' start), turn
    latency p50 / p90 (measured: the rollout gateway's turn seconds, route to reply; simulated: a
@@ -37,7 +41,8 @@ Per run, with nothing taken from the run but what the planner could know:
 Prints one JSON line per run (both sides of every figure, the turn fit's terms and the EWMAs,
 turns per bucket measured and simulated, training seconds measured and simulated, and turn
 seconds per generated token by the worker's batch beside the calibrated cost model's decode step,
-the mean batch a turn ran in, simulated and measured, the median turn as the calibrated turn
+the mean batch a turn ran in, simulated (the sequences decoding) and measured (the requests in flight
+on its worker; the engine's own), the median turn as the calibrated turn
 model predicts each measured turn at its measured batch: the model without the simulator's dynamics,
 whether the turns reached their engines in waves, `answer_waves`, and how often each worker went
 idle, `busy_periods`),
@@ -95,7 +100,7 @@ def tiny_model(config) -> ModelSpec:
 
 # ---- calibrate and replay -----------------------------------------------------------------------
 def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma",
-              moment_s: float | None = None) -> Calibration:
+              moment_s: float | None = None, engine_batch: bool = True) -> Calibration:
     """The planner's calibration fed the run's history, record by record, as core.py feeds it.
     how: "ewma": the run config's settings (the online planner's: an EWMA that follows the last few
     samples); "mean": each estimator a plain mean of every sample of the run (alpha 1/n, with
@@ -115,7 +120,8 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma",
         if turn["timestamp"] < first_step:
             continue  # the start-up's (below)
         cal.observe_turn(max(1, turn["tp"]), turn["prompt_tokens"], turn["output_tokens"], turn["seconds"],
-                         turn["batch"], turn.get("gap_seconds", 0.0), turn["turn_number"],
+                         (turn.get("engine_batch", 0.0) if engine_batch else 0.0) or turn["batch"],
+                         turn.get("gap_seconds", 0.0), turn["turn_number"],
                          worker=turn.get("worker_id", ""), end_s=turn["timestamp"],
                          trajectory=turn.get("trajectory_id", ""))
     overheads = trainer_overheads(run)
@@ -155,20 +161,22 @@ class RunBuckets(Simulator):
 
 
 def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True, moments: bool = True,
-           seeds: Sequence[int] = (0,), moment_s: float | None = None) -> tuple[dict[str, float], dict]:
+           seeds: Sequence[int] = (0,), moment_s: float | None = None,
+           engine_batch: bool = True) -> tuple[dict[str, float], dict]:
     """The run replayed in the calibrated simulator: predicted figures and how it was calibrated
     (`turn_gap=False`: the gap between turns left out, to show what that term changes;
     `moments=False`: every turn's draws its own, the calibrated correlations left out). With several
     draw `seeds` each figure is the mean of the replays, and the notes give its least and greatest
     (`seed_range`); the other notes are the first seed's. `moment_s`: the calibration's
-    moment_window_s instead of the run config's."""
+    moment_window_s instead of the run config's. `engine_batch=False`: the turn fit takes each
+    turn's requests in flight on its worker as its batch, as before the engine reported its own."""
     config, trainer = run.config, run.config.trainer
     model = tiny_model(config)
     steps = len(run.record.steps)
     batch = trainer.groups_per_step * trainer.group_size
     workers = sum(b.replicas for b in config.planner.buckets)
     layout = Layout(1, 1, 1, trainer.micro_batch_size)
-    cal = calibrate(run, model, layout, how, moment_s)
+    cal = calibrate(run, model, layout, how, moment_s, engine_batch)
     rollout = cal.rollout_efficiency()
     if not turn_gap:
         rollout = rollout.model_copy(update={"turn_gap_s": 0.0, "first_gap_quantiles": (), "turn_gap_quantiles": ()})
@@ -188,7 +196,7 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True, moments: bool 
     records = result.steps
     span = records[-1].time_s
     snap = cal.snapshot()
-    fitted = fitted_turns(run, cal, model)
+    fitted = fitted_turns(run, cal, model, engine_batch)
     notes = {"slowdowns": {k: v["slowdown"] for k, v in snap["estimators"].items()},
              "turn_fit": {k: v for k, v in snap["turn_fit"].items()},
              "turn_gap_s": snap["efficiency"]["turn_gap_s"]["calibrated"],
@@ -209,7 +217,8 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True, moments: bool 
                                                             for _ in range(e.routed)))},
              "s_per_token_by_batch": per_token(run.turns, cost_rollout.instance(model, CPU_CORE, 1, rollout)),
              "turn_batch_mean": [round(statistics.fmean(engines.batches), 1),
-                                 round(statistics.fmean(t["batch"] for t in run.turns), 1)],
+                                 round(statistics.fmean(t["batch"] for t in run.turns), 1),
+                                 round(statistics.fmean(t.get("engine_batch", 0.0) for t in run.turns), 1)],
              "turn_p50_fitted_s": round(percentile(fitted, 50), 4),
              "turn_deviation_correlation": shared_deviation(run, fitted),
              "answer_waves": answer_waves(run),
@@ -324,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                              "left out: what that term changes)")
     parser.add_argument("--draw-seeds", type=int, default=1,
                         help="replay each run with this many seeds of the draws; each figure their mean")
+    parser.add_argument("--in-flight-batch", action="store_true",
+                        help="fit the turns at the requests in flight on their worker, not the engine's own batch "
+                             "(HistoryRecord.engine_batch; runs recorded before it have only the former)")
     parser.add_argument("--moment-window-s", type=float, default=None,
                         help="the calibration's moment window (default: the run config's "
                              "planner.replan.calibration.moment_window_s)")
@@ -340,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         run = load(keep, entry)
         predicted, notes = replay(run, how=args.calibration, turn_gap=not args.no_turn_gap,
                                   moments=not args.independent_draws, seeds=range(args.draw_seeds),
-                                  moment_s=args.moment_window_s)
+                                  moment_s=args.moment_window_s, engine_batch=not args.in_flight_batch)
         real = measured(run)
         per_run.append({"run": run.name, "predicted": predicted, "measured": real, **notes})
         print(json.dumps({"run": run.name, **{f: [round(predicted[f], 3), round(real[f], 3)] for f in FIGURES},

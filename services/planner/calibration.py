@@ -208,7 +208,7 @@ class Calibration:
                                     else b.step_overhead_s})
 
     # -- samples ---------------------------------------------------------------------------
-    def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1,
+    def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: float = 1,
                      gap_s: float = 0.0, turn_number: int = 0, *, worker: str = "", end_s: float = 0.0,
                      trajectory: str = "") -> str | None:
         """One measured turn on a TP-`tp` instance of `batch` running sequences, `gap_s` seconds after

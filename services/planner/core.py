@@ -63,8 +63,10 @@ class HistoryFeeder:
         bucket_tp = {b.name: b.tp for b in plan.buckets} if plan is not None else {}
         for record in turns:
             tp = record.tp or bucket_tp.get(record.bucket) or 1
+            # the engine's own batch where it reports one (the hf engine), else the requests in flight
             reason = replanner.observe_turn(tp, record.prompt_tokens, record.output_tokens, record.seconds,
-                                            record.batch or 1, record.gap_seconds, record.turn_number,
+                                            record.engine_batch or record.batch or 1, record.gap_seconds,
+                                            record.turn_number,
                                             worker=record.worker_id, end_s=record.timestamp,
                                             trajectory=record.trajectory_id)
             if reason:

@@ -134,7 +134,7 @@ class Replanner:
         self.lengths.extend((int(p), int(o)) for p, o in lengths)
         return None
 
-    def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: int = 1,
+    def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: float = 1,
                      gap_s: float = 0.0, turn_number: int = 0, **moment) -> str | None:
         """One measured turn on a TP-`tp` instance (calibrates the turn model and the gap between turns;
         `moment`: Calibration.observe_turn's worker, end_s and trajectory)."""

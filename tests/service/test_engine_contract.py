@@ -107,9 +107,11 @@ def test_health_models_and_version(client, arun):
     assert arun(client.policy_version()) == 3  # the version it was launched with
 
 
-def test_completion_is_token_exact_and_matches_the_trainer(client, weights, arun):
+def test_completion_is_token_exact_and_matches_the_trainer(engine, client, weights, arun):
     turn = arun(client.generate(PROMPT, 12, temperature=0.0))
     assert turn.finish_reason in ("stop", "length") and len(turn.token_ids) == len(turn.logprobs) > 0
+    # alone on the engine, the hf engine reports its tokens sampled in passes of one row; vLLM reports none
+    assert turn.engine_batch == (0.0 if engine[0] == "vllm" else pytest.approx(1.0))
     assert turn.versions == [3] * len(turn.token_ids)  # labelled with the launch version at start-up
     assert all(lp <= 0.0 and math.isfinite(lp) for lp in turn.logprobs)
     assert turn.logprobs == pytest.approx(trainer_logprobs(weights["base"], PROMPT, turn.token_ids), abs=2e-4)

@@ -31,6 +31,7 @@ class Generation:
     versions: list[int]
     finish_reason: str = "stop"
     batch: float = 0.0
+    engine_batch: float = 0.0
 
 
 VERSIONS = {"w0": 3, "w1": 7}  # what each fake worker holds (and acknowledged)

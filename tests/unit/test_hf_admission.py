@@ -104,3 +104,25 @@ def test_the_config_and_the_engine_server_default_to_the_same_admission():
 
     assert (HfEngine().prefill_ratio, HfEngine().prefill_wait_steps) == (PREFILL_RATIO, PREFILL_WAIT_STEPS)
     assert HfEngine().prefix_cache_mib == PREFIX_CACHE_MIB
+
+
+def test_each_request_reports_the_batch_its_tokens_were_sampled_in(model_dir):
+    """`decode_batch`: the mean rows of the passes that sampled a request's ids (the engine's own
+    batch, which the turn record carries for the calibration: requests held back are not in it).
+    Two requests prefilled together, of 3 and 6 tokens: the first's three ids come from passes of
+    2 rows; the second's from 2, 2, 2, then 1, 1, 1 once the first is done."""
+    engine, _ = _engine(model_dir, 0.0, 0)
+    finished = threading.Semaphore(0)
+    try:
+        engine.pause(True)
+        short, long = _request(3, finished), _request(6, finished)
+        engine.submit(short)
+        engine.submit(long)
+        engine.pause(False)
+        for _ in range(2):
+            assert finished.acquire(timeout=30)
+        assert (len(short.generated), len(long.generated)) == (3, 6)
+        assert short.decode_batch == pytest.approx(2.0) and long.decode_batch == pytest.approx(1.5)
+        assert Request([1], 1, 0.0, 1.0, frozenset(), None, lambda r: None).decode_batch == 0.0  # none sampled
+    finally:
+        engine.stop()

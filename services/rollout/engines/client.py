@@ -80,6 +80,7 @@ class Generation:
     text: str = field(default="", compare=False)  # the server's decoding, for display only
     versions: list[int] = field(default_factory=list)  # policy version of each id (generate; chat: none)
     batch: float = 0.0  # mean requests in flight on the worker over this one, itself included (the pool's)
+    engine_batch: float = 0.0  # the engine's mean batch over the passes that sampled it (0: not reported; vLLM)
 
 
 class EngineClient:
@@ -319,5 +320,7 @@ def _generation(choice: dict[str, Any], logprobs: list[Any] | None, seconds: flo
                           f"{len(logprobs or [])} log-probs; are return_token_ids/logprobs supported?")
     if any(lp is None for lp in logprobs):
         raise EngineError("worker returned a token without its log-prob")
+    engine_batch = choice.get("decode_batch")  # the hf engine's (vLLM reports none)
     return Generation([int(t) for t in token_ids], [float(lp) for lp in logprobs], reason,
-                      seconds, text)
+                      seconds, text, engine_batch=float(engine_batch) if isinstance(engine_batch, (int, float))
+                      and engine_batch > 0 else 0.0)

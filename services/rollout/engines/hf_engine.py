@@ -83,6 +83,13 @@ class Request:
     stop_reason: int | None = None
     token_versions: list[int] = field(default_factory=list)  # the policy version that sampled each generated id
     error: str | None = None  # set when the engine failed the request (the HTTP answer is a 500)
+    batch_sum: int = 0  # over its sampled ids, the rows of the pass that sampled each (decode_batch)
+
+    @property
+    def decode_batch(self) -> float:
+        """The mean rows of the forward passes that sampled its ids: the batch its tokens were decoded
+        in, as the engine ran it (requests held for admission or on their way back not counted)."""
+        return self.batch_sum / len(self.generated) if self.generated else 0.0
 
 
 class HFEngine(HFWeightLoads):
@@ -327,7 +334,9 @@ class HFEngine(HFWeightLoads):
 
         rows = self._rows[offset:offset + logits.shape[0]]
         tokens, logprobs = sample_rows(logits, rows, self.logprobs_mode)
+        width = len(rows)
         for request, token, logprob in zip(rows, tokens, logprobs):
+            request.batch_sum += width
             request.generated.append(token)
             request.logprobs.append(logprob)
             request.token_versions.append(self.version)

@@ -84,7 +84,8 @@ def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -
         choice = {"index": 0, "text": decode(done.generated), "token_ids": done.generated,
                   "logprobs": {"token_logprobs": done.logprobs, "tokens": [str(t) for t in done.generated]},
                   "finish_reason": done.finish_reason, "stop_reason": done.stop_reason,
-                  "weight_versions": version_spans(done.token_versions)}
+                  "weight_versions": version_spans(done.token_versions),
+                  "decode_batch": round(done.decode_batch, 3)}
         return web.json_response({"object": "text_completion", "model": SERVED_MODEL_NAME, "choices": [choice],
                                   "usage": _usage(done)})
 
@@ -105,7 +106,8 @@ def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -
         content = [{"token_id": t, "logprob": lp} for t, lp in zip(done.generated, done.logprobs)]
         choice = {"index": 0, "token_ids": done.generated, "logprobs": {"content": content},
                   "finish_reason": done.finish_reason, "stop_reason": done.stop_reason,
-                  "weight_versions": version_spans(done.token_versions)}
+                  "weight_versions": version_spans(done.token_versions),
+                  "decode_batch": round(done.decode_batch, 3)}
         return web.json_response({"model": SERVED_MODEL_NAME, "choices": [choice], "usage": _usage(done)})
 
     async def chat(http: web.Request) -> web.Response:
@@ -126,7 +128,8 @@ def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -
         choice = {"index": 0, "message": {"role": "assistant", "content": decode(done.generated)},
                   "logprobs": {"content": content}, "token_ids": done.generated,
                   "finish_reason": done.finish_reason, "stop_reason": done.stop_reason,
-                  "weight_versions": version_spans(done.token_versions)}
+                  "weight_versions": version_spans(done.token_versions),
+                  "decode_batch": round(done.decode_batch, 3)}
         return web.json_response({"object": "chat.completion", "model": SERVED_MODEL_NAME, "choices": [choice],
                                   "usage": _usage(done)})
 
