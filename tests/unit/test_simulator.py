@@ -293,3 +293,54 @@ def test_with_calibrated_correlations_trajectories_released_together_move_togeth
     means = [statistics.fmean(d) for d in together.values()]
     assert statistics.pstdev(means) > 0.03  # batches differ: the moments' own draws
     assert statistics.fmean(means) == pytest.approx(statistics.fmean(x for d in apart.values() for x in d), rel=0.15)
+
+
+def test_admission_batching_holds_arrivals_until_they_are_enough_or_have_waited():
+    """The hf engine's admission batching in the simulated engine (`prefill_ratio`,
+    `prefill_wait_steps`): an idle engine admits at once; while sequences decode, arrivals wait until
+    they are prefill_ratio times the running ones, or until the first has waited prefill_wait_steps
+    decode steps (`next_admission` says when); without it every arrival is admitted at once."""
+    from libra.services.planner.sim.engines import CostModelEngines
+    from libra.services.planner.sim.instance import Unit
+
+    def unit(i: int) -> Unit:
+        return Unit(TrajectorySpec(f"t{i}", "p", 0, 100, (TurnSpec(5000),)), 1, 100.0, 0, 5000.0, 100.0, seq=i)
+
+    def engine(ratio: float, wait: int):
+        eff = RolloutEfficiency(prefill_ratio=ratio, prefill_wait_steps=wait)
+        return CostModelEngines(MODEL, GPU, (1,), eff).instance("w", "b", 1, 1, 0.0)
+
+    held = engine(0.5, 8)
+    for i in range(4):
+        held.enqueue(unit(i))
+    held.admit()
+    assert held.seqs == 4 and not held.waiting and held.next_admission() is None  # idle: at once
+    held.advance(0.5)
+    held.enqueue(unit(4))
+    held.admit()
+    assert held.seqs == 4 and len(held.waiting) == 1  # 1 < 0.5 x 4 running: held
+    when = held.next_admission()
+    assert when == pytest.approx(held._after(8)) and 0.5 < when < held.next_completion()
+    held.advance(when)
+    held.admit()
+    assert held.seqs == 5 and not held.waiting and held.next_admission() is None  # its 8 steps are over
+    for i in range(5, 8):
+        held.enqueue(unit(i))
+    held.admit()
+    assert held.seqs == 8  # 3 >= 0.5 x 5: prefilled together at once
+    plain = engine(0.0, 0)
+    for i in range(2):
+        plain.enqueue(unit(i))
+        plain.admit()
+        plain.advance(0.5 * (i + 1))
+    assert plain.seqs == 2 and plain.next_admission() is None
+
+
+def test_a_simulation_with_admission_batching_plays_every_trajectory_once():
+    trace = small_trace(copies=1)
+    config = CONFIG.model_copy(update={"rollout": RolloutEfficiency(prefill_ratio=0.5, prefill_wait_steps=8)})
+    simulator, result = run(trace, config=config)
+    _, plain = run(trace)
+    assert simulator.left == [0] * len(trace.steps)
+    assert result.trajectories == plain.trajectories and result.output_tokens == plain.output_tokens
+    assert result.routes == plain.routes and result.makespan_s != plain.makespan_s
