@@ -100,7 +100,7 @@ def tiny_model(config) -> ModelSpec:
 
 # ---- calibrate and replay -----------------------------------------------------------------------
 def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma",
-              moment_s: float | None = None, engine_batch: bool = True, hold: bool = False) -> Calibration:
+              moment_s: float | None = None, engine_batch: bool = True) -> Calibration:
     """The planner's calibration fed the run's history, record by record, as core.py feeds it.
     how: "ewma": the run config's settings (the online planner's: an EWMA that follows the last few
     samples); "mean": each estimator a plain mean of every sample of the run (alpha 1/n, with
@@ -123,8 +123,7 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma",
                          (turn.get("engine_batch", 0.0) if engine_batch else 0.0) or turn["batch"],
                          turn.get("gap_seconds", 0.0), turn["turn_number"],
                          worker=turn.get("worker_id", ""), end_s=turn["timestamp"],
-                         trajectory=turn.get("trajectory_id", ""),
-                         held_s=turn.get("engine_held_seconds", 0.0) if hold else 0.0)
+                         trajectory=turn.get("trajectory_id", ""))
     overheads = trainer_overheads(run)
     for step in run.steps:
         lengths = list(zip(step["prompt_lengths"], step["output_lengths"]))
@@ -163,32 +162,22 @@ class RunBuckets(Simulator):
 
 def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True, moments: bool = True,
            seeds: Sequence[int] = (0,), moment_s: float | None = None,
-           engine_batch: bool = True, admission_hold: bool = True) -> tuple[dict[str, float], dict]:
+           engine_batch: bool = True) -> tuple[dict[str, float], dict]:
     """The run replayed in the calibrated simulator: predicted figures and how it was calibrated
     (`turn_gap=False`: the gap between turns left out, to show what that term changes;
     `moments=False`: every turn's draws its own, the calibrated correlations left out). With several
     draw `seeds` each figure is the mean of the replays, and the notes give its least and greatest
     (`seed_range`); the other notes are the first seed's. `moment_s`: the calibration's
     moment_window_s instead of the run config's. `engine_batch=False`: the turn fit takes each
-    turn's requests in flight on its worker as its batch, as before the engine reported its own.
-    `admission_hold`: an hf engine's admission batching is played by the simulated engines
-    (prefill_ratio, prefill_wait_steps of the run's config) and the turns fitted without the time it
-    held them (HistoryRecord.engine_held_seconds), where the records carry that time (runs recorded
-    before it: neither)."""
+    turn's requests in flight on its worker as its batch, as before the engine reported its own."""
     config, trainer = run.config, run.config.trainer
     model = tiny_model(config)
     steps = len(run.record.steps)
     batch = trainer.groups_per_step * trainer.group_size
     workers = sum(b.replicas for b in config.planner.buckets)
     layout = Layout(1, 1, 1, trainer.micro_batch_size)
-    engine = config.rollout.worker.engine
-    hold = (admission_hold and engine.type == "hf" and engine.prefill_ratio > 0
-            and any("engine_held_seconds" in t for t in run.turns))
-    cal = calibrate(run, model, layout, how, moment_s, engine_batch, hold)
+    cal = calibrate(run, model, layout, how, moment_s, engine_batch)
     rollout = cal.rollout_efficiency()
-    if hold:
-        rollout = rollout.model_copy(update={"prefill_ratio": engine.prefill_ratio,
-                                             "prefill_wait_steps": engine.prefill_wait_steps})
     if not turn_gap:
         rollout = rollout.model_copy(update={"turn_gap_s": 0.0, "first_gap_quantiles": (), "turn_gap_quantiles": ()})
     if not moments:
@@ -347,9 +336,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-flight-batch", action="store_true",
                         help="fit the turns at the requests in flight on their worker, not the engine's own batch "
                              "(HistoryRecord.engine_batch; runs recorded before it have only the former)")
-    parser.add_argument("--no-admission-hold", action="store_true",
-                        help="leave the hf engine's admission batching out of the simulated engines, and the time "
-                             "it held each turn in the turn fit")
     parser.add_argument("--moment-window-s", type=float, default=None,
                         help="the calibration's moment window (default: the run config's "
                              "planner.replan.calibration.moment_window_s)")
@@ -366,8 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         run = load(keep, entry)
         predicted, notes = replay(run, how=args.calibration, turn_gap=not args.no_turn_gap,
                                   moments=not args.independent_draws, seeds=range(args.draw_seeds),
-                                  moment_s=args.moment_window_s, engine_batch=not args.in_flight_batch,
-                                  admission_hold=not args.no_admission_hold)
+                                  moment_s=args.moment_window_s, engine_batch=not args.in_flight_batch)
         real = measured(run)
         per_run.append({"run": run.name, "predicted": predicted, "measured": real, **notes})
         print(json.dumps({"run": run.name, **{f: [round(predicted[f], 3), round(real[f], 3)] for f in FIGURES},

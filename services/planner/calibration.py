@@ -210,16 +210,14 @@ class Calibration:
     # -- samples ---------------------------------------------------------------------------
     def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: float = 1,
                      gap_s: float = 0.0, turn_number: int = 0, *, worker: str = "", end_s: float = 0.0,
-                     trajectory: str = "", held_s: float = 0.0) -> str | None:
+                     trajectory: str = "") -> str | None:
         """One measured turn on a TP-`tp` instance of `batch` running sequences, `gap_s` seconds after
         its trajectory's previous turn or start (outside tool calls; 0: not measured), the
         `turn_number`th of its trajectory (1: the first; 0: not reported), served by `worker` with its
         reply back at `end_s` (wall-clock seconds; with the trajectory's id, they place it in a moment:
-        gaps.MomentWindows), `held_s` of its seconds held back by the engine's admission batching
-        (the simulated engine charges that itself: the turn is fitted without it); returns why it was
-        rejected, or None."""
+        gaps.MomentWindows); returns why it was rejected, or None."""
         reason = (_bad_numbers(seconds=seconds, prompt=prompt, output=output, tp=tp, batch=batch)
-                  or _bad_numbers(seconds=gap_s) or _bad_numbers(seconds=held_s))
+                  or _bad_numbers(seconds=gap_s))
         if reason is None and output + prompt == 0:
             reason = "a turn with no tokens"
         inst = None if reason else self._instance(tp)
@@ -228,7 +226,6 @@ class Calibration:
         if reason:
             return self._reject("turn", reason)  # keyed by the reason without its value
         batch = max(1, batch)
-        whole, seconds = seconds, max(0.0, seconds - held_s)  # the engine's hold is not the turn model's
         context = prompt + output / 2.0
         prefill = inst.prefill_seconds(prompt) if prompt else 0.0
         comm_step = 2 * self.model.layers * inst.allreduce_seconds(batch)
@@ -248,7 +245,7 @@ class Calibration:
         self.turns.add(sum(ci * xi for ci, xi in zip(c, x)) + comm, seconds)
         self.fit.add(x, max(0.0, seconds - comm), 1.0 / batch)  # its share of the engine's steps
         self.replies.add(x, comm, seconds)
-        self.moments.add(worker, end_s, whole, gap_s, turn_number, trajectory, x, comm, seconds)
+        self.moments.add(worker, end_s, seconds, gap_s, turn_number, trajectory, x, comm)
         return None
 
     def observe_train(self, layout: Layout, lengths: Sequence[tuple[int, int]], seconds: float,

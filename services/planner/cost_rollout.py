@@ -50,12 +50,6 @@ class RolloutEfficiency(Section):
     memory_fraction: float = Field(0.9, gt=0, le=1, description="share of GPU memory the engine may use")
     reserve_gib: float = Field(2.0, ge=0, le=64, description="per-GPU activations and workspace, GiB")
     max_seqs: int = Field(256, ge=1, le=65536, description="most sequences one instance decodes at once")
-    prefill_ratio: float = Field(0.0, ge=0, le=1000, description="admission batching (the hf engine's "
-                                 "rollout.worker.engine.prefill_ratio): while sequences decode, arrivals wait until "
-                                 "they are this many times the running ones or prefill_wait_steps decode steps have "
-                                 "passed, then are prefilled together; 0: each arrival at the next step (vLLM)")
-    prefill_wait_steps: int = Field(0, ge=0, le=1024, description="admission batching: the decode steps the "
-                                    "first held arrival waits at most (the hf engine's prefill_wait_steps)")
     step_overhead_s: float = Field(0.0, ge=0, le=10, description="fixed seconds of every decode step beyond the "
                                    "roofline (scheduling, launches, sampling set-up, the prefill passes interleaved "
                                    "with the steps); 0: the roofline alone; the online calibration measures it")

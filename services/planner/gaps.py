@@ -329,15 +329,13 @@ class MomentWindows:
         self.previous: dict[str, tuple[str, float]] = {}  # trajectory -> (engine, reply at) of its last turn
 
     def add(self, worker: str, end_s: float, seconds: float, gap_s: float, turn_number: int, trajectory: str,
-            x: Sequence[float], comm_s: float, fitted_s: float | None = None) -> None:
+            x: Sequence[float], comm_s: float) -> None:
         """One measured turn: served by `worker`, its reply back at `end_s` (wall-clock seconds) after
-        `seconds`, `gap_s` after its trajectory's previous turn (or its release); `fitted_s`: the
-        seconds the turn fit takes of it (default all); a turn that names no worker or time is not
-        placed in a moment."""
+        `seconds`, `gap_s` after its trajectory's previous turn (or its release); a turn that names
+        no worker or time is not placed in a moment."""
         if not worker or end_s <= 0:
             return
-        fitted = seconds if fitted_s is None else fitted_s
-        self.replies.append((worker, end_s - seconds, x[0], x[1], x[2], x[3], comm_s, fitted))  # at its start
+        self.replies.append((worker, end_s - seconds, x[0], x[1], x[2], x[3], comm_s, seconds))  # at its start
         if gap_s > 0 and turn_number == 1:
             self.first.append(("", end_s - seconds - gap_s, gap_s))
         elif gap_s > 0 and turn_number > 1 and trajectory in self.previous:

@@ -100,7 +100,6 @@ class PlannerService(Service):
 
     # -- online mode -------------------------------------------------------------------------
     async def _start_online(self) -> None:
-        from libra.services.planner.cost_rollout import RolloutEfficiency
         from libra.services.planner.hardware import gpu_named, model_named
         from libra.services.planner.replan import Replanner, candidate_from_plan
         from libra.services.planner.search import SearchConfig
@@ -111,15 +110,10 @@ class PlannerService(Service):
         settings = self.config.planner.replan
         if not settings.batch_sequences:
             settings = settings.model_copy(update={"batch_sequences": trainer.groups_per_step * trainer.group_size})
-        engine = self.config.rollout.worker.engine
-        # the hf engine's admission batching: its turn records leave out the time it held each turn
-        # (HistoryRecord.engine_held_seconds) and the replays play it instead (sim/engines.py)
-        held = ({"prefill_ratio": engine.prefill_ratio, "prefill_wait_steps": engine.prefill_wait_steps}
-                if engine.type == "hf" else {})
         search_config = SearchConfig(total_gpus=cluster.gpus, group_size=trainer.group_size,
                                      tp_choices=cluster.tp_choices, min_train_gpus=cluster.min_train_gpus,
                                      min_rollout_gpus=cluster.min_rollout_gpus, whole_nodes=cluster.whole_nodes,
-                                     uneven_splits_up_to=cluster.uneven_splits_up_to, rollout=RolloutEfficiency(**held))
+                                     uneven_splits_up_to=cluster.uneven_splits_up_to)
         model, gpu = model_named(cluster.model), gpu_named(cluster.hardware)
         # the replay runs the loop as this run does: its staleness bound, its routing policy, its
         # gateway's cap on trajectories played at once (a first turn's measured gap leaves the queue

@@ -82,8 +82,7 @@ def test_the_endpoint_records_turns_token_exact_and_completes_into_redis(store, 
             raise Unavailable("worker down")
         out = tokenizer(text, add_special_tokens=False).input_ids
         return types.SimpleNamespace(token_ids=out, logprobs=[-0.25] * len(out), versions=[1] * len(out),
-                                     finish_reason="stop", batch=1.0, engine_batch=0.0,
-                                     engine_held_s=0.0)
+                                     finish_reason="stop", batch=1.0, engine_batch=0.0)
 
     config = RolloutConfig(turn_retries=0, openai_endpoint={"enabled": True, "port": 0})
     router = _Router()

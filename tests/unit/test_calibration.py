@@ -340,19 +340,3 @@ def test_turns_that_come_back_together_are_measured_to_deviate_together_and_kept
     before = calibration()
     before.restore(old)
     assert before.rollout_efficiency().gap_correlation == 0.0
-
-
-def test_the_time_an_engine_held_a_turn_is_left_out_of_the_turn_fit():
-    """A turn record says how long the engine's admission batching held the turn before its prefill
-    (`engine_held_seconds`); the simulated engine charges that hold itself, so the calibration fits
-    the turn without it: turns held for various times fit as if they had not been held."""
-    plain, held = calibration(), calibration()
-    rng = random.Random(6)
-    for prompt, output, batch in varied_turns(300):
-        seconds = measured_on(TRUTH, prompt, output, batch)
-        wait = rng.choice((0.0, 0.01, 0.2))
-        assert plain.observe_turn(1, prompt, output, seconds, batch) is None
-        assert held.observe_turn(1, prompt, output, seconds + wait, batch, held_s=wait) is None
-    assert held.rollout_efficiency().request_s == pytest.approx(plain.rollout_efficiency().request_s, rel=1e-6)
-    assert held.fit.coefficients() == pytest.approx(plain.fit.coefficients(), rel=1e-6)
-    assert "seconds" in held.observe_turn(1, 10, 10, 0.5, 1, held_s=-0.1)  # a negative hold is refused

@@ -65,10 +65,6 @@ def _decodes_before_prefill(model_dir: str, ratio: float, wait: int, running: in
         after = events[mark:]
         at = next(i for i, event in enumerate(after) if event != "decode")
         assert all(len(r.generated) == r.max_tokens for r in first + later)
-        # each reports the time the batching held it (the turn record's engine_held_seconds): some
-        # for arrivals that waited decode steps, none for those prefilled at the next step
-        assert all(r.held_s == 0.0 for r in first)
-        assert all((r.held_s > 0) == (at > 0) for r in later)
         prefills = [event[1] for event in events if event != "decode"]  # what /metrics counts
         assert engine.passes == {"prefill": len(prefills), "decode": events.count("decode")}
         assert engine.rows_passed["prefill"] == sum(prefills) == running + arriving

@@ -21,13 +21,6 @@ tokens only. A turn's time outside the engine (`request_s`) is the rollout loop'
 
 KV: a turn is admitted only when the cache can hold every admitted sequence's context at the end
 of its turn (`reserved`), so the context held never exceeds the capacity (`peak_kv` records it).
-
-Admission batching (`RolloutEfficiency.prefill_ratio` and `prefill_wait_steps`, the hf engine's;
-0 by default, as vLLM admits at every step): while sequences decode, arrivals wait until they are
-`prefill_ratio` times the running sequences or the first of them has waited `prefill_wait_steps`
-decode steps (`next_admission`: when, if nothing else comes first), then are prefilled together.
-The calibration fits turns without the time the engine held them (HistoryRecord.engine_held_seconds),
-so the hold is charged here, where it happens, and not again as time outside the engine.
 """
 
 from __future__ import annotations
@@ -68,7 +61,6 @@ class CostModelInstance:
     busy_s: float = 0.0
     peak_kv: float = 0.0  # largest context / capacity seen
     routed: int = 0
-    held_since: float = 0.0  # progress when the first of the waiting units arrived (admission batching)
     on_start: Callable[[Unit], None] | None = None  # told when a trajectory's first turn is admitted
     # from the engine (__post_init__)
     kv_s: float = field(init=False, default=0.0)  # seconds per step per KV token read
@@ -77,8 +69,6 @@ class CostModelInstance:
     max_seqs: int = field(init=False, default=0)
     prefill_per_token: float = field(init=False, default=0.0)
     request_s: float = field(init=False, default=0.0)  # a turn's time outside the engine
-    hold_ratio: float = field(init=False, default=0.0)  # admission batching (module docstring)
-    hold_steps: int = field(init=False, default=0)
     fixed: float = field(init=False, default=0.0)  # the step's cost without KV reads, at `seqs`
     fixed_by_seqs: dict = field(init=False, default_factory=dict)  # that cost by running sequences
 
@@ -91,7 +81,6 @@ class CostModelInstance:
         self.max_seqs = e.eff.max_seqs * self.replicas
         self.prefill_per_token = e.prefill_seconds(1) / self.replicas
         self.request_s = e.eff.request_s
-        self.hold_ratio, self.hold_steps = e.eff.prefill_ratio, e.eff.prefill_wait_steps
         self.last = self.up_at
 
     def fits(self, unit: Unit) -> bool:
@@ -106,8 +95,6 @@ class CostModelInstance:
         return len(self.heap) + len(self.waiting)
 
     def enqueue(self, unit: Unit) -> None:
-        if not self.waiting:
-            self.held_since = self.progress  # (the caller advanced the clock to now)
         self.waiting.append(unit)
 
     def advance(self, now: float) -> None:
@@ -135,31 +122,14 @@ class CostModelInstance:
         heap = self.heap
         if not heap:
             return None
-        return self._after(max(0.0, heap[0][0] - self.progress))
-
-    def next_admission(self) -> float | None:
-        """When the held arrivals are admitted if no completion comes first (None: none held)."""
-        if not self.hold_ratio or not self._holding():
-            return None
-        return self._after(max(0.0, self.held_since + self.hold_steps - self.progress))
-
-    def _after(self, n: float) -> float:
-        """The time `n` more decode steps end at the batch running now."""
+        n = max(0.0, heap[0][0] - self.progress)
         kv_s = self.kv_s
         return self.last + self.stall + n * (self.fixed + kv_s * self.context) + kv_s * self.seqs * n * n / 2
-
-    def _holding(self) -> bool:
-        """Admission batching holds the waiting units now (module docstring)."""
-        if not self.hold_ratio or not self.seqs or not self.waiting:
-            return False
-        fresh = sum(u.copies for u in self.waiting)
-        return (fresh < self.hold_ratio * self.seqs and self.seqs + fresh < self.max_seqs
-                and self.progress - self.held_since < self.hold_steps - 1e-6)
 
     def admit(self) -> None:
         """FIFO admission while the batch and the KV cache have room (vLLM's first-come order)."""
         waiting = self.waiting
-        if not waiting or (self.hold_ratio and self._holding()):
+        if not waiting:
             return
         seqs, reserved, admitted = self.seqs, self.reserved, False
         while waiting:
@@ -180,7 +150,6 @@ class CostModelInstance:
         if admitted:
             self.seqs, self.reserved = seqs, reserved
             self._refresh()
-            self.held_since = self.progress  # (any left waiting wait from now)
 
     def complete(self) -> Unit:
         """Remove the running turn that ends first (the caller advanced the clock to its end)."""

@@ -99,9 +99,6 @@ class Instance(Protocol):
 
     def next_completion(self) -> float | None: ...
 
-    def next_admission(self) -> float | None:
-        """When units held back by admission batching are admitted if nothing comes first (None: none)."""
-
     def complete(self) -> Unit: ...
 
     def evict(self) -> list[Unit]: ...

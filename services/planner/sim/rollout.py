@@ -45,7 +45,7 @@ from libra.services.planner.sim.result import RolloutResult
 from libra.services.planner.sim.simple import SimpleModel
 from libra.traces.spec import TrajectorySpec, check_spec
 
-TOOL, DONE, UP, FINISH, PARKED, ADMIT = "tool", "done", "up", "finish", "parked", "admit"
+TOOL, DONE, UP, FINISH, PARKED = "tool", "done", "up", "finish", "parked"
 NONE: frozenset[str] = frozenset()
 
 
@@ -157,16 +157,12 @@ class Rollout:
         return found
 
     def kick(self, instance: Instance) -> None:
-        """Admit what fits and schedule the instance's next completion, and the admission of what its
-        admission batching holds (older ones become void)."""
+        """Admit what fits and schedule the instance's next completion (older ones become void)."""
         instance.admit()
         instance.version += 1
         when = instance.next_completion()
         if when is not None:
             self.events.push(when, DONE, instance, instance.version)
-        held = instance.next_admission()
-        if held is not None:  # admission batching: the held arrivals go in then, if nothing comes first
-            self.events.push(held, ADMIT, instance, instance.version)
 
     # -- turns -----------------------------------------------------------------------------------
     def handle(self, kind: str, item, version: int) -> None:
@@ -175,10 +171,6 @@ class Rollout:
                 self.done(item)
         elif kind == TOOL:
             self.route(item)
-        elif kind == ADMIT:
-            if item.alive and version == item.version:
-                item.advance(self.events.now)
-                self.kick(item)
         elif kind == UP:
             self.up(item)
         elif kind == PARKED:

@@ -86,9 +86,6 @@ class SimpleInstance:
             unit = self.waiting.popleft()
             self.running[unit] = unit.turn_left + unit.prefill / self.params.prefill_tokens_per_step
 
-    def next_admission(self) -> float | None:
-        return None  # every arrival admitted while there is room
-
     def _first(self) -> Unit:
         return min(self.running, key=lambda u: (self.running[u], u.spec.trajectory_id))
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -82,7 +81,6 @@ class Generation:
     versions: list[int] = field(default_factory=list)  # policy version of each id (generate; chat: none)
     batch: float = 0.0  # mean requests in flight on the worker over this one, itself included (the pool's)
     engine_batch: float = 0.0  # the engine's mean batch over the passes that sampled it (0: not reported; vLLM)
-    engine_held_s: float = 0.0  # seconds the engine's admission batching held it before its prefill (0: none)
 
 
 class EngineClient:
@@ -322,12 +320,7 @@ def _generation(choice: dict[str, Any], logprobs: list[Any] | None, seconds: flo
                           f"{len(logprobs or [])} log-probs; are return_token_ids/logprobs supported?")
     if any(lp is None for lp in logprobs):
         raise EngineError("worker returned a token without its log-prob")
+    engine_batch = choice.get("decode_batch")  # the hf engine's (vLLM reports none)
     return Generation([int(t) for t in token_ids], [float(lp) for lp in logprobs], reason,
-                      seconds, text, engine_batch=_reported(choice, "decode_batch"),  # the hf engine's (vLLM: none)
-                      engine_held_s=min(seconds, _reported(choice, "held_s")))
-
-
-def _reported(choice: dict[str, Any], key: str) -> float:
-    """A non-negative number the engine reports of a request, or 0 (absent or not a number)."""
-    value = choice.get(key)
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else 0.0
+                      seconds, text, engine_batch=float(engine_batch) if isinstance(engine_batch, (int, float))
+                      and engine_batch > 0 else 0.0)

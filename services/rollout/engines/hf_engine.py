@@ -84,8 +84,6 @@ class Request:
     token_versions: list[int] = field(default_factory=list)  # the policy version that sampled each generated id
     error: str | None = None  # set when the engine failed the request (the HTTP answer is a 500)
     batch_sum: int = 0  # over its sampled ids, the rows of the pass that sampled each (decode_batch)
-    held_since: float | None = None  # monotonic time admission batching first held it back
-    held_s: float = 0.0  # seconds admission batching held it back before its prefill (0: admitted at once)
 
     @property
     def decode_batch(self) -> float:
@@ -246,16 +244,8 @@ class HFEngine(HFWeightLoads):
         if (self._rows and len(fresh) < self.prefill_ratio * len(self._rows)
                 and self._waited < self.prefill_wait_steps and len(self._rows) + len(fresh) < self.max_num_seqs):
             self._waited += 1
-            now = time.monotonic()
-            for request in fresh:
-                if request.held_since is None:
-                    request.held_since = now
             return []
         self._waiting, self._waited = [], 0
-        now = time.monotonic()
-        for request in fresh:
-            if request.held_since is not None:
-                request.held_s = now - request.held_since
         return fresh
 
     def _prefill(self, fresh: list[Request]) -> None:
