@@ -255,6 +255,12 @@ class GapSampler:
         return at(values, self.moments.uniform(key, rho, (turn > 0, place), now))
 
 
+def beyond_engine(row: Sequence[float], c: Sequence[float]) -> float:
+    """A turn's seconds beyond the engine time the turn fit's coefficients `c` give it, floored at 0,
+    from its row (the fit's first four features, the collectives' seconds, the measured seconds)."""
+    return max(0.0, row[5] - row[4] - sum(ci * xi for ci, xi in zip(c[:4], row)))
+
+
 class Replies:
     """The last REPLY_WINDOW turns' engine features (the turn fit's first four terms and the
     collectives' seconds) and measured seconds: their time beyond the engine, against whichever
@@ -272,7 +278,7 @@ class Replies:
         empty until MIN_SAMPLES turns, or when no turn took longer than its engine time."""
         if len(self.rows) < MIN_SAMPLES:
             return ()
-        beyond = [max(0.0, r[5] - r[4] - sum(ci * xi for ci, xi in zip(c[:4], r))) for r in self.rows]
+        beyond = [beyond_engine(r, c) for r in self.rows]
         mean = statistics.fmean(beyond)
         return quantiles([b / mean for b in beyond]) if mean > 0 else ()
 
@@ -325,7 +331,7 @@ class MomentWindows:
         self.moment_s = moment_s
         self.first: deque[tuple[str, float, float]] = deque(maxlen=size)  # ("", released at, gap)
         self.later: deque[tuple[str, float, float]] = deque(maxlen=size)  # (previous engine, its reply at, gap)
-        self.replies: deque[tuple] = deque(maxlen=int(min(REPLY_WINDOW, max(1, window))))  # (engine, sent at, *row)
+        self.replies: deque[tuple] = deque(maxlen=int(min(REPLY_WINDOW, max(1, window))))  # (engine, sent at, row)
         self.previous: dict[str, tuple[str, float]] = {}  # trajectory -> (engine, reply at) of its last turn
 
     def add(self, worker: str, end_s: float, seconds: float, gap_s: float, turn_number: int, trajectory: str,
@@ -335,7 +341,7 @@ class MomentWindows:
         no worker or time is not placed in a moment."""
         if not worker or end_s <= 0:
             return
-        self.replies.append((worker, end_s - seconds, x[0], x[1], x[2], x[3], comm_s, seconds))  # at its start
+        self.replies.append((worker, end_s - seconds, (x[0], x[1], x[2], x[3], comm_s, seconds)))  # at its start
         if gap_s > 0 and turn_number == 1:
             self.first.append(("", end_s - seconds - gap_s, gap_s))
         elif gap_s > 0 and turn_number > 1 and trajectory in self.previous:
@@ -352,8 +358,7 @@ class MomentWindows:
         MIN_SAMPLES pairs; {} while none has: the configured ones stand)."""
         if self.moment_s <= 0:
             return {}
-        beyond = [(r[0], r[1], max(0.0, r[7] - r[6] - sum(ci * xi for ci, xi in zip(c[:4], r[2:6]))))
-                  for r in self.replies]
+        beyond = [(worker, sent, beyond_engine(row, c)) for worker, sent, row in self.replies]
         found = {name: moment_correlation(samples, self.moment_s)
                  for name, samples in (("first_gap_correlation", self.first), ("gap_correlation", self.later),
                                        ("reply_correlation", beyond))}
@@ -363,9 +368,9 @@ class MomentWindows:
     def state(self) -> dict:
         return {"first": [[p, round(t, 6), round(g, 6)] for p, t, g in self.first],
                 "later": [[p, round(t, 6), round(g, 6)] for p, t, g in self.later],
-                "replies": [[r[0], *(float(f"{v:.9g}") for v in r[1:])] for r in self.replies]}
+                "replies": [[w, round(t, 6), [float(f"{v:.9g}") for v in row]] for w, t, row in self.replies]}
 
     def restore(self, state: dict) -> None:
         self.first.extend((str(p), float(t), float(g)) for p, t, g in state.get("first", ()))
         self.later.extend((str(p), float(t), float(g)) for p, t, g in state.get("later", ()))
-        self.replies.extend((str(r[0]), *(float(v) for v in r[1:])) for r in state.get("replies", ()))
+        self.replies.extend((str(w), float(t), tuple(float(v) for v in row)) for w, t, row in state.get("replies", ()))

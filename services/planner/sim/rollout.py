@@ -17,8 +17,9 @@ trajectory's previous turn and tool call ended (or its start): the gateway's tim
 (routing, reports, records), each turn's drawn from the calibrated distribution or the mean
 (`gaps.py`; none unless calibrated). Draws are correlated within a moment as calibrated
 (`gaps.Moments`): the reply factors of turns sent to one engine together, the gaps after turns that
-came back from one engine together, the first gaps of trajectories released together. A turn prefills its whole context where its KV cache is not (new trajectory, or
-moved), only the tool payload where it stays. A turn that no serving instance can hold waits
+came back from one engine together, the first gaps of trajectories released together. A turn
+prefills its whole context where its KV cache is not (new trajectory, or moved), only the tool
+payload where it stays. A turn that no serving instance can hold waits
 ("parked") until one that can comes up. The loop owns the instances in force and the routing
 counters; it does not own the clock's other events (releases, training: `cluster.py`) nor the speed
 of an instance (`instance.py`). Deterministic: events at the same time run in the order they were
@@ -184,7 +185,8 @@ class Rollout:
         """A trajectory starts now: route its first turn (a gap later)."""
         unit = self.new_unit(spec)
         if self.gaps is not None:
-            self.events.push(self.events.now + self.gaps.draw(spec.trajectory_id, 0, "", self.events.now), TOOL, unit)
+            now = self.events.now  # (the release's moment: trajectories released together draw together)
+            self.events.push(now + self.gaps.draw(spec.trajectory_id, 0, "", now), TOOL, unit)
         else:
             self.route(unit)
         return unit

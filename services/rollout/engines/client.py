@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -320,7 +321,7 @@ def _generation(choice: dict[str, Any], logprobs: list[Any] | None, seconds: flo
                           f"{len(logprobs or [])} log-probs; are return_token_ids/logprobs supported?")
     if any(lp is None for lp in logprobs):
         raise EngineError("worker returned a token without its log-prob")
-    engine_batch = choice.get("decode_batch")  # the hf engine's (vLLM reports none)
+    batch = choice.get("decode_batch")  # the hf engine's (vLLM reports none; anything but a positive number: none)
+    engine_batch = float(batch) if isinstance(batch, (int, float)) and math.isfinite(batch) and batch > 0 else 0.0
     return Generation([int(t) for t in token_ids], [float(lp) for lp in logprobs], reason,
-                      seconds, text, engine_batch=float(engine_batch) if isinstance(engine_batch, (int, float))
-                      and engine_batch > 0 else 0.0)
+                      seconds, text, engine_batch=engine_batch)
