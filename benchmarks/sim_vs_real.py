@@ -189,10 +189,12 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True, moments: bool 
     first = Candidate(layout, ((1, workers),), 0.0, 0.0)
     changes = plans(run, first) if config.planner.mode == "online" else {}
     publish = statistics.median(s["scalars"].get("time/publish_s", 0.0) for s in run.record.steps)
-    seeds = list(seeds) or [0]
-    plays = [_play(run, model, search, first, changes, publish, train_overhead, steps, batch, seed) for seed in seeds]
+    specs = sorted(files.read(run.trace), key=_group_order)
+    trace = files.batches(specs, steps + steps // 10 + 2, batch, str(run.trace))  # (read once: every seed plays it)
+    plays = [_play(run, model, search, first, changes, publish, train_overhead, steps, trace, seed)
+             for seed in list(seeds) or [0]]
     predicted = {f: statistics.fmean(p[0][f] for p in plays) for f in FIGURES}
-    _, simulator, result, engines, specs = plays[0]
+    _, simulator, result, engines = plays[0]
     records = result.steps
     span = records[-1].time_s
     snap = cal.snapshot()
@@ -233,8 +235,8 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True, moments: bool 
 
 
 def _play(run: Loaded, model: ModelSpec, search: SearchConfig, first: Candidate, changes: dict, publish: float,
-          train_overhead: float, steps: int, batch: int, seed: int) -> tuple:
-    """One replay of the run with the draws of `seed`: (figures, simulator, result, engines, specs)."""
+          train_overhead: float, steps: int, trace, seed: int) -> tuple:
+    """One replay of the run's `trace` with the draws of `seed`: (figures, simulator, result, engines)."""
     config, trainer = run.config, run.config.trainer
     colocated = trainer.max_staleness == 0
     sim = SimConfig(draw_seed=seed, staleness=trainer.max_staleness, policy=config.scheduler.policy.type,
@@ -243,8 +245,6 @@ def _play(run: Loaded, model: ModelSpec, search: SearchConfig, first: Candidate,
                     colocated=colocated, host_gbps=10_000.0, batching="in_order" if colocated else "first_complete",
                     core_replicas=config.elastic.core_replicas if changes else 0, steps=steps,
                     max_in_flight=config.rollout.max_concurrent_trajectories)
-    specs = sorted(files.read(run.trace), key=_group_order)
-    trace = files.batches(specs, steps + steps // 10 + 2, batch, str(run.trace))
     own = [b for b in config.planner.buckets for _ in range(b.replicas)]
     engines = TimedEngines(CostModelEngines(model, CPU_CORE, (1,), search.rollout),
                            None if changes else [b.name for b in own])
@@ -259,7 +259,7 @@ def _play(run: Loaded, model: ModelSpec, search: SearchConfig, first: Candidate,
                  "turn_p50_s": percentile(lat, 50), "turn_p90_s": percentile(lat, 90),
                  "busy_train": sum(r.train_s - train_overhead for r in records) / span,
                  "busy_rollout": statistics.fmean(in_flight_share(e.held, span) for e in engines.engines)}
-    return predicted, simulator, result, engines, specs
+    return predicted, simulator, result, engines
 
 
 def measured_periods(run: Loaded, steps: int, engines: TimedEngines, span: float) -> dict[str, list[list[float]]]:

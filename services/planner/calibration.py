@@ -36,14 +36,8 @@ the absolute slowdown that would make the simulated spans match: measured / simu
 pipeline slowdown in force when the simulation ran.
 
 pipeline, train and overhead are EWMAs (of slowdowns; of seconds) with a change-point rule
-(`Ewma.update`): once `min_samples` samples are in, a sample further than `reset_sigmas` standard
-deviations from the mean (the deviation has a floor of `relative_floor` x mean, so a very steady
-series does not call every wobble a shift) is held back, not folded in. `reset_after` such samples
-in a row, all on the same side, mean the regime changed (a new kernel, a slower node): the
-estimator restarts from those samples. A sample back inside the band drops the held ones (an
-isolated spike). Before `min_samples`, alpha is max(alpha, 1/n), so the first samples are averaged
-plainly instead of being biased towards the first one. The turn fit forgets instead
-(`turn_window`).
+(`changepoint.Ewma`: a shift held back until it persists, a spike dropped). The turn fit forgets
+instead (`turn_window`).
 
 Bad samples (non-finite, negative, slowdowns outside [1/max_slowdown, max_slowdown], a turn faster
 than max_slowdown x the roofline) are rejected with a reason, counted in `Calibration.rejected`, and
@@ -61,6 +55,7 @@ from pydantic import Field
 
 from libra.configbase import Section
 from libra.services.planner import cost_rollout, cost_train
+from libra.services.planner.changepoint import Ewma
 from libra.services.planner.cost_rollout import Infeasible, RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
 from libra.services.planner.gaps import GapWindows, MomentWindows, Replies
@@ -90,55 +85,6 @@ class CalibrationSettings(Section):
                                    "releases) this close in time are one moment: the calibration measures how their "
                                    "gaps and times beyond the engine correlate, and the simulator draws them so "
                                    "(gaps.Moments; 0: every turn its own draws)")
-
-
-class Ewma:
-    """Exponentially weighted mean and variance with the change-point reset of the module docstring."""
-
-    def __init__(self, settings: CalibrationSettings):
-        self.settings = settings
-        self.mean = 0.0
-        self.var = 0.0
-        self.samples = 0
-        self.resets = 0
-        self.pending: list[float] = []
-
-    @property
-    def std(self) -> float:
-        return math.sqrt(max(self.var, 0.0))
-
-    def update(self, x: float) -> str:
-        """Fold in one sample; returns 'folded', 'held' (change-point candidate) or 'reset'."""
-        s = self.settings
-        if self.samples >= s.min_samples:
-            band = s.reset_sigmas * max(self.std, s.relative_floor * abs(self.mean))
-            if abs(x - self.mean) > band:
-                side = x > self.mean
-                if self.pending and (self.pending[-1] > self.mean) != side:
-                    self.pending = []
-                self.pending.append(x)
-                if len(self.pending) < s.reset_after:
-                    return "held"
-                held, self.pending = self.pending, []
-                self.mean = sum(held) / len(held)
-                self.var = sum((v - self.mean) ** 2 for v in held) / len(held)
-                self.samples = len(held)
-                self.resets += 1
-                return "reset"
-        self.pending = []
-        self.samples += 1
-        alpha = max(s.alpha, 1.0 / self.samples)
-        delta = x - self.mean
-        self.mean += alpha * delta
-        self.var = (1.0 - alpha) * (self.var + alpha * delta * delta)
-        return "folded"
-
-    def value(self, default: float = 1.0) -> float:
-        return self.mean if self.samples else default
-
-    def snapshot(self) -> dict:
-        return {"slowdown": round(self.value(), 6), "std": round(self.std, 6), "samples": self.samples,
-                "resets": self.resets, "held": len(self.pending)}
 
 
 @dataclass

@@ -9,13 +9,8 @@ both drive it; neither Redis, RPCs nor a clock are known here: time comes in as 
     consider(now_s) ─▶ trigger? ─▶ gates (warm-up, min history, cooldown, recheck)
                              └─▶ search(calibrated) ─▶ gain - transition cost > 0 and ratio ok? ─▶ apply
 
-Triggers, checked in this order (the first that fires names the decision):
-  interval   `interval_s` since the last evaluation (or since the first `consider`)
-  queue      mean queue depth over the last `pressure_steps` steps >= `queue_depth_high`
-  active     mean active rollouts over the last `pressure_steps` steps >= `active_rollouts_high`
-  rejected   rejected / (rejected + trained) rollouts over the window >= `rejected_fraction_high`
-  ratio      mean rollout/train seconds over the window outside [1/`time_ratio_high`, `time_ratio_high`]
-A threshold of 0 disables its trigger.
+Triggers (triggers.py, checked in order; the first that fires names the decision): interval,
+queue, active, rejected, ratio.
 
 Gates, in order: warm-up (`warmup_steps` steps observed), minimum history (`min_history_samples`
 lengths), cooldown (`cooldown_s` since the last applied plan), recheck (`recheck_s` since the
@@ -52,8 +47,8 @@ from libra.services.planner.observation import StepObservation, candidate_from_p
 from libra.services.planner.search import Candidate, SearchConfig, SearchResult, search
 from libra.services.planner.shortlist import shortlist
 from libra.services.planner.transition import same_plan, transition_cost_s
+from libra.services.planner.triggers import TRIGGERS, fired, pressure
 
-TRIGGERS = ("interval", "queue", "active", "rejected", "ratio")
 __all__ = ["ReplanDecision", "Replanner", "StepObservation", "candidate_from_plan", "TRIGGERS"]
 
 
@@ -219,19 +214,10 @@ class Replanner:
 
     def signals(self) -> dict:
         """The window's pressure signals and the calibration in force (a decision's inputs)."""
-        recent = list(self.window)[-self.settings.pressure_steps:]
-        window = list(self.window)
-        trained = sum(o.sequences or len(o.lengths) for o in window)
-        rejected = sum(o.rejected_rollouts for o in window)
-        train = sum(o.train_s for o in window)
         return {
-            "steps_observed": self.steps_observed, "window_steps": len(window),
+            "steps_observed": self.steps_observed, "window_steps": len(self.window),
             "lengths_kept": len(self.lengths),
-            "mean_queue_depth": _mean([o.queue_depth for o in recent]),
-            "mean_active_rollouts": _mean([o.active_rollouts for o in recent]),
-            "rejected_fraction": rejected / (rejected + trained) if rejected + trained else 0.0,
-            "rollout_train_ratio": sum(o.rollout_s for o in window) / train if train > 0 else 0.0,
-            "measured_step_s": _mean([o.time_s for o in window]),
+            **pressure(list(self.window), self.settings.pressure_steps),
             "replay_error_margin": self.audits.margin(),
             "calibration": self.calibration.snapshot(),
             "rejected_inputs": self.rejected_inputs(),
@@ -245,22 +231,8 @@ class Replanner:
         return train_s, rollout_s, max(train_s, rollout_s)
 
     def _trigger(self, now_s: float, x: dict) -> str:
-        s = self.settings
         since = self._last_evaluated_s if self._last_evaluated_s is not None else self._origin_s
-        if s.interval_s and now_s - since >= s.interval_s:
-            return "interval"
-        if not self.window:
-            return ""
-        if s.queue_depth_high and x["mean_queue_depth"] >= s.queue_depth_high:
-            return "queue"
-        if s.active_rollouts_high and x["mean_active_rollouts"] >= s.active_rollouts_high:
-            return "active"
-        if s.rejected_fraction_high and x["rejected_fraction"] >= s.rejected_fraction_high:
-            return "rejected"
-        ratio = x["rollout_train_ratio"]
-        if s.time_ratio_high and ratio > 0 and not 1 / s.time_ratio_high <= ratio <= s.time_ratio_high:
-            return "ratio"
-        return ""
+        return fired(self.settings, x, now_s - since, bool(self.window))
 
     def _gate(self, now_s: float) -> str:
         s = self.settings
@@ -395,7 +367,3 @@ class Replanner:
         if math.isfinite(verdict.current_s):
             base.predicted_current_s = verdict.current_s
         return base
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0

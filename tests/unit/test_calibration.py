@@ -9,7 +9,8 @@ import statistics
 import pytest
 
 from libra.services.planner import cost_rollout
-from libra.services.planner.calibration import Calibration, CalibrationSettings, Ewma, predicted_times
+from libra.services.planner.calibration import Calibration, CalibrationSettings, predicted_times
+from libra.services.planner.changepoint import Ewma
 from libra.services.planner.cost_rollout import RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
 from libra.services.planner.gaps import GAP_PROBS, draw
@@ -340,3 +341,20 @@ def test_turns_that_come_back_together_are_measured_to_deviate_together_and_kept
     before = calibration()
     before.restore(old)
     assert before.rollout_efficiency().gap_correlation == 0.0
+
+
+def test_the_moments_are_measured_once_per_new_sample_not_per_export(monkeypatch):
+    """The planner exports the efficiencies several times a step (its prediction, its snapshot): the
+    moments' correlations are measured again only when a turn came in (or the fit moved)."""
+    from libra.services.planner import gaps
+
+    cal = calibration()
+    waves(cal, shared=True, count=40)
+    measured = []
+    real = gaps.moment_correlation
+    monkeypatch.setattr(gaps, "moment_correlation", lambda *a: measured.append(1) or real(*a))
+    first = cal.rollout_efficiency()
+    assert cal.rollout_efficiency() == first and len(measured) == 3  # three kinds, once
+    waves(cal, shared=True, count=1)
+    cal.rollout_efficiency()
+    assert len(measured) == 6
