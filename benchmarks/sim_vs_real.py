@@ -12,7 +12,7 @@ Per run, with nothing taken from the run but what the planner could know:
 1. Calibrate: every turn record of the history goes to the planner's own `Calibration.observe_turn`
    (the turn fit: prefill and decode efficiency, the per-pass and per-row overheads, the time
    outside the engine, at the engine's own batch where the record has it, `engine_batch`; the
-   draws' correlations within a moment: gaps.MomentWindows), every step record to `observe_train`
+   draws' correlations within a moment: moments.MomentWindows), every step record to `observe_train`
    (training MFU), as the online
    planner feeds them (services/planner/core.py), with the run's calibration settings (the fit
    remembers the last `turn_window` turns, the training MFU is an EWMA; `--calibration mean`:

@@ -27,7 +27,7 @@ Six estimators:
                ones, first turns apart, `gaps.GapWindows`)
     moments   (how the gaps and the times beyond the engine of   -> RolloutEfficiency.moment_s,
                turns that come back together on one engine, or     first_gap_correlation,
-               start together, correlate: `gaps.MomentWindows`)    gap_correlation, reply_correlation
+               start together, correlate: `moments.MomentWindows`)    gap_correlation, reply_correlation
 
 `pipeline` calibrates the simulator the replanner ranks plans with (`sim/rank.py`): a batch's
 rollout span (its first trajectory released to its last finished) is what the asynchronous
@@ -58,7 +58,8 @@ from libra.services.planner import cost_rollout, cost_train
 from libra.services.planner.changepoint import Ewma
 from libra.services.planner.cost_rollout import Infeasible, RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
-from libra.services.planner.gaps import GapWindows, MomentWindows, Replies
+from libra.services.planner.gaps import GapWindows, Replies
+from libra.services.planner.moments import MomentWindows
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.turnfit import TERMS, ForgettingMean, TurnFit
 
@@ -161,7 +162,7 @@ class Calibration:
         its trajectory's previous turn or start (outside tool calls; 0: not measured), the
         `turn_number`th of its trajectory (1: the first; 0: not reported), served by `worker` with its
         reply back at `end_s` (wall-clock seconds; with the trajectory's id, they place it in a moment:
-        gaps.MomentWindows); returns why it was rejected, or None."""
+        moments.MomentWindows); returns why it was rejected, or None."""
         reason = (_bad_numbers(seconds=seconds, prompt=prompt, output=output, tp=tp, batch=batch)
                   or _bad_numbers(seconds=gap_s))
         if reason is None and output + prompt == 0:

@@ -346,13 +346,13 @@ def test_turns_that_come_back_together_are_measured_to_deviate_together_and_kept
 def test_the_moments_are_measured_once_per_new_sample_not_per_export(monkeypatch):
     """The planner exports the efficiencies several times a step (its prediction, its snapshot): the
     moments' correlations are measured again only when a turn came in (or the fit moved)."""
-    from libra.services.planner import gaps
+    from libra.services.planner import moments
 
     cal = calibration()
     waves(cal, shared=True, count=40)
     measured = []
-    real = gaps.moment_correlation
-    monkeypatch.setattr(gaps, "moment_correlation", lambda *a: measured.append(1) or real(*a))
+    real = moments.moment_correlation
+    monkeypatch.setattr(moments, "moment_correlation", lambda *a: measured.append(1) or real(*a))
     first = cal.rollout_efficiency()
     assert cal.rollout_efficiency() == first and len(measured) == 3  # three kinds, once
     waves(cal, shared=True, count=1)

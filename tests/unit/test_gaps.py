@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from libra.services.planner.cost_rollout import RolloutEfficiency
 from libra.services.planner.gaps import (GAP_PROBS, MIN_SAMPLES, GapSampler, GapWindows, Moments, ReplySampler,
-                                         moment_correlation, quantiles, uniform)
+                                         quantiles, uniform)
+from libra.services.planner.moments import moment_correlation
 
 
 def skewed(n: int, seed: int, scale: float) -> list[float]:
