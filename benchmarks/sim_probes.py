@@ -193,23 +193,19 @@ def gap_percentiles(run: Loaded) -> dict[str, list[float]]:
     return {f"p{q}": [round(percentile(first, q), 4), round(percentile(later, q), 4)] for q in (50, 99)}
 
 
-def fitted_turns(run: Loaded, cal: Calibration, model: ModelSpec, engine_batch: bool = True,
-                 padded: bool = True) -> list[float]:
+def fitted_turns(run: Loaded, cal: Calibration, model: ModelSpec, engine_batch: bool = True) -> list[float]:
     """Each measured turn's seconds as the calibrated turn model predicts them at the turn's own
     measured batch (the engine's, where it reported one and `engine_batch`; else the requests in
-    flight on its worker) and, with `padded`, its engine's padded width where reported: the model
-    alone, without the simulator's dynamics (which set the batch there)."""
+    flight on its worker): the model alone, without the simulator's dynamics (which set the batch there)."""
     engine = cost_rollout.instance(model, CPU_CORE, 1, cal.rollout_efficiency())
     return [turn_seconds(engine, t["prompt_tokens"], t["output_tokens"],
-                         (t.get("engine_batch", 0.0) if engine_batch else 0.0) or t["batch"],
-                         t.get("engine_width", 0.0) if padded else 0.0) for t in run.turns]
+                         (t.get("engine_batch", 0.0) if engine_batch else 0.0) or t["batch"]) for t in run.turns]
 
 
-def turn_seconds(engine, prompt: float, output: float, batch: float, width: float = 0.0) -> float:
-    """The calibrated turn model's seconds for one turn at a given mean batch (one cost-model engine),
-    each row reading `width` positions a step where given (a padded engine), else its own context."""
+def turn_seconds(engine, prompt: float, output: float, batch: float) -> float:
+    """The calibrated turn model's seconds for one turn at a given mean batch (one cost-model engine)."""
     batch = max(1.0, batch)
-    step = engine.decode_step_seconds(batch, batch * (width or prompt + output / 2.0))
+    step = engine.decode_step_seconds(batch, batch * (prompt + output / 2.0))
     return (engine.prefill_seconds(prompt) if prompt else 0.0) + output * step + engine.eff.request_s
 
 

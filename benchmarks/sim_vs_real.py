@@ -100,7 +100,7 @@ def tiny_model(config) -> ModelSpec:
 
 # ---- calibrate and replay -----------------------------------------------------------------------
 def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma",
-              moment_s: float | None = None, engine_batch: bool = True, padded: bool = True) -> Calibration:
+              moment_s: float | None = None, engine_batch: bool = True) -> Calibration:
     """The planner's calibration fed the run's history, record by record, as core.py feeds it.
     how: "ewma": the run config's settings (the online planner's: an EWMA that follows the last few
     samples); "mean": each estimator a plain mean of every sample of the run (alpha 1/n, with
@@ -108,8 +108,7 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma",
     out: they run once a run, while the engines and the gateway start (their first turns waited
     0.4-0.5 s to be routed on the GPU machine's CPUs, and the engines' first passes are slow), and the
     step time compared leaves the first step out too (`replay`); in a whole-run mean they would be
-    charged to every step (a synchronous step waits for its slowest trajectory). `padded=False`:
-    the engines' reported padded width left out (each row read at its own context, as before)."""
+    charged to every step (a synchronous step waits for its slowest trajectory)."""
     settings = run.config.planner.replan.calibration
     if how == "mean":
         settings = settings.model_copy(update={"alpha": 1e-9, "min_samples": 10_000, "turn_window": 1e9})
@@ -124,8 +123,7 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma",
                          (turn.get("engine_batch", 0.0) if engine_batch else 0.0) or turn["batch"],
                          turn.get("gap_seconds", 0.0), turn["turn_number"],
                          worker=turn.get("worker_id", ""), end_s=turn["timestamp"],
-                         trajectory=turn.get("trajectory_id", ""),
-                         width=turn.get("engine_width", 0.0) if padded else 0.0)
+                         trajectory=turn.get("trajectory_id", ""))
     overheads = trainer_overheads(run)
     for step in run.steps:
         lengths = list(zip(step["prompt_lengths"], step["output_lengths"]))
@@ -164,22 +162,21 @@ class RunBuckets(Simulator):
 
 def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True, moments: bool = True,
            seeds: Sequence[int] = (0,), moment_s: float | None = None,
-           engine_batch: bool = True, padded: bool = True) -> tuple[dict[str, float], dict]:
+           engine_batch: bool = True) -> tuple[dict[str, float], dict]:
     """The run replayed in the calibrated simulator: predicted figures and how it was calibrated
     (`turn_gap=False`: the gap between turns left out, to show what that term changes;
     `moments=False`: every turn's draws its own, the calibrated correlations left out). With several
     draw `seeds` each figure is the mean of the replays, and the notes give its least and greatest
     (`seed_range`); the other notes are the first seed's. `moment_s`: the calibration's
     moment_window_s instead of the run config's. `engine_batch=False`: the turn fit takes each
-    turn's requests in flight on its worker as its batch, as before the engine reported its own.
-    `padded=False`: the engines' padded width left out of the fit and the simulated engines."""
+    turn's requests in flight on its worker as its batch, as before the engine reported its own."""
     config, trainer = run.config, run.config.trainer
     model = tiny_model(config)
     steps = len(run.record.steps)
     batch = trainer.groups_per_step * trainer.group_size
     workers = sum(b.replicas for b in config.planner.buckets)
     layout = Layout(1, 1, 1, trainer.micro_batch_size)
-    cal = calibrate(run, model, layout, how, moment_s, engine_batch, padded)
+    cal = calibrate(run, model, layout, how, moment_s, engine_batch)
     rollout = cal.rollout_efficiency()
     if not turn_gap:
         rollout = rollout.model_copy(update={"turn_gap_s": 0.0, "first_gap_quantiles": (), "turn_gap_quantiles": ()})
@@ -201,7 +198,7 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True, moments: bool 
     records = result.steps
     span = records[-1].time_s
     snap = cal.snapshot()
-    fitted = fitted_turns(run, cal, model, engine_batch, padded)
+    fitted = fitted_turns(run, cal, model, engine_batch)
     notes = {"slowdowns": {k: v["slowdown"] for k, v in snap["estimators"].items()},
              "turn_fit": {k: v for k, v in snap["turn_fit"].items()},
              "turn_gap_s": snap["efficiency"]["turn_gap_s"]["calibrated"],
@@ -224,8 +221,6 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True, moments: bool 
              "turn_batch_mean": [round(statistics.fmean(engines.batches), 1),
                                  round(statistics.fmean(t["batch"] for t in run.turns), 1),
                                  round(statistics.fmean(t.get("engine_batch", 0.0) for t in run.turns), 1)],
-             "padded_kv": rollout.padded_kv,
-             "turn_width_mean": round(statistics.fmean(t.get("engine_width", 0.0) for t in run.turns), 1),
              "turn_p50_fitted_s": round(percentile(fitted, 50), 4),
              "turn_deviation_correlation": shared_deviation(run, fitted),
              "answer_waves": answer_waves(run),
@@ -341,9 +336,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-flight-batch", action="store_true",
                         help="fit the turns at the requests in flight on their worker, not the engine's own batch "
                              "(HistoryRecord.engine_batch; runs recorded before it have only the former)")
-    parser.add_argument("--unpadded", action="store_true",
-                        help="leave out the engines' padded width (HistoryRecord.engine_width): every row's "
-                             "decode reads its own context, as before the engine reported it")
     parser.add_argument("--moment-window-s", type=float, default=None,
                         help="the calibration's moment window (default: the run config's "
                              "planner.replan.calibration.moment_window_s)")
@@ -360,8 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         run = load(keep, entry)
         predicted, notes = replay(run, how=args.calibration, turn_gap=not args.no_turn_gap,
                                   moments=not args.independent_draws, seeds=range(args.draw_seeds),
-                                  moment_s=args.moment_window_s, engine_batch=not args.in_flight_batch,
-                                  padded=not args.unpadded)
+                                  moment_s=args.moment_window_s, engine_batch=not args.in_flight_batch)
         real = measured(run)
         per_run.append({"run": run.name, "predicted": predicted, "measured": real, **notes})
         print(json.dumps({"run": run.name, **{f: [round(predicted[f], 3), round(real[f], 3)] for f in FIGURES},

@@ -185,7 +185,7 @@ class Trajectory(_message.Message):
     def __init__(self, trajectory_id: _Optional[str] = ..., prompt_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., status: _Optional[_Union[TrajectoryStatus, str]] = ..., prompt_length: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[int]] = ..., tool_events: _Optional[_Iterable[_Union[ToolEvent, _Mapping]]] = ..., reward: _Optional[float] = ..., turns: _Optional[int] = ..., finish_reason: _Optional[str] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HistoryRecord(_message.Message):
-    __slots__ = ("kind", "timestamp", "bucket", "prompt_tokens", "output_tokens", "seconds", "queue_depth", "step", "train_seconds", "rollout_seconds", "rejected_rollouts", "sequences", "active_rollouts", "tp", "batch", "prompt_lengths", "output_lengths", "overhead_seconds", "gap_seconds", "trajectory_id", "turn_number", "worker_id", "route_seconds", "engine_batch", "engine_width")
+    __slots__ = ("kind", "timestamp", "bucket", "prompt_tokens", "output_tokens", "seconds", "queue_depth", "step", "train_seconds", "rollout_seconds", "rejected_rollouts", "sequences", "active_rollouts", "tp", "batch", "prompt_lengths", "output_lengths", "overhead_seconds", "gap_seconds", "trajectory_id", "turn_number", "worker_id", "route_seconds", "engine_batch")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
@@ -210,7 +210,6 @@ class HistoryRecord(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BATCH_FIELD_NUMBER: _ClassVar[int]
-    ENGINE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     kind: str
     timestamp: float
     bucket: str
@@ -235,5 +234,4 @@ class HistoryRecord(_message.Message):
     worker_id: str
     route_seconds: float
     engine_batch: float
-    engine_width: float
-    def __init__(self, kind: _Optional[str] = ..., timestamp: _Optional[float] = ..., bucket: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., queue_depth: _Optional[int] = ..., step: _Optional[int] = ..., train_seconds: _Optional[float] = ..., rollout_seconds: _Optional[float] = ..., rejected_rollouts: _Optional[int] = ..., sequences: _Optional[int] = ..., active_rollouts: _Optional[int] = ..., tp: _Optional[int] = ..., batch: _Optional[int] = ..., prompt_lengths: _Optional[_Iterable[int]] = ..., output_lengths: _Optional[_Iterable[int]] = ..., overhead_seconds: _Optional[float] = ..., gap_seconds: _Optional[float] = ..., trajectory_id: _Optional[str] = ..., turn_number: _Optional[int] = ..., worker_id: _Optional[str] = ..., route_seconds: _Optional[float] = ..., engine_batch: _Optional[float] = ..., engine_width: _Optional[float] = ...) -> None: ...
+    def __init__(self, kind: _Optional[str] = ..., timestamp: _Optional[float] = ..., bucket: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., queue_depth: _Optional[int] = ..., step: _Optional[int] = ..., train_seconds: _Optional[float] = ..., rollout_seconds: _Optional[float] = ..., rejected_rollouts: _Optional[int] = ..., sequences: _Optional[int] = ..., active_rollouts: _Optional[int] = ..., tp: _Optional[int] = ..., batch: _Optional[int] = ..., prompt_lengths: _Optional[_Iterable[int]] = ..., output_lengths: _Optional[_Iterable[int]] = ..., overhead_seconds: _Optional[float] = ..., gap_seconds: _Optional[float] = ..., trajectory_id: _Optional[str] = ..., turn_number: _Optional[int] = ..., worker_id: _Optional[str] = ..., route_seconds: _Optional[float] = ..., engine_batch: _Optional[float] = ...) -> None: ...

@@ -125,7 +125,6 @@ class Calibration:
         self.fit = TurnFit((1.0, 1.0, b.step_overhead_s, b.step_per_seq_s, b.request_s), self.settings.turn_window,
                            self.settings.prior_turns)
         self.gap = ForgettingMean(b.turn_gap_s, self.settings.turn_window)
-        self.padded = ForgettingMean(float(b.padded_kv), self.settings.turn_window)  # share of turns with a width
         self.gaps = GapWindows(self.settings.turn_window)
         self.replies = Replies(self.settings.turn_window)
         self.moments = MomentWindows(self.settings.turn_window, self.settings.moment_window_s)
@@ -145,7 +144,6 @@ class Calibration:
                                     "step_per_seq_s": min(1.0, per_seq * pipeline),
                                     "request_s": min(60.0, request * pipeline),
                                     "turn_gap_s": min(600.0, self.gap.value()),
-                                    "padded_kv": self.padded.value() > 0.5,
                                     **self.gaps.efficiency(), **self.replies.efficiency(fit),
                                     **self.moments.efficiency(fit)})
 
@@ -159,17 +157,14 @@ class Calibration:
     # -- samples ---------------------------------------------------------------------------
     def observe_turn(self, tp: int, prompt: int, output: int, seconds: float, batch: float = 1,
                      gap_s: float = 0.0, turn_number: int = 0, *, worker: str = "", end_s: float = 0.0,
-                     trajectory: str = "", width: float = 0.0) -> str | None:
+                     trajectory: str = "") -> str | None:
         """One measured turn on a TP-`tp` instance of `batch` running sequences, `gap_s` seconds after
         its trajectory's previous turn or start (outside tool calls; 0: not measured), the
         `turn_number`th of its trajectory (1: the first; 0: not reported), served by `worker` with its
         reply back at `end_s` (wall-clock seconds; with the trajectory's id, they place it in a moment:
-        moments.MomentWindows); returns why it was rejected, or None. `width`: the KV positions every
-        row of its engine's passes carried, where the engine pads its rows to the longest (the hf
-        engine reports it; 0: not reported, each row reads its own context, as in vLLM): its decode
-        steps are then charged batch x width positions read, and the export says the engine pads."""
+        moments.MomentWindows); returns why it was rejected, or None."""
         reason = (_bad_numbers(seconds=seconds, prompt=prompt, output=output, tp=tp, batch=batch)
-                  or _bad_numbers(seconds=gap_s) or _bad_numbers(width=width))
+                  or _bad_numbers(seconds=gap_s))
         if reason is None and output + prompt == 0:
             reason = "a turn with no tokens"
         inst = None if reason else self._instance(tp)
@@ -181,8 +176,7 @@ class Calibration:
         context = prompt + output / 2.0
         prefill = inst.prefill_seconds(prompt) if prompt else 0.0
         comm_step = 2 * self.model.layers * inst.allreduce_seconds(batch)
-        read = width if width > 0 else context  # per row: the padded width, or its own context
-        memory_step = inst.decode_step_seconds(batch, batch * read) - comm_step - inst.overhead_seconds(batch)
+        memory_step = inst.decode_step_seconds(batch, batch * context) - comm_step - inst.overhead_seconds(batch)
         x = (prefill, output * memory_step, float(output), float(output * batch), 1.0)
         comm = output * comm_step
         roofline = prefill + x[1] + comm
@@ -191,7 +185,6 @@ class Calibration:
             return self._reject("turn", f"turns: measured/predicted {seconds / roofline:.3g} outside "
                                         f"[1/{limit:g}, {limit:g}] (faster than the hardware allows)",
                                 "turn faster than the roofline")
-        self.padded.add(1.0 if width > 0 else 0.0)
         if gap_s > 0:
             self.gap.add(gap_s)
             self.gaps.add(gap_s, turn_number)
@@ -256,8 +249,6 @@ class Calibration:
                 "request_s": {"base": self.base_rollout.request_s, "calibrated": round(r.request_s, 9)},
                 "turn_gap_s": {"base": self.base_rollout.turn_gap_s, "calibrated": round(r.turn_gap_s, 6),
                                "samples": self.gap.samples},
-                "padded_kv": {"base": self.base_rollout.padded_kv, "calibrated": r.padded_kv,
-                              "turns_with_width": round(self.padded.value(), 3)},
                 "train_mfu": {"base": self.base_train.mfu, "calibrated": round(t.mfu, 6)},
                 "train_overhead_s": {"base": self.base_train.step_overhead_s,
                                      "calibrated": round(t.step_overhead_s, 6)}},
@@ -272,7 +263,6 @@ class Calibration:
                                for name, e in self.estimators.items()},
                 "turn_fit": self.fit.state(),
                 "turn_gap": self.gap.state(),
-                "padded": self.padded.state(),
                 "turn_gaps": self.gaps.state(),
                 "replies": self.replies.state(),
                 "moments": self.moments.state(),
@@ -286,7 +276,7 @@ class Calibration:
                 e = self.estimators[name]
                 e.mean, e.var, e.samples, e.resets, e.pending = row[0], row[1], int(row[2]), int(row[3]), list(row[4])
         parts = {"turn_fit": self.fit, "turn_gap": self.gap, "turn_gaps": self.gaps, "replies": self.replies,
-                 "moments": self.moments, "padded": self.padded}
+                 "moments": self.moments}
         for key in parts.keys() & state.keys():  # (a state from before a part existed lacks it)
             parts[key].restore(state[key])
         for name in ("turns", "steps"):

@@ -68,7 +68,7 @@ class HistoryFeeder:
                                             record.engine_batch or record.batch or 1, record.gap_seconds,
                                             record.turn_number,
                                             worker=record.worker_id, end_s=record.timestamp,
-                                            trajectory=record.trajectory_id, width=record.engine_width)
+                                            trajectory=record.trajectory_id)
             if reason:
                 fed.rejected.append(("turn", reason))
                 continue

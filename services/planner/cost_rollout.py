@@ -80,10 +80,6 @@ class RolloutEfficiency(Section):
                                    "whose previous turns came back from one engine in one moment")
     reply_correlation: float = Field(0.0, ge=0, le=1, description="the same for the draws of request_quantiles "
                                      "of replies that came back from one engine in one moment")
-    padded_kv: bool = Field(False, description="the engine pads every running row's KV cache to the batch's "
-                            "longest context (the transformers-based hf engine), so a decode step reads rows x that "
-                            "context; false: each row reads its own (vLLM's paged cache); the calibration sets it "
-                            "from turns whose engine reports its width (HistoryRecord.engine_width)")
 
     @field_validator("first_gap_quantiles", "turn_gap_quantiles", "request_quantiles")
     @classmethod

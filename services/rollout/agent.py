@@ -67,7 +67,6 @@ class TurnOutcome:
     number: int = 0  # its place in the trajectory, 1 for the first (0: unknown)
     route_s: float = 0.0  # seconds waiting for the scheduler's decision (the last attempt's), in the gap
     engine_batch: float = 0.0  # the engine's mean batch over the passes that sampled the turn (0: not reported)
-    engine_width: float = 0.0  # the KV positions each row of those passes carried (0: not reported)
 
 
 @dataclass
@@ -210,7 +209,7 @@ class AgentRunner:
             outcome = TurnOutcome(list(generation.token_ids), list(generation.logprobs), versions[-1],
                                   decision.worker_id, decision.bucket, generation.finish_reason, seconds, attempt,
                                   versions, generation.batch, gap, trajectory.trajectory_id, turn + 1,
-                                  started - asked, generation.engine_batch, generation.engine_width)
+                                  started - asked, generation.engine_batch)
             state.append(outcome.token_ids, True, outcome.logprobs, versions)
             state.turns += 1
             state.generated += len(outcome.token_ids)

@@ -254,8 +254,7 @@ class RolloutService(Service):
             active_rollouts=self.playing, tp=self._tp_of(outcome.worker_id),
             batch=max(1, round(outcome.batch)) if outcome.batch else self._inflight_of(outcome.worker_id),
             gap_seconds=outcome.gap, trajectory_id=outcome.trajectory_id, turn_number=outcome.number,
-            worker_id=outcome.worker_id, route_seconds=outcome.route_s, engine_batch=outcome.engine_batch,
-            engine_width=outcome.engine_width))
+            worker_id=outcome.worker_id, route_seconds=outcome.route_s, engine_batch=outcome.engine_batch))
 
     def _tp_of(self, worker_id: str) -> int:
         worker = self.pool.workers.get(worker_id)

@@ -32,7 +32,6 @@ class Generation:
     finish_reason: str = "stop"
     batch: float = 0.0
     engine_batch: float = 0.0
-    engine_width: float = 0.0
 
 
 VERSIONS = {"w0": 3, "w1": 7}  # what each fake worker holds (and acknowledged)

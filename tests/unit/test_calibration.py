@@ -100,36 +100,6 @@ def test_the_turn_fit_recovers_every_term_from_varied_turns():
     assert snap["efficiency"]["request_s"]["calibrated"] == pytest.approx(0.05, rel=0.01)
 
 
-def test_turns_on_an_engine_that_pads_its_rows_are_fitted_at_the_width_they_read():
-    """An engine that pads every row to the batch's longest context (the hf engine) reads batch x
-    width positions a step; turns reporting that width are fitted at it (the same five terms come
-    back), the export says the engine pads, and a restored calibration still says so. Fitted at
-    their own contexts instead (no width reported), the same turns leave the decode term off."""
-    rng = random.Random(3)
-    turns = [(prompt, output, batch, prompt + output / 2 + rng.choice((0, 2000, 20000)))
-             for prompt, output, batch in varied_turns(400)]
-
-    def measured(prompt: int, output: int, batch: int, width: float) -> float:
-        inst = cost_rollout.instance(MODEL, GPU, 1, TRUTH)
-        return inst.prefill_seconds(prompt) + output * inst.decode_step_seconds(batch, batch * width) + TRUTH.request_s
-
-    padded, plain = calibration(prior_turns=1e-6), calibration(prior_turns=1e-6)
-    for prompt, output, batch, width in turns:
-        seconds = measured(prompt, output, batch, width)
-        assert padded.observe_turn(1, prompt, output, seconds, batch, width=width) is None
-        assert plain.observe_turn(1, prompt, output, seconds, batch) is None
-    eff = padded.rollout_efficiency()
-    assert eff.padded_kv and not plain.rollout_efficiency().padded_kv
-    assert eff.decode_bw == pytest.approx(TRUTH.decode_bw, rel=0.01)
-    assert eff.step_per_seq_s == pytest.approx(0.0002, rel=0.01)
-    assert abs(plain.rollout_efficiency().decode_bw / TRUTH.decode_bw - 1) > 0.05
-    restored = calibration()
-    restored.restore(padded.state())
-    assert restored.rollout_efficiency().padded_kv
-    assert padded.snapshot()["efficiency"]["padded_kv"]["calibrated"] is True
-    assert padded.observe_turn(1, 10, 10, 0.1, 1, width=float("nan")) is not None  # a bad width is rejected
-
-
 def test_turns_all_alike_are_predicted_right_and_leave_the_terms_near_their_base():
     """One kind of turn cannot tell the terms apart: the fit reproduces its time, and the prior
     shares the excess out instead of pinning it on one term at random."""

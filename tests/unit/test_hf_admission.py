@@ -126,26 +126,3 @@ def test_each_request_reports_the_batch_its_tokens_were_sampled_in(model_dir):
         assert Request([1], 1, 0.0, 1.0, frozenset(), None, lambda r: None).decode_batch == 0.0  # none sampled
     finally:
         engine.stop()
-
-
-def test_each_request_reports_the_padded_width_its_rows_carried(model_dir):
-    """`decode_width`: every row of a pass carries the batch's longest context (left padding), so a
-    short prompt prefilled beside a long one reads the long one's width. Prompts of 4 and 10 ids,
-    prefilled together, 3 and 6 ids each: the passes that sample them carry 10, 11, 12 positions,
-    and the long row goes on alone at 13, 14, 15 (nothing to trim: it is the longest)."""
-    engine, _ = _engine(model_dir, 0.0, 0)
-    finished = threading.Semaphore(0)
-    try:
-        engine.pause(True)
-        short = Request([5, 6, 7, 8], 3, 0.0, 1.0, frozenset(), None, lambda r: finished.release())
-        long = Request(list(range(5, 15)), 6, 0.0, 1.0, frozenset(), None, lambda r: finished.release())
-        engine.submit(short)
-        engine.submit(long)
-        engine.pause(False)
-        for _ in range(2):
-            assert finished.acquire(timeout=30)
-        assert short.decode_width == pytest.approx(11.0)  # its own context was 4 to 6
-        assert long.decode_width == pytest.approx(12.5)
-        assert Request([1], 1, 0.0, 1.0, frozenset(), None, lambda r: None).decode_width == 0.0
-    finally:
-        engine.stop()

@@ -134,23 +134,3 @@ def test_calibrated_step_overheads_and_the_time_outside_the_engine():
     assert makespan(request_s=0.25) == pytest.approx(plain + 2 * 0.25)
     # 150 decode steps of one sequence each: 150 x (fixed + per sequence)
     assert makespan(step_overhead_s=0.004, step_per_seq_s=0.001) == pytest.approx(plain + 150 * 0.005, rel=1e-3)
-
-
-def test_an_engine_that_pads_its_rows_reads_the_longest_context_for_every_row():
-    """`padded_kv` (the hf engine's KV layout): every running row reads the batch's longest context a
-    step. Alone, a trajectory costs the same either way; beside a longer one, each of the n steps
-    reads 2 x 5,000 positions instead of 100 + 5,000, and nothing else changes."""
-    model, gpu = model_named("qwen2.5-3b"), gpu_named("h200-141g")
-    base = SearchConfig(total_gpus=8).rollout
-    short = TrajectorySpec("s", "p", 0, 100, (TurnSpec(64),))
-    long = TrajectorySpec("l", "q", 0, 5000, (TurnSpec(64),))
-
-    def makespan(trace, padded: bool) -> tuple[float, float]:
-        engines = CostModelEngines(model, gpu, (1,), base.model_copy(update={"padded_kv": padded}))
-        kv_s = engines.instance("probe", "tp1", 1, 1, 0.0).kv_s
-        return Window([Group("tp1", 1, 1)], trace, engines).run(LoadBalance(10**6)).makespan_s, kv_s
-
-    assert makespan([short], True)[0] == pytest.approx(makespan([short], False)[0], rel=1e-12)
-    paged, kv_s = makespan([short, long], False)
-    padded, _ = makespan([short, long], True)
-    assert padded - paged == pytest.approx(64 * kv_s * (2 * 5000 - (100 + 5000)), rel=1e-6)

@@ -11,10 +11,7 @@ step, so between two batch changes n steps take exactly
 
     T(n) = n (a + kv C) + kv B n^2 / 2        (continuous n; kv per replica: kv_s / replicas)
 
-and the simulator jumps from event to event instead of stepping tokens. An engine that pads every
-row's KV cache to the batch's longest context (`RolloutEfficiency.padded_kv`: the hf engine) reads
-B x W positions a step, W the longest row's context, which also grows by one a step: the same
-T(n) with C = B W (recomputed when rows join or leave). Prefill (new prompt,
+and the simulator jumps from event to event instead of stepping tokens. Prefill (new prompt,
 tool payload, or the whole context after a move or a preemption) and weight syncs are a stall that
 pauses the whole batch, as a prefill does in an engine without chunked prefill. A step also pays
 the calibrated overheads the roofline lacks (`RolloutEfficiency.step_overhead_s` and
@@ -74,8 +71,6 @@ class CostModelInstance:
     request_s: float = field(init=False, default=0.0)  # a turn's time outside the engine
     fixed: float = field(init=False, default=0.0)  # the step's cost without KV reads, at `seqs`
     fixed_by_seqs: dict = field(init=False, default_factory=dict)  # that cost by running sequences
-    padded: bool = field(init=False, default=False)  # rows read the longest row's context (padded_kv)
-    starts: dict = field(init=False, default_factory=dict)  # padded: each running unit's context - progress
 
     def __post_init__(self) -> None:
         e = self.engine
@@ -86,7 +81,6 @@ class CostModelInstance:
         self.max_seqs = e.eff.max_seqs * self.replicas
         self.prefill_per_token = e.prefill_seconds(1) / self.replicas
         self.request_s = e.eff.request_s
-        self.padded = e.eff.padded_kv
         self.last = self.up_at
 
     def fits(self, unit: Unit) -> bool:
@@ -153,12 +147,8 @@ class CostModelInstance:
             self.context += k * unit.context
             reserved += k * final
             admitted = True
-            if self.padded:
-                self.starts[unit.seq] = unit.context - self.progress
         if admitted:
             self.seqs, self.reserved = seqs, reserved
-            if self.padded:
-                self._pad()
             self._refresh()
 
     def complete(self) -> Unit:
@@ -175,9 +165,6 @@ class CostModelInstance:
             self.reserved -= k * final
         else:
             self.context = self.reserved = 0.0
-        if self.padded:
-            del self.starts[unit.seq]
-            self._pad()
         self._refresh()
         return unit
 
@@ -192,15 +179,10 @@ class CostModelInstance:
         out.extend(self.waiting)
         self.heap, self.waiting = [], deque()
         self.seqs, self.context, self.reserved = 0, 0.0, 0.0
-        self.starts.clear()
         self.alive, self.version = False, self.version + 1
         for unit in out:
             unit.kv_on = ""
         return out
-
-    def _pad(self) -> None:
-        """Padded rows: the context read a step is every running sequence at the longest row's."""
-        self.context = self.seqs * (max(self.starts.values()) + self.progress) if self.starts else 0.0
 
     def _refresh(self) -> None:
         """The step's cost without KV reads at the running sequences (cached: the same call for the

@@ -82,7 +82,6 @@ class Generation:
     versions: list[int] = field(default_factory=list)  # policy version of each id (generate; chat: none)
     batch: float = 0.0  # mean requests in flight on the worker over this one, itself included (the pool's)
     engine_batch: float = 0.0  # the engine's mean batch over the passes that sampled it (0: not reported; vLLM)
-    engine_width: float = 0.0  # the KV positions each row of those passes carried (0: not reported; vLLM pages)
 
 
 class EngineClient:
@@ -322,12 +321,7 @@ def _generation(choice: dict[str, Any], logprobs: list[Any] | None, seconds: flo
                           f"{len(logprobs or [])} log-probs; are return_token_ids/logprobs supported?")
     if any(lp is None for lp in logprobs):
         raise EngineError("worker returned a token without its log-prob")
-    # the hf engine's batch and padded width (vLLM reports neither; anything but a positive number: none)
+    batch = choice.get("decode_batch")  # the hf engine's (vLLM reports none; anything but a positive number: none)
+    engine_batch = float(batch) if isinstance(batch, (int, float)) and math.isfinite(batch) and batch > 0 else 0.0
     return Generation([int(t) for t in token_ids], [float(lp) for lp in logprobs], reason,
-                      seconds, text, engine_batch=_positive(choice.get("decode_batch")),
-                      engine_width=_positive(choice.get("decode_width")))
-
-
-def _positive(value: Any) -> float:
-    """A reported positive, finite number as a float; 0.0 for anything else (not reported)."""
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else 0.0
+                      seconds, text, engine_batch=engine_batch)

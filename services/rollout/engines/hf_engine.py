@@ -84,21 +84,12 @@ class Request:
     token_versions: list[int] = field(default_factory=list)  # the policy version that sampled each generated id
     error: str | None = None  # set when the engine failed the request (the HTTP answer is a 500)
     batch_sum: int = 0  # over its sampled ids, the rows of the pass that sampled each (decode_batch)
-    width_sum: int = 0  # over its sampled ids, the KV positions every row of that pass carried (decode_width)
 
     @property
     def decode_batch(self) -> float:
         """The mean rows of the forward passes that sampled its ids: the batch its tokens were decoded
         in, as the engine ran it (requests held for admission or on their way back not counted)."""
         return self.batch_sum / len(self.generated) if self.generated else 0.0
-
-    @property
-    def decode_width(self) -> float:
-        """The mean KV positions per row of the forward passes that sampled its ids: every row of a
-        pass is left-padded to the batch's longest context (this engine's KV layout, hf_kv.py), so a
-        pass reads rows x width positions whatever each row's own context (vLLM's paged cache reads
-        each row's own)."""
-        return self.width_sum / len(self.generated) if self.generated else 0.0
 
 
 class HFEngine(HFWeightLoads):
@@ -343,10 +334,9 @@ class HFEngine(HFWeightLoads):
 
         rows = self._rows[offset:offset + logits.shape[0]]
         tokens, logprobs = sample_rows(logits, rows, self.logprobs_mode)
-        width, positions = len(rows), int(self._mask.shape[1])
+        width = len(rows)
         for request, token, logprob in zip(rows, tokens, logprobs):
             request.batch_sum += width
-            request.width_sum += positions
             request.generated.append(token)
             request.logprobs.append(logprob)
             request.token_versions.append(self.version)

@@ -85,7 +85,7 @@ def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -
                   "logprobs": {"token_logprobs": done.logprobs, "tokens": [str(t) for t in done.generated]},
                   "finish_reason": done.finish_reason, "stop_reason": done.stop_reason,
                   "weight_versions": version_spans(done.token_versions),
-                  "decode_batch": round(done.decode_batch, 3), "decode_width": round(done.decode_width, 1)}
+                  "decode_batch": round(done.decode_batch, 3)}
         return web.json_response({"object": "text_completion", "model": SERVED_MODEL_NAME, "choices": [choice],
                                   "usage": _usage(done)})
 
@@ -107,7 +107,7 @@ def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -
         choice = {"index": 0, "token_ids": done.generated, "logprobs": {"content": content},
                   "finish_reason": done.finish_reason, "stop_reason": done.stop_reason,
                   "weight_versions": version_spans(done.token_versions),
-                  "decode_batch": round(done.decode_batch, 3), "decode_width": round(done.decode_width, 1)}
+                  "decode_batch": round(done.decode_batch, 3)}
         return web.json_response({"model": SERVED_MODEL_NAME, "choices": [choice], "usage": _usage(done)})
 
     async def chat(http: web.Request) -> web.Response:
@@ -129,7 +129,7 @@ def build_app(engine: HFEngine, tokenizer: Any = None, key: str | None = None) -
                   "logprobs": {"content": content}, "token_ids": done.generated,
                   "finish_reason": done.finish_reason, "stop_reason": done.stop_reason,
                   "weight_versions": version_spans(done.token_versions),
-                  "decode_batch": round(done.decode_batch, 3), "decode_width": round(done.decode_width, 1)}
+                  "decode_batch": round(done.decode_batch, 3)}
         return web.json_response({"object": "chat.completion", "model": SERVED_MODEL_NAME, "choices": [choice],
                                   "usage": _usage(done)})
 
