@@ -63,15 +63,20 @@ def rl_phase(run: Loaded) -> tuple[float, float]:
     return steps[0]["t"] - steps[0]["scalars"]["time/step_s"], steps[-1]["t"]
 
 
-def measured(run: Loaded) -> dict[str, float]:
+def measured(run: Loaded, steady: bool = True) -> dict[str, float]:
+    """The run's figures: the mean step from the end of step 0 (step 0 holds the start-up: the
+    engines' first passes, the first routes), the turns' p50 and p90, and the busy fractions over
+    the same steady state, from the end of step 0 to the end of the last (`steady=False`: over the
+    whole RL phase, step 0 included, as before)."""
     steps = run.record.steps
     ends = [s["t"] for s in steps]
-    start, _ = rl_phase(run)
+    start = ends[0] if steady and len(ends) > 1 else rl_phase(run)[0]
+    trained = steps[1:] if steady and len(ends) > 1 else steps
     span = ends[-1] - start
     lat = [t["seconds"] for t in run.turns]
     return {"step_s": statistics.fmean(b - a for a, b in zip(ends, ends[1:])),
             "turn_p50_s": percentile(lat, 50), "turn_p90_s": percentile(lat, 90),
-            "busy_train": sum(s["scalars"]["time/train_s"] for s in steps) / span,
+            "busy_train": sum(s["scalars"]["time/train_s"] for s in trained) / span,
             "busy_rollout": busy_rollout(run.record.rollout, start, ends[-1])}
 
 

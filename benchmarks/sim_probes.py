@@ -79,10 +79,10 @@ class Timed:
         return units
 
 
-def in_flight_share(intervals: list[tuple[float, float]], span: float) -> float:
-    """The share of [0, span] covered by the intervals: the time a worker had a request in flight,
+def in_flight_share(intervals: list[tuple[float, float]], span: float, start: float = 0.0) -> float:
+    """The share of [start, span] covered by the intervals: the time a worker had a request in flight,
     as the gateway counts it (sent to reply received) and the measured busy fraction samples it."""
-    return sum(busy_periods(intervals, 0.0, span)) / span if span > 0 else 0.0
+    return sum(busy_periods(intervals, start, span)) / (span - start) if span > start else 0.0
 
 
 def busy_periods(intervals: list[tuple[float, float]], start: float, end: float) -> list[float]:

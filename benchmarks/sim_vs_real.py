@@ -27,11 +27,13 @@ Per run, with nothing taken from the run but what the planner could know:
    played as the simulator plays it (colocated: rollout, then training, then the reload). With
    `--draw-seeds N` each run is replayed N times with other draws (SimConfig.draw_seed) and each
    figure is their mean.
-3. Compare, predicted (simulated) against measured, over the RL phase (first step's start to the
-   last step's end): mean step time (steps 2..N: the first includes the workers' start), turn
-   latency p50 / p90 (measured: the rollout gateway's turn seconds, route to reply; simulated: a
-   turn's arrival at its engine to its last token, plus the calibrated time outside the engine),
-   busy fraction per pool (training: training seconds / span, the trainer's overhead outside its
+3. Compare, predicted (simulated) against measured: mean step time (steps 2..N: the first
+   includes the workers' start), turn latency p50 / p90 (measured: the rollout gateway's turn
+   seconds, route to reply; simulated: a turn's arrival at its engine to its last token, plus the
+   calibrated time outside the engine), busy fraction per pool over the same steady state as the
+   step time, from the end of step 0 to the end of the last step (`--whole-rl-phase`: from the
+   first step's start, the start-up in step 0 included, which the simulator does not play and the
+   calibration leaves out) (training: training seconds / span, the trainer's overhead outside its
    timers not counted on either side; rollout: per worker, the fraction of the span it had a
    request in flight, as the gateway counts one (sent to reply received; measured from the
    rollout service's samples of its in-flight requests; simulated: each turn's arrival at its
@@ -162,14 +164,15 @@ class RunBuckets(Simulator):
 
 def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True, moments: bool = True,
            seeds: Sequence[int] = (0,), moment_s: float | None = None,
-           engine_batch: bool = True) -> tuple[dict[str, float], dict]:
+           engine_batch: bool = True, steady: bool = True) -> tuple[dict[str, float], dict]:
     """The run replayed in the calibrated simulator: predicted figures and how it was calibrated
     (`turn_gap=False`: the gap between turns left out, to show what that term changes;
     `moments=False`: every turn's draws its own, the calibrated correlations left out). With several
     draw `seeds` each figure is the mean of the replays, and the notes give its least and greatest
     (`seed_range`); the other notes are the first seed's. `moment_s`: the calibration's
     moment_window_s instead of the run config's. `engine_batch=False`: the turn fit takes each
-    turn's requests in flight on its worker as its batch, as before the engine reported its own."""
+    turn's requests in flight on its worker as its batch, as before the engine reported its own.
+    `steady=False`: the busy fractions over the whole replay, step 0 included (`measured`'s the same)."""
     config, trainer = run.config, run.config.trainer
     model = tiny_model(config)
     steps = len(run.record.steps)
@@ -191,7 +194,7 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True, moments: bool 
     publish = statistics.median(s["scalars"].get("time/publish_s", 0.0) for s in run.record.steps)
     specs = sorted(files.read(run.trace), key=_group_order)
     trace = files.batches(specs, steps + steps // 10 + 2, batch, str(run.trace))  # (read once: every seed plays it)
-    plays = [_play(run, model, search, first, changes, publish, train_overhead, steps, trace, seed)
+    plays = [_play(run, model, search, first, changes, publish, train_overhead, steps, trace, seed, steady)
              for seed in list(seeds) or [0]]
     predicted = {f: statistics.fmean(p[0][f] for p in plays) for f in FIGURES}
     _, simulator, result, engines = plays[0]
@@ -235,8 +238,10 @@ def replay(run: Loaded, how: str = "ewma", turn_gap: bool = True, moments: bool 
 
 
 def _play(run: Loaded, model: ModelSpec, search: SearchConfig, first: Candidate, changes: dict, publish: float,
-          train_overhead: float, steps: int, trace, seed: int) -> tuple:
-    """One replay of the run's `trace` with the draws of `seed`: (figures, simulator, result, engines)."""
+          train_overhead: float, steps: int, trace, seed: int, steady: bool = True) -> tuple:
+    """One replay of the run's `trace` with the draws of `seed`: (figures, simulator, result, engines);
+    the busy fractions over the steady state, from the end of step 0, as `measured` takes them
+    (`steady=False`: from the start)."""
     config, trainer = run.config, run.config.trainer
     colocated = trainer.max_staleness == 0
     sim = SimConfig(draw_seed=seed, staleness=trainer.max_staleness, policy=config.scheduler.policy.type,
@@ -254,11 +259,13 @@ def _play(run: Loaded, model: ModelSpec, search: SearchConfig, first: Candidate,
     result = simulator.run()
     records = result.steps
     span = records[-1].time_s
+    start = records[0].time_s if steady and len(records) > 1 else 0.0
+    trained = records[1:] if steady and len(records) > 1 else records
     lat = engines.latencies
     predicted = {"step_s": statistics.fmean(r.interval_s for r in records[1:]),
                  "turn_p50_s": percentile(lat, 50), "turn_p90_s": percentile(lat, 90),
-                 "busy_train": sum(r.train_s - train_overhead for r in records) / span,
-                 "busy_rollout": statistics.fmean(in_flight_share(e.held, span) for e in engines.engines)}
+                 "busy_train": sum(r.train_s - train_overhead for r in trained) / (span - start),
+                 "busy_rollout": statistics.fmean(in_flight_share(e.held, span, start) for e in engines.engines)}
     return predicted, simulator, result, engines
 
 
@@ -336,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-flight-batch", action="store_true",
                         help="fit the turns at the requests in flight on their worker, not the engine's own batch "
                              "(HistoryRecord.engine_batch; runs recorded before it have only the former)")
+    parser.add_argument("--whole-rl-phase", action="store_true",
+                        help="busy fractions over the whole RL phase, step 0 (the start-up) included, as before; "
+                             "default: from the end of step 0, the window of the step time")
     parser.add_argument("--moment-window-s", type=float, default=None,
                         help="the calibration's moment window (default: the run config's "
                              "planner.replan.calibration.moment_window_s)")
@@ -352,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         run = load(keep, entry)
         predicted, notes = replay(run, how=args.calibration, turn_gap=not args.no_turn_gap,
                                   moments=not args.independent_draws, seeds=range(args.draw_seeds),
-                                  moment_s=args.moment_window_s, engine_batch=not args.in_flight_batch)
-        real = measured(run)
+                                  moment_s=args.moment_window_s, engine_batch=not args.in_flight_batch,
+                                  steady=not args.whole_rl_phase)
+        real = measured(run, steady=not args.whole_rl_phase)
         per_run.append({"run": run.name, "predicted": predicted, "measured": real, **notes})
         print(json.dumps({"run": run.name, **{f: [round(predicted[f], 3), round(real[f], 3)] for f in FIGURES},
                           **notes}), flush=True)

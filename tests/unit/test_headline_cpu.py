@@ -130,6 +130,26 @@ def test_the_rollout_workers_busy_share_comes_from_their_busy_seconds_where_reco
     assert kept_runs.busy_rollout([sample(1.0, 0.0, state="starting"), sample(2.0, 1.0), sample(4.0, 2.0)], 0, 5) == 0.5
 
 
+def test_the_measured_busy_fractions_cover_the_steady_state_of_the_step_time():
+    """Step 0 holds the start-up (the engines' first passes, the first routes), which the step time,
+    the calibration and the simulator all leave out: the busy fractions run from its end too (the
+    whole RL phase on request, as before)."""
+    import types
+
+    import kept_runs
+    steps = [{"t": 2.0, "scalars": {"time/step_s": 2.0, "time/train_s": 0.5}},  # step 0 started at t = 0
+             {"t": 3.0, "scalars": {"time/step_s": 1.0, "time/train_s": 0.25}},
+             {"t": 4.0, "scalars": {"time/step_s": 1.0, "time/train_s": 0.25}}]
+    rollout = [{"t": t, "workers": [{"id": "w0", "state": "serving", "busy_s": busy}]}
+               for t, busy in ((0.0, 0.0), (2.0, 0.5), (4.0, 1.5))]
+    run = types.SimpleNamespace(record=types.SimpleNamespace(steps=steps, rollout=rollout),
+                                turns=[{"seconds": 0.1}, {"seconds": 0.3}])
+    steady, whole = kept_runs.measured(run), kept_runs.measured(run, steady=False)
+    assert steady["step_s"] == whole["step_s"] == 1.0
+    assert steady["busy_train"] == pytest.approx(0.5 / 2.0) and whole["busy_train"] == pytest.approx(1.0 / 4.0)
+    assert steady["busy_rollout"] == pytest.approx(1.0 / 2.0) and whole["busy_rollout"] == pytest.approx(1.5 / 4.0)
+
+
 def test_shared_deviation_tells_a_slow_moment_from_a_slow_trajectory():
     """Turns that run at a slow moment are slow together, whichever trajectory they belong to: the
     correlation between turns of different trajectories starting within 20 ms is high, between

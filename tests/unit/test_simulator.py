@@ -16,6 +16,7 @@ from libra.services.planner.hardware import gpu_named, model_named
 from libra.services.planner.search import SearchConfig, search
 from libra.services.planner.sim import control, run as sim_run
 from libra.services.planner.sim.cluster import SimConfig, Simulator
+from libra.services.planner.sim.colocated import Colocated
 from libra.services.planner.sim.control import PlanChange
 from libra.services.planner.sim.engines import pool
 from libra.services.planner.sim.instance import SimulationError
@@ -184,6 +185,23 @@ def test_the_gap_between_turns_is_charged_before_every_turn():
         spans[gap] = sim_run.run_plan(MODEL, GPU, trace, plan, gapped).steps[0].rollout_s
     assert spans[0.0] > 1.0  # the two tool calls and the decode
     assert spans[2.0] == pytest.approx(spans[0.0] + 3 * 2.0, abs=1e-6), spans
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_a_new_version_lets_batches_out_when_its_publish_ends(colocated):
+    """The trainer submits the batches a new version lets out once the version is published: in the
+    synchronous designs, batch k leaves when step k - 1's weight sync (colocated: the reload in
+    place) ends, not when its training does (a sync of 30 s makes the difference plain)."""
+    trace = small_trace(steps=4)
+    controller = Colocated(MODEL, GPU, CONFIG) if colocated else control.static(MODEL, GPU, CONFIG)
+    sim = SimConfig(policy="load_balance", staleness=0, colocated=colocated, sync_latency_s=30.0)
+    simulator = Simulator(MODEL, GPU, trace, controller, CONFIG, sim)
+    result = simulator.run()
+    released = simulator.feeder.groups.released_s
+    assert released[0] == 0.0
+    for k in range(1, len(result.steps)):
+        trained = result.steps[k - 1].time_s  # step k - 1's training ended here
+        assert 30.0 <= released[k] - trained < 31.0, (k, released[k], trained)
 
 
 def test_a_gateways_cap_on_trajectories_played_at_once_queues_the_rest_in_release_order():

@@ -288,7 +288,7 @@ class Simulator:
                             self.wait_s, self.trace.batch, batch.lengths,
                             float(sum(len(i.waiting) for i in instances)), float(self.in_flight))
         self.records.append(record)
-        self._sync()
+        published = self._sync()
         change = self.controller.after_step(record) if self.version < self.steps else None
         if change is not None:
             ready = now + change.transition_s
@@ -301,12 +301,16 @@ class Simulator:
         self.idle_since = self.trainer_free
         if self.collects:
             gc.collect(1)  # what the step left (the young generations: the old one holds the trace)
-        self._release()
+        if published > now:  # the new version lets batches out once it is published (the trainer submits
+            self.events.push(published, RELEASE, None)  # them then), not while the engines reload it
+        else:
+            self._release()
         self._try_train()
 
-    def _sync(self) -> None:
+    def _sync(self) -> float:
         """New weights to every engine: each stalls for its shard's bytes over the sync bandwidth
-        (colocated: copied in place over NVLink; the trainer waits for the copy)."""
+        (colocated: copied in place over NVLink; the trainer waits for the copy); returns when the
+        trainer's side of it ends (the version is published)."""
         gbps = self.config.sync_gbps or self.gpu.internode_gbps
         now, latency = self.events.now, self.config.sync_latency_s
         reload = self.trainer.reload_seconds if self.config.colocated else None
@@ -320,6 +324,7 @@ class Simulator:
         send = (max(reload(tp, latency) for tp, _ in self.candidate.rollout) if reload else
                 self.model.weight_bytes / layout.tp / layout.pp / (gbps * 1e9) + latency)
         self.trainer_free = max(self.trainer_free, now + send)
+        return now + send
 
     # -- plans -----------------------------------------------------------------------------------
     def _apply(self, candidate: Candidate, ready: float, lengths) -> int:
