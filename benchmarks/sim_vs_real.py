@@ -110,7 +110,9 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma",
     out: they run once a run, while the engines and the gateway start (their first turns waited
     0.4-0.5 s to be routed on the GPU machine's CPUs, and the engines' first passes are slow), and the
     step time compared leaves the first step out too (`replay`); in a whole-run mean they would be
-    charged to every step (a synchronous step waits for its slowest trajectory)."""
+    charged to every step (a synchronous step waits for its slowest trajectory). So is the first
+    step's training: the trainer's first pass (1.4-1.5 s on the GPU machine's 16 cores against
+    0.08 s for the next ones; on 2 cores like the others)."""
     settings = run.config.planner.replan.calibration
     if how == "mean":
         settings = settings.model_copy(update={"alpha": 1e-9, "min_samples": 10_000, "turn_window": 1e9})
@@ -127,7 +129,7 @@ def calibrate(run: Loaded, model: ModelSpec, layout: Layout, how: str = "ewma",
                          worker=turn.get("worker_id", ""), end_s=turn["timestamp"],
                          trajectory=turn.get("trajectory_id", ""))
     overheads = trainer_overheads(run)
-    for step in run.steps:
+    for step in sorted(run.steps, key=lambda s: s["timestamp"])[1:]:  # the first is the start-up's (below)
         lengths = list(zip(step["prompt_lengths"], step["output_lengths"]))
         if lengths and step["train_seconds"] > 0:
             overhead = step.get("overhead_seconds") or overheads.get(int(step["step"]), 0.0)

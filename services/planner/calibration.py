@@ -47,7 +47,7 @@ change nothing. Pure: no clock, no network, no randomness.
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -64,6 +64,7 @@ from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.turnfit import TERMS, ForgettingMean, TurnFit
 
 MIN_EFFICIENCY = 1e-4
+PREFIXES = 65_536  # trajectories whose last worker and context the calibration remembers (`observe_turn`)
 
 
 class CalibrationSettings(Section):
@@ -131,6 +132,9 @@ class Calibration:
         self.turns = Comparison(alpha=self.settings.alpha)
         self.steps = Comparison(alpha=self.settings.alpha)
         self._instances: dict[int, cost_rollout.Instance] = {}
+        # trajectory -> (the worker of its last turn, its context after that turn): a turn on the same
+        # worker prefills only what was added since (the engine's prefix cache), as the simulator charges
+        self.prefixes: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     # -- efficiencies ----------------------------------------------------------------------
     def rollout_efficiency(self) -> RolloutEfficiency:
@@ -174,7 +178,8 @@ class Calibration:
             return self._reject("turn", reason)  # keyed by the reason without its value
         batch = max(1, batch)
         context = prompt + output / 2.0
-        prefill = inst.prefill_seconds(prompt) if prompt else 0.0
+        fresh = self._prefilled(trajectory, worker, prompt, output)
+        prefill = inst.prefill_seconds(fresh) if fresh else 0.0
         comm_step = 2 * self.model.layers * inst.allreduce_seconds(batch)
         memory_step = inst.decode_step_seconds(batch, batch * context) - comm_step - inst.overhead_seconds(batch)
         x = (prefill, output * memory_step, float(output), float(output * batch), 1.0)
@@ -286,6 +291,21 @@ class Calibration:
         self.rejected.update(state.get("rejected", {}))
 
     # -- helpers ---------------------------------------------------------------------------
+    def _prefilled(self, trajectory: str, worker: str, prompt: int, output: int) -> int:
+        """The tokens of a turn's context its engine computes: what was added since the trajectory's
+        previous turn where that turn ran on the same worker (its prefix cache holds the rest; the
+        simulator charges the same), else the whole context (a first turn, a moved one, or a record
+        without its trajectory or worker)."""
+        if not trajectory or not worker:
+            return prompt
+        last = self.prefixes.pop(trajectory, None)
+        self.prefixes[trajectory] = (worker, prompt + output)
+        if len(self.prefixes) > PREFIXES:
+            self.prefixes.popitem(last=False)
+        if last is not None and last[0] == worker and prompt >= last[1]:
+            return prompt - last[1]
+        return prompt
+
     def _instance(self, tp: int) -> cost_rollout.Instance | None:
         if tp not in self._instances:
             try:

@@ -100,6 +100,29 @@ def test_the_turn_fit_recovers_every_term_from_varied_turns():
     assert snap["efficiency"]["request_s"]["calibrated"] == pytest.approx(0.05, rel=0.01)
 
 
+def test_a_turn_on_its_trajectorys_last_worker_is_charged_the_prefill_of_what_was_added():
+    """The engine's prefix cache holds a trajectory's context where its previous turn ran: a later
+    turn there prefills only what was added since (the tool's reply), as the simulator charges it;
+    on another worker, or as a first turn, the whole context. The turns are built so with a
+    prefill 3x slower than the base: fitted on what was prefilled, the slowdown comes back."""
+    inst = cost_rollout.instance(MODEL, GPU, 1, RolloutEfficiency())
+    cal = calibration(prior_turns=1e-6)
+    rng = random.Random(5)
+    for i in range(300):
+        worker, moved = f"w{i % 4}", rng.random() < 0.3
+        prompt, output = rng.choice((200, 2000, 8000)), rng.choice((10, 100, 500))
+        first = (prompt, prompt)  # (context, tokens prefilled)
+        added = rng.choice((50, 300, 3000))
+        later = (prompt + output + added, prompt + output + added if moved else added)
+        for number, (context, prefilled) in enumerate((first, later), start=1):
+            seconds = (3 * inst.prefill_seconds(prefilled) + output * inst.decode_step_seconds(1, context + output / 2)
+                       + 0.01)
+            assert cal.observe_turn(1, context, output, seconds, 1, 0.0, number, worker=f"x{i}" if moved and number == 2
+                                    else worker, trajectory=f"t{i}") is None
+    assert cal.rollout_efficiency().prefill_mfu == pytest.approx(RolloutEfficiency().prefill_mfu / 3, rel=0.02)
+    assert len(cal.prefixes) == 300
+
+
 def test_turns_all_alike_are_predicted_right_and_leave_the_terms_near_their_base():
     """One kind of turn cannot tell the terms apart: the fit reproduces its time, and the prior
     shares the excess out instead of pinning it on one term at random."""
