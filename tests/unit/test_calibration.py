@@ -123,6 +123,47 @@ def test_a_turn_on_its_trajectorys_last_worker_is_charged_the_prefill_of_what_wa
     assert len(cal.prefixes) == 300
 
 
+def test_a_turn_waits_through_the_prefills_of_the_turns_that_joined_its_engine():
+    """An engine's prefill pauses every running row, and the simulator charges it so; a turn's time
+    then holds its own prefill and those of the turns that joined while it ran (as many as left:
+    the replies that came back from its worker meanwhile). Turns built that way, on an engine 3x
+    slower at prefill than the base, give the slowdown back; charged their own prefill alone, the
+    same turns make it several times larger, as the fit did on the GPU machine's 16-core runs."""
+    from libra.services.planner.turnfit import ForgettingMean
+
+    inst = cost_rollout.instance(MODEL, GPU, 1, RolloutEfficiency())
+    rng = random.Random(7)
+
+    def turns():
+        mean, ends, end = ForgettingMean(0.0, 2000.0), [], 0.0
+        for i in range(600):
+            end += rng.uniform(0.002, 0.03)
+            prompt, output = rng.choice((2000, 8000, 30000)), rng.choice((5, 40, 200))
+            own, base = inst.prefill_seconds(prompt), output * inst.decode_step_seconds(1, prompt + output / 2) + 0.01
+            seconds = base + 3 * own
+            for _ in range(20):  # the turns that came back while it ran depend on how long it ran
+                joined = sum(1 for e in ends if end - seconds < e <= end)
+                settled = base + 3 * (own + joined * mean.value())
+                if settled == seconds:
+                    break
+                seconds = settled
+            mean.add(own)
+            ends.append(end)
+            yield prompt, output, seconds, end
+
+    cal = calibration(prior_turns=1e-6)
+    for prompt, output, seconds, end in turns():
+        assert cal.observe_turn(1, prompt, output, seconds, 1, worker="w", end_s=end) is None
+    assert cal.rollout_efficiency().prefill_mfu == pytest.approx(RolloutEfficiency().prefill_mfu / 3, rel=0.03)
+    # the count itself: replies from its worker within the turn, none from before it or elsewhere
+    probe = calibration()
+    for end in (1.0, 1.1, 1.2):
+        probe._joined("w", end, 0.01)
+    probe._joined("v", 1.15, 0.01)
+    assert probe._joined("w", 1.25, 0.2) == 2.0  # 1.1 and 1.2 came back in (1.05, 1.25]
+    assert probe._joined("", 0.0, 0.2) == 0.0  # a record without its worker: its own prefill alone
+
+
 def test_turns_all_alike_are_predicted_right_and_leave_the_terms_near_their_base():
     """One kind of turn cannot tell the terms apart: the fit reproduces its time, and the prior
     shares the excess out instead of pinning it on one term at random."""
