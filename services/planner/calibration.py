@@ -35,11 +35,9 @@ pipeline really took, tool calls, queueing and the previous batch's tail include
 the absolute slowdown that would make the simulated spans match: measured / simulated x the
 pipeline slowdown in force when the simulation ran.
 
-A turn's prefill term is what its engine computes and what pauses it, as the simulator charges a
-prefill (a pause of every running row): its own context's new tokens (what was added since its
-trajectory's previous turn where that turn ran on the same worker, whose prefix cache holds the
-rest; the whole context otherwise), plus the mean prefill of a turn times the turns that joined
-its engine while it ran (as many as left it: the replies that came back from its worker meanwhile).
+A turn's prefill term is what its engine computed and what paused it, as the simulator charges a
+prefill: its own new tokens and the prefills of the turns that joined its engine while it ran
+(`prefills.Prefills`).
 
 pipeline, train and overhead are EWMAs (of slowdowns; of seconds) with a change-point rule
 (`changepoint.Ewma`: a shift held back until it persists, a spike dropped). The turn fit forgets
@@ -53,7 +51,7 @@ change nothing. Pure: no clock, no network, no randomness.
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -66,11 +64,11 @@ from libra.services.planner.cost_rollout import Infeasible, RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
 from libra.services.planner.gaps import GapWindows, Replies
 from libra.services.planner.moments import MomentWindows
+from libra.services.planner.prefills import Prefills
 from libra.services.planner.hardware import GpuSpec, ModelSpec
 from libra.services.planner.turnfit import TERMS, ForgettingMean, TurnFit
 
 MIN_EFFICIENCY = 1e-4
-PREFIXES = 65_536  # trajectories whose last worker and context the calibration remembers (`observe_turn`)
 
 
 class CalibrationSettings(Section):
@@ -132,17 +130,13 @@ class Calibration:
         self.fit = TurnFit((1.0, 1.0, b.step_overhead_s, b.step_per_seq_s, b.request_s), self.settings.turn_window,
                            self.settings.prior_turns)
         self.gap = ForgettingMean(b.turn_gap_s, self.settings.turn_window)
-        self.prefill = ForgettingMean(0.0, self.settings.turn_window)  # a turn's own prefill, nominal seconds
+        self.prefills = Prefills(self.settings.turn_window)
         self.gaps = GapWindows(self.settings.turn_window)
         self.replies = Replies(self.settings.turn_window)
         self.moments = MomentWindows(self.settings.turn_window, self.settings.moment_window_s)
         self.turns = Comparison(alpha=self.settings.alpha)
         self.steps = Comparison(alpha=self.settings.alpha)
         self._instances: dict[int, cost_rollout.Instance] = {}
-        # trajectory -> (the worker of its last turn, its context after that turn): a turn on the same
-        # worker prefills only what was added since (the engine's prefix cache), as the simulator charges
-        self.prefixes: OrderedDict[str, tuple[str, int]] = OrderedDict()
-        self.ends: dict[str, deque] = {}  # worker -> the reply times of its last turns (`_joined`)
 
     # -- efficiencies ----------------------------------------------------------------------
     def rollout_efficiency(self) -> RolloutEfficiency:
@@ -186,12 +180,7 @@ class Calibration:
             return self._reject("turn", reason)  # keyed by the reason without its value
         batch = max(1, batch)
         context = prompt + output / 2.0
-        fresh = self._prefilled(trajectory, worker, prompt, output)
-        own = inst.prefill_seconds(fresh) if fresh else 0.0
-        # an engine's prefill pauses every running row (the simulator charges it so): a turn waits
-        # through its own and those of the turns that joined its engine while it ran
-        prefill = own + self._joined(worker, end_s, seconds) * self.prefill.value()
-        self.prefill.add(own)
+        prefill = self.prefills.charge(inst.prefill_seconds, trajectory, worker, prompt, output, end_s, seconds)
         comm_step = 2 * self.model.layers * inst.allreduce_seconds(batch)
         memory_step = inst.decode_step_seconds(batch, batch * context) - comm_step - inst.overhead_seconds(batch)
         x = (prefill, output * memory_step, float(output), float(output * batch), 1.0)
@@ -280,7 +269,7 @@ class Calibration:
                                for name, e in self.estimators.items()},
                 "turn_fit": self.fit.state(),
                 "turn_gap": self.gap.state(),
-                "turn_prefill": self.prefill.state(),
+                "turn_prefill": self.prefills.state(),
                 "turn_gaps": self.gaps.state(),
                 "replies": self.replies.state(),
                 "moments": self.moments.state(),
@@ -294,7 +283,7 @@ class Calibration:
                 e = self.estimators[name]
                 e.mean, e.var, e.samples, e.resets, e.pending = row[0], row[1], int(row[2]), int(row[3]), list(row[4])
         parts = {"turn_fit": self.fit, "turn_gap": self.gap, "turn_gaps": self.gaps, "replies": self.replies,
-                 "moments": self.moments, "turn_prefill": self.prefill}
+                 "moments": self.moments, "turn_prefill": self.prefills}
         for key in parts.keys() & state.keys():  # (a state from before a part existed lacks it)
             parts[key].restore(state[key])
         for name in ("turns", "steps"):
@@ -304,39 +293,6 @@ class Calibration:
         self.rejected.update(state.get("rejected", {}))
 
     # -- helpers ---------------------------------------------------------------------------
-    def _joined(self, worker: str, end_s: float, seconds: float) -> float:
-        """About how many turns joined the turn's engine while it ran: as many as left it (each turn
-        that ends makes room for one), counted from the replies that came back from its worker
-        during the turn; none without its worker or reply time (records from before they were
-        kept: their own prefill alone, as before)."""
-        if not worker or end_s <= 0:
-            return 0.0
-        ends = self.ends.get(worker)
-        if ends is None:
-            ends = self.ends[worker] = deque(maxlen=1024)
-        start, joined = end_s - seconds, 0
-        for end in reversed(ends):  # (in the order they were recorded: replies come back about in order)
-            if end <= start:
-                break
-            joined += end <= end_s
-        ends.append(end_s)
-        return float(joined)
-
-    def _prefilled(self, trajectory: str, worker: str, prompt: int, output: int) -> int:
-        """The tokens of a turn's context its engine computes: what was added since the trajectory's
-        previous turn where that turn ran on the same worker (its prefix cache holds the rest; the
-        simulator charges the same), else the whole context (a first turn, a moved one, or a record
-        without its trajectory or worker)."""
-        if not trajectory or not worker:
-            return prompt
-        last = self.prefixes.pop(trajectory, None)
-        self.prefixes[trajectory] = (worker, prompt + output)
-        if len(self.prefixes) > PREFIXES:
-            self.prefixes.popitem(last=False)
-        if last is not None and last[0] == worker and prompt >= last[1]:
-            return prompt - last[1]
-        return prompt
-
     def _instance(self, tp: int) -> cost_rollout.Instance | None:
         if tp not in self._instances:
             try:

@@ -15,6 +15,7 @@ from libra.services.planner.cost_rollout import RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
 from libra.services.planner.gaps import GAP_PROBS, draw
 from libra.services.planner.hardware import gpu_named, model_named
+from libra.services.planner.prefills import Prefills
 
 MODEL, GPU = model_named("qwen3-4b"), gpu_named("h200-141g")
 
@@ -120,7 +121,7 @@ def test_a_turn_on_its_trajectorys_last_worker_is_charged_the_prefill_of_what_wa
             assert cal.observe_turn(1, context, output, seconds, 1, 0.0, number, worker=f"x{i}" if moved and number == 2
                                     else worker, trajectory=f"t{i}") is None
     assert cal.rollout_efficiency().prefill_mfu == pytest.approx(RolloutEfficiency().prefill_mfu / 3, rel=0.02)
-    assert len(cal.prefixes) == 300
+    assert len(cal.prefills.prefixes) == 300
 
 
 def test_a_turn_waits_through_the_prefills_of_the_turns_that_joined_its_engine():
@@ -156,12 +157,12 @@ def test_a_turn_waits_through_the_prefills_of_the_turns_that_joined_its_engine()
         assert cal.observe_turn(1, prompt, output, seconds, 1, worker="w", end_s=end) is None
     assert cal.rollout_efficiency().prefill_mfu == pytest.approx(RolloutEfficiency().prefill_mfu / 3, rel=0.03)
     # the count itself: replies from its worker within the turn, none from before it or elsewhere
-    probe = calibration()
+    probe = Prefills(2000.0)
     for end in (1.0, 1.1, 1.2):
-        probe._joined("w", end, 0.01)
-    probe._joined("v", 1.15, 0.01)
-    assert probe._joined("w", 1.25, 0.2) == 2.0  # 1.1 and 1.2 came back in (1.05, 1.25]
-    assert probe._joined("", 0.0, 0.2) == 0.0  # a record without its worker: its own prefill alone
+        probe.joined("w", end, 0.01)
+    probe.joined("v", 1.15, 0.01)
+    assert probe.joined("w", 1.25, 0.2) == 2.0  # 1.1 and 1.2 came back in (1.05, 1.25]
+    assert probe.joined("", 0.0, 0.2) == 0.0  # a record without its worker: its own prefill alone
 
 
 def test_turns_all_alike_are_predicted_right_and_leave_the_terms_near_their_base():
