@@ -15,6 +15,7 @@ from libra.services.planner import cost_rollout
 from libra.services.planner.calibration import Calibration
 from libra.services.planner.gaps import GapSampler
 from libra.services.planner.hardware import GpuSpec, ModelSpec
+from libra.services.planner.prefills import Prefills
 from libra.services.planner.sim.engines import CostModelEngines
 from libra.traces import files
 
@@ -196,17 +197,28 @@ def gap_percentiles(run: Loaded) -> dict[str, list[float]]:
 def fitted_turns(run: Loaded, cal: Calibration, model: ModelSpec, engine_batch: bool = True) -> list[float]:
     """Each measured turn's seconds as the calibrated turn model predicts them at the turn's own
     measured batch (the engine's, where it reported one and `engine_batch`; else the requests in
-    flight on its worker): the model alone, without the simulator's dynamics (which set the batch there)."""
+    flight on its worker) and with the prefills that paused it as the calibration counts them
+    (`prefills.Prefills`, from the records before it): the model alone, without the simulator's
+    dynamics (which set the batch there)."""
     engine = cost_rollout.instance(model, CPU_CORE, 1, cal.rollout_efficiency())
-    return [turn_seconds(engine, t["prompt_tokens"], t["output_tokens"],
-                         (t.get("engine_batch", 0.0) if engine_batch else 0.0) or t["batch"]) for t in run.turns]
+    prefills = Prefills(cal.settings.turn_window)
+    out = []
+    for t in run.turns:
+        paused = prefills.charge(engine.prefill_seconds, t.get("trajectory_id", ""), t.get("worker_id", ""),
+                                 t["prompt_tokens"], t["output_tokens"], t["timestamp"], t["seconds"])
+        out.append(turn_seconds(engine, t["prompt_tokens"], t["output_tokens"],
+                                (t.get("engine_batch", 0.0) if engine_batch else 0.0) or t["batch"], paused))
+    return out
 
 
-def turn_seconds(engine, prompt: float, output: float, batch: float) -> float:
-    """The calibrated turn model's seconds for one turn at a given mean batch (one cost-model engine)."""
+def turn_seconds(engine, prompt: float, output: float, batch: float, prefill_s: float | None = None) -> float:
+    """The calibrated turn model's seconds for one turn at a given mean batch (one cost-model engine),
+    its prefill `prefill_s` where given (else its whole context's)."""
     batch = max(1.0, batch)
     step = engine.decode_step_seconds(batch, batch * (prompt + output / 2.0))
-    return (engine.prefill_seconds(prompt) if prompt else 0.0) + output * step + engine.eff.request_s
+    if prefill_s is None:
+        prefill_s = engine.prefill_seconds(prompt) if prompt else 0.0
+    return prefill_s + output * step + engine.eff.request_s
 
 
 def per_token(turns: list[dict], engine) -> dict[str, list[float]]:
