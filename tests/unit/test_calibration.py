@@ -152,10 +152,13 @@ def test_a_turn_waits_through_the_prefills_of_the_turns_that_joined_its_engine()
             ends.append(end)
             yield prompt, output, seconds, end
 
-    cal = calibration(prior_turns=1e-6)
-    for prompt, output, seconds, end in turns():
+    built = list(turns())
+    cal, alone = calibration(prior_turns=1e-6), calibration(prior_turns=1e-6)
+    for prompt, output, seconds, end in built:
         assert cal.observe_turn(1, prompt, output, seconds, 1, worker="w", end_s=end) is None
+        assert alone.observe_turn(1, prompt, output, seconds, 1) is None  # no worker: its own prefill alone
     assert cal.rollout_efficiency().prefill_mfu == pytest.approx(RolloutEfficiency().prefill_mfu / 3, rel=0.03)
+    assert alone.rollout_efficiency().prefill_mfu < RolloutEfficiency().prefill_mfu / 4.5
     # the count itself: replies from its worker within the turn, none from before it or elsewhere
     probe = Prefills(2000.0)
     for end in (1.0, 1.1, 1.2):
