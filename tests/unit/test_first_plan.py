@@ -114,3 +114,22 @@ def test_the_choice_reports_its_progress_a_line_per_replay():
     assert len(replays) == len(chosen.ranked) and replays[0].startswith(f"  replay 1/{len(chosen.ranked)}:")
     assert {line.rsplit("per step  ", 1)[1] for line in replays} == {c.describe() for c, _ in chosen.ranked}
     assert lines[-1].startswith(f"first plan: {chosen.chosen.describe()} ({chosen.ranked[0][1]:.1f}s per step; ")
+
+
+def test_a_tie_in_pace_goes_to_the_plan_whose_rollout_finishes_its_batches_soonest():
+    """Replays within `TIE` of the fastest per step tie (a training-bound pipeline steps at the
+    trainer's pace whatever the fleet); among them the shortest mean rollout span after the warm-up
+    comes first, then the search's order; the others follow by pace. A plan no replay could run
+    (infinite) stays last, and with nothing finite the order is the search's."""
+    from libra.services.planner.evaluate import Played
+    from libra.services.planner.sim.rank import TIE, ranking
+
+    def played(per_step: float, span: float, warm: int = 1) -> Played:
+        ends = tuple(per_step * k for k in range(5))
+        return Played(ends, (999.0,) * (warm + 1) + (span,) * (4 - warm), warm)  # the warm-up's spans not counted
+
+    replays = [played(100.0, 80.0), played(100.0 * (1 + TIE / 2), 60.0), played(100.0, 70.0),
+               played(100.0 * (1 + 2 * TIE), 10.0), played(math.inf, 1.0)]
+    assert ranking(replays) == [1, 2, 0, 3, 4]
+    assert ranking([played(100.0, 80.0), played(100.0, 80.0)]) == [0, 1]  # a full tie: the search's order
+    assert ranking([played(math.inf, 5.0), played(math.inf, 1.0)]) == [0, 1]

@@ -128,7 +128,8 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
     other training data-parallel degrees, ¼× to 4× (`split_neighbours`: the search's shortlist often
     holds a single split). Each is played on the simulator over a window of that batch repeated, at
     `config`'s efficiencies (the uncalibrated defaults a run starts with); the fastest per step in
-    the pipeline, once filled, is chosen (ties: the search's order). The closed form ranks one
+    the pipeline, once filled, is chosen (`ranking`: plans within `TIE` of the fastest tie, and a
+    tie goes to the plan whose rollout finishes its batches soonest, then the search's order). The closed form ranks one
     synchronous step and knows every length in advance, so its own best is often not the fastest
     asynchronous plan (docs/benchmarks.md, the headline).
 
@@ -164,9 +165,8 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
                     f"{play.plan.describe()}")
     finally:
         ranker.close()
-    played = sorted(((replay.per_step_s, index, candidate)
-                     for index, (replay, candidate) in enumerate(zip(replays, candidates))), key=lambda row: row[:2])
-    ranked = tuple((candidate, per_step) for per_step, _, candidate in played)
+    order = ranking(replays)
+    ranked = tuple((candidates[index], replays[index].per_step_s) for index in order)
     chosen, per_step = ranked[0]
     if not math.isfinite(per_step):
         raise InvalidArgument(f"no candidate plan can run the first batch on the simulator "
@@ -179,9 +179,36 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
         reason = (f"the fastest of {len(ranked)} plans simulated on the batch: {per_step:.1f}s per step "
                   f"against {searched_s:.1f}s for the closed form's best ({result.best.describe()}): "
                   f"{chosen.describe()}")
+    tied = [index for index in order if replays[index].per_step_s <= per_step * (1 + TIE)]
+    if len(tied) > 1:
+        reason += (f" (tied with {len(tied) - 1} other(s) within {TIE:.1%} per step; its rollout finishes a batch "
+                   f"soonest: {_span(replays[order[0]]):.1f}s against {_span(replays[tied[1]]):.1f}s)")
     say(f"first plan: {chosen.describe()} ({per_step:.1f}s per step; "
         f"{time.process_time() - started + ranker.worker_cpu_s:.1f} CPU-s to choose)")
     return FirstPlan(chosen, result.best, ranked, reason, ranker.worker_cpu_s, ranker.workers)
+
+
+TIE = 1e-3  # replays within this share of the fastest per step tie (e.g. training-bound: the trainer sets the pace)
+
+
+def ranking(replays: Sequence[Played]) -> list[int]:
+    """The replays' indices, fastest per step first. Those within `TIE` of the fastest are a tie the
+    pace cannot settle (a training-bound pipeline steps at the trainer's pace whatever the fleet):
+    among them the plan whose rollout finishes a batch soonest comes first, since its slack absorbs
+    the growth of lengths a run's first batch does not show (docs/benchmarks.md, the headline's
+    first plan); then the given order (the search's)."""
+    order = sorted(range(len(replays)), key=lambda index: (replays[index].per_step_s, index))
+    if not order or not math.isfinite(fastest := replays[order[0]].per_step_s):
+        return order
+    tied = [index for index in order if replays[index].per_step_s <= fastest * (1 + TIE)]
+    tied.sort(key=lambda index: (_span(replays[index]), index))
+    return tied + order[len(tied):]
+
+
+def _span(replay: Played) -> float:
+    """The mean rollout span of the batches a replay measured (after its warm-up)."""
+    spans = replay.rollout_spans[replay.warm + 1:] or replay.rollout_spans
+    return sum(spans) / len(spans) if spans else math.inf
 
 
 def _cohorts(lengths: list[tuple[int, int]], step: int, max_units: int) -> list[TrajectorySpec]:
