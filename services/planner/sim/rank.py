@@ -129,9 +129,9 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
     holds a single split). Each is played on the simulator over a window of that batch repeated, at
     `config`'s efficiencies (the uncalibrated defaults a run starts with); the fastest per step in
     the pipeline, once filled, is chosen (`ranking`: plans within `TIE` of the fastest tie, and a
-    tie goes to the plan whose rollout finishes its batches soonest, then the search's order). The closed form ranks one
-    synchronous step and knows every length in advance, so its own best is often not the fastest
-    asynchronous plan (docs/benchmarks.md, the headline).
+    tie goes to the plan whose rollout finishes its batches soonest, then the search's order). The
+    closed form ranks one synchronous step and knows every length in advance, so its own best is
+    often not the fastest asynchronous plan (docs/benchmarks.md, the headline).
 
     `notes`, if given, is told what is being done as it goes (a line per replay when they are
     played here, one after the other): at cluster scale the choice takes a minute of CPU."""
@@ -179,7 +179,8 @@ def first_plan(model: ModelSpec, gpu: GpuSpec, config: SearchConfig, sim: SimCon
         reason = (f"the fastest of {len(ranked)} plans simulated on the batch: {per_step:.1f}s per step "
                   f"against {searched_s:.1f}s for the closed form's best ({result.best.describe()}): "
                   f"{chosen.describe()}")
-    tied = [index for index in order if replays[index].per_step_s <= per_step * (1 + TIE)]
+    fastest = min(replays[index].per_step_s for index in order)
+    tied = [index for index in order if replays[index].per_step_s <= fastest * (1 + TIE)]
     if len(tied) > 1:
         reason += (f" (tied with {len(tied) - 1} other(s) within {TIE:.1%} per step; its rollout finishes a batch "
                    f"soonest: {_span(replays[order[0]]):.1f}s against {_span(replays[tied[1]]):.1f}s)")
