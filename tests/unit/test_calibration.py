@@ -1,4 +1,5 @@
-"""Calibration: EWMA convergence, change-point reset, efficiencies from measured times, bad samples."""
+"""Calibration: efficiencies from measured times, bad samples, state (the change-point EWMA: test_changepoint.py;
+the prefill a turn waited through: test_prefills.py)."""
 
 from __future__ import annotations
 
@@ -10,59 +11,16 @@ import pytest
 
 from libra.services.planner import cost_rollout
 from libra.services.planner.calibration import Calibration, CalibrationSettings, predicted_times
-from libra.services.planner.changepoint import Ewma
 from libra.services.planner.cost_rollout import RolloutEfficiency
 from libra.services.planner.cost_train import Layout, TrainEfficiency
 from libra.services.planner.gaps import GAP_PROBS, draw
 from libra.services.planner.hardware import gpu_named, model_named
-from libra.services.planner.prefills import Prefills
 
 MODEL, GPU = model_named("qwen3-4b"), gpu_named("h200-141g")
 
 
 def calibration(**settings) -> Calibration:
     return Calibration(MODEL, GPU, RolloutEfficiency(), TrainEfficiency(), CalibrationSettings(**settings))
-
-
-def test_ewma_converges_to_the_mean_of_noisy_samples():
-    rng = random.Random(0)
-    ewma = Ewma(CalibrationSettings(alpha=0.1))
-    for _ in range(300):
-        assert ewma.update(2.0 + rng.gauss(0, 0.05)) == "folded"
-    assert ewma.value() == pytest.approx(2.0, rel=0.03)
-    assert 0.01 < ewma.std < 0.1 and ewma.resets == 0
-
-
-def test_first_samples_are_averaged_plainly():
-    ewma = Ewma(CalibrationSettings(alpha=0.1))
-    for x in (1.0, 2.0, 3.0):
-        ewma.update(x)
-    assert ewma.value() == pytest.approx(2.0)  # alpha = max(alpha, 1/n), not biased towards the first
-
-
-def test_change_point_resets_after_a_sustained_shift_but_not_after_a_spike():
-    rng = random.Random(1)
-    ewma = Ewma(CalibrationSettings(alpha=0.05, reset_sigmas=3, reset_after=3, min_samples=5))
-    for _ in range(50):
-        ewma.update(1.0 + rng.gauss(0, 0.02))
-    assert ewma.update(5.0) == "held"  # one spike is held back...
-    assert ewma.update(1.0) == "folded"  # ...and dropped when the series returns
-    assert ewma.resets == 0 and ewma.value() == pytest.approx(1.0, abs=0.05)
-    outcomes = [ewma.update(3.0 + rng.gauss(0, 0.02)) for _ in range(3)]
-    assert outcomes == ["held", "held", "reset"]
-    assert ewma.resets == 1 and ewma.value() == pytest.approx(3.0, abs=0.05)
-    # a plain EWMA at alpha 0.05 would still sit near 1.3 after three samples of 3.0
-    for _ in range(10):
-        assert ewma.update(3.0 + rng.gauss(0, 0.02)) == "folded"
-    assert ewma.value() == pytest.approx(3.0, abs=0.05)
-
-
-def test_alternating_outliers_do_not_reset():
-    ewma = Ewma(CalibrationSettings(reset_after=2, min_samples=3))
-    for _ in range(10):
-        ewma.update(1.0)
-    assert [ewma.update(x) for x in (3.0, 0.1, 3.0)] == ["held", "held", "held"]  # sides differ: no run
-    assert ewma.resets == 0
 
 
 TRUTH = RolloutEfficiency(prefill_mfu=0.5 / 1.5, decode_bw=0.7 / 2.0, step_overhead_s=0.004, step_per_seq_s=0.0002,
@@ -99,73 +57,6 @@ def test_the_turn_fit_recovers_every_term_from_varied_turns():
     snap = cal.snapshot()
     assert snap["turn_time"]["samples"] == 400 and snap["turn_fit"]["samples"] == 400
     assert snap["efficiency"]["request_s"]["calibrated"] == pytest.approx(0.05, rel=0.01)
-
-
-def test_a_turn_on_its_trajectorys_last_worker_is_charged_the_prefill_of_what_was_added():
-    """The engine's prefix cache holds a trajectory's context where its previous turn ran: a later
-    turn there prefills only what was added since (the tool's reply), as the simulator charges it;
-    on another worker, or as a first turn, the whole context. The turns are built so with a
-    prefill 3x slower than the base: fitted on what was prefilled, the slowdown comes back."""
-    inst = cost_rollout.instance(MODEL, GPU, 1, RolloutEfficiency())
-    cal = calibration(prior_turns=1e-6)
-    rng = random.Random(5)
-    for i in range(300):
-        worker, moved = f"w{i % 4}", rng.random() < 0.3
-        prompt, output = rng.choice((200, 2000, 8000)), rng.choice((10, 100, 500))
-        first = (prompt, prompt)  # (context, tokens prefilled)
-        added = rng.choice((50, 300, 3000))
-        later = (prompt + output + added, prompt + output + added if moved else added)
-        for number, (context, prefilled) in enumerate((first, later), start=1):
-            seconds = (3 * inst.prefill_seconds(prefilled) + output * inst.decode_step_seconds(1, context + output / 2)
-                       + 0.01)
-            assert cal.observe_turn(1, context, output, seconds, 1, 0.0, number, worker=f"x{i}" if moved and number == 2
-                                    else worker, trajectory=f"t{i}") is None
-    assert cal.rollout_efficiency().prefill_mfu == pytest.approx(RolloutEfficiency().prefill_mfu / 3, rel=0.02)
-    assert len(cal.prefills.prefixes) == 300
-
-
-def test_a_turn_waits_through_the_prefills_of_the_turns_that_joined_its_engine():
-    """An engine's prefill pauses every running row, and the simulator charges it so; a turn's time
-    then holds its own prefill and those of the turns that joined while it ran (as many as left:
-    the replies that came back from its worker meanwhile). Turns built that way, on an engine 3x
-    slower at prefill than the base, give the slowdown back; charged their own prefill alone, the
-    same turns make it several times larger, as the fit did on the GPU machine's 16-core runs."""
-    from libra.services.planner.turnfit import ForgettingMean
-
-    inst = cost_rollout.instance(MODEL, GPU, 1, RolloutEfficiency())
-    rng = random.Random(7)
-
-    def turns():
-        mean, ends, end = ForgettingMean(0.0, 2000.0), [], 0.0
-        for i in range(600):
-            end += rng.uniform(0.002, 0.03)
-            prompt, output = rng.choice((2000, 8000, 30000)), rng.choice((5, 40, 200))
-            own, base = inst.prefill_seconds(prompt), output * inst.decode_step_seconds(1, prompt + output / 2) + 0.01
-            seconds = base + 3 * own
-            for _ in range(20):  # the turns that came back while it ran depend on how long it ran
-                joined = sum(1 for e in ends if end - seconds < e <= end)
-                settled = base + 3 * (own + joined * mean.value())
-                if settled == seconds:
-                    break
-                seconds = settled
-            mean.add(own)
-            ends.append(end)
-            yield prompt, output, seconds, end
-
-    built = list(turns())
-    cal, alone = calibration(prior_turns=1e-6), calibration(prior_turns=1e-6)
-    for prompt, output, seconds, end in built:
-        assert cal.observe_turn(1, prompt, output, seconds, 1, worker="w", end_s=end) is None
-        assert alone.observe_turn(1, prompt, output, seconds, 1) is None  # no worker: its own prefill alone
-    assert cal.rollout_efficiency().prefill_mfu == pytest.approx(RolloutEfficiency().prefill_mfu / 3, rel=0.03)
-    assert alone.rollout_efficiency().prefill_mfu < RolloutEfficiency().prefill_mfu / 4.5
-    # the count itself: replies from its worker within the turn, none from before it or elsewhere
-    probe = Prefills(2000.0)
-    for end in (1.0, 1.1, 1.2):
-        probe.joined("w", end, 0.01)
-    probe.joined("v", 1.15, 0.01)
-    assert probe.joined("w", 1.25, 0.2) == 2.0  # 1.1 and 1.2 came back in (1.05, 1.25]
-    assert probe.joined("", 0.0, 0.2) == 0.0  # a record without its worker: its own prefill alone
 
 
 def test_turns_all_alike_are_predicted_right_and_leave_the_terms_near_their_base():
